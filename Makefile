@@ -1,0 +1,56 @@
+# kvoffload: `make help` lists the targets.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP_DEPS := $(VENV)/.deps-installed
+STAMP_BUILD := $(VENV)/.ext-built
+RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
+
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP_DEPS): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0" "maturin>=1.9.4,<2" "pytest>=8" "hypothesis>=6.100" \
+		"pytest-benchmark>=4" "ruff>=0.6" "mypy>=1.11" "numpy>=1.24"
+	touch $@
+
+install: $(STAMP_DEPS) ## create .venv and install the dependencies (torch included)
+
+$(STAMP_BUILD): $(STAMP_DEPS) $(RUST_SRC)
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release -q
+	touch $@
+
+build: $(STAMP_BUILD) ## build the Rust extension (release) into .venv
+
+lint: build ## rustfmt, clippy (pedantic), ruff, ruff format, stubtest
+	cargo fmt --check
+	cargo clippy --all-targets --all-features -- -D warnings
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m mypy.stubtest kvoffload._core
+
+fmt: $(STAMP_DEPS) ## format Rust and Python sources
+	cargo fmt
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: build ## cargo test + pytest
+	cargo test -q
+	$(PY) -m pytest -q
+
+bench: build ## criterion benches and pytest-benchmark benches
+	cargo bench
+	$(PY) -m pytest -q benches --benchmark-enable -p no:cacheprovider
+
+demo: build ## run the simulated engine end to end
+	$(VENV)/bin/kvoffload simulate
+
+clean: ## remove build output
+	cargo clean
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+
+.PHONY: help install build lint fmt test bench demo clean

@@ -1,0 +1,61 @@
+//! The one error type of the core. Every message names the ids or values involved, so a caller
+//! can tell what to fix without a debugger. Every fallible operation checks its input before it
+//! changes anything: an `Err` means state is unchanged.
+
+use crate::ids::{BlockId, JobId, OwnerId};
+
+/// Convenience alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the core.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// A configuration value is out of range or inconsistent.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// A job id that was never issued by this tracker.
+    #[error("unknown job {0}: no job with this id was ever created")]
+    UnknownJob(JobId),
+
+    /// A completion for a job that already completed.
+    #[error("job {0} already completed: duplicate completion rejected")]
+    JobAlreadyCompleted(JobId),
+
+    /// A completion that reports more workers than are still pending.
+    #[error("job {job} over-completed: {reported} worker reports but only {remaining} pending")]
+    OverCompleted {
+        /// The job.
+        job: JobId,
+        /// Reports in this call.
+        reported: u32,
+        /// Reports still expected before this call.
+        remaining: u32,
+    },
+
+    /// A completion count of zero.
+    #[error("job {0}: completion count must be at least 1")]
+    ZeroCompletion(JobId),
+
+    /// A block id outside the engine's block range.
+    #[error("invalid block id {block}: the engine has {num_blocks} blocks")]
+    BlockOutOfRange {
+        /// The offending block.
+        block: BlockId,
+        /// Number of blocks the tracker was configured with.
+        num_blocks: u32,
+    },
+
+    /// A request that would hold a load and stores (or two loads) at once.
+    #[error("request {owner}: {reason}")]
+    OwnerBusy {
+        /// The request.
+        owner: OwnerId,
+        /// Why the job was refused.
+        reason: &'static str,
+    },
+
+    /// A job with no blocks.
+    #[error("request {0}: a job needs at least one block")]
+    EmptyJob(OwnerId),
+}

@@ -1,0 +1,311 @@
+//! The job table: every asynchronous transfer in flight, with per-worker completion counting.
+//!
+//! Job ids are monotonic, so the table is a ring (`VecDeque`) indexed by `id - base`: creation
+//! pushes at the back, completion clears a slot and pops finished slots from the front. Jobs
+//! complete roughly in creation order, so the ring stays short. A job is done when all
+//! `num_workers` workers reported it. Ids below the last reset's floor are *late*: their
+//! completions are ignored and counted. A completion for a job that already completed, for an
+//! id never issued, or one that over-reports is an error and changes nothing.
+//!
+//! The table also enforces the per-request rule of DESIGN.md §4, invariant 7: a request has one
+//! pending load or any number of pending stores, never both.
+
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, JobId, OwnerId};
+
+/// Direction of a transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum JobKind {
+    /// GPU -> CPU: reads its blocks.
+    Store,
+    /// CPU -> GPU: writes its blocks.
+    Load,
+}
+
+/// One pending transfer.
+#[derive(Debug, Clone)]
+pub struct Job<P> {
+    /// Its id.
+    pub id: JobId,
+    /// Store or load.
+    pub kind: JobKind,
+    /// The request it belongs to.
+    pub owner: OwnerId,
+    /// GPU blocks of the *eager* class (armed in the fence from creation).
+    pub eager: Vec<BlockId>,
+    /// GPU blocks of the *deferred* class (armed once the owner releases its blocks).
+    pub deferred: Vec<BlockId>,
+    /// Whether the deferred blocks are armed.
+    pub deferred_armed: bool,
+    /// Whether any worker reported a failure.
+    pub failed: bool,
+    /// Worker reports still expected.
+    pub remaining: u32,
+    /// Caller data carried with the job (keys, slots, ...).
+    pub payload: P,
+}
+
+/// Pending jobs of one request.
+#[derive(Debug, Default, Clone)]
+pub struct OwnerJobs {
+    /// Pending store jobs.
+    pub stores: u32,
+    /// Pending load jobs (0 or 1).
+    pub loads: u32,
+    /// Ids of all pending jobs, in creation order.
+    pub jobs: Vec<JobId>,
+}
+
+/// Result of one completion report.
+#[derive(Debug)]
+pub enum Completion<P> {
+    /// More workers must still report.
+    Pending {
+        /// Reports still expected.
+        remaining: u32,
+    },
+    /// The last worker reported: the job left the table.
+    Done(Job<P>),
+    /// The job was created before the last reset: the report is ignored (and counted).
+    Late,
+}
+
+/// Counters of the job table.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct JobStats {
+    /// Store jobs created.
+    pub stores_created: u64,
+    /// Load jobs created.
+    pub loads_created: u64,
+    /// Jobs that completed (all workers reported).
+    pub completed: u64,
+    /// Completed jobs with at least one failed report.
+    pub failed: u64,
+    /// Reports for jobs from before a reset, ignored.
+    pub late_reports: u64,
+    /// Resets.
+    pub resets: u64,
+}
+
+/// The table of pending jobs.
+#[derive(Debug)]
+pub struct JobTable<P> {
+    num_workers: u32,
+    next: u64,
+    floor: u64,
+    base: u64,
+    ring: VecDeque<Option<Job<P>>>,
+    live: usize,
+    owners: FxHashMap<OwnerId, OwnerJobs>,
+    stats: JobStats,
+}
+
+impl<P> JobTable<P> {
+    /// An empty table whose jobs complete after `num_workers` reports each.
+    pub fn new(num_workers: u32) -> Result<Self> {
+        if num_workers == 0 {
+            return Err(Error::Config("num_workers must be at least 1, got 0".into()));
+        }
+        Ok(Self {
+            num_workers,
+            next: 0,
+            floor: 0,
+            base: 0,
+            ring: VecDeque::new(),
+            live: 0,
+            owners: FxHashMap::default(),
+            stats: JobStats::default(),
+        })
+    }
+
+    /// Workers that must report each job.
+    pub fn num_workers(&self) -> u32 {
+        self.num_workers
+    }
+
+    /// Checks that `owner` may get a job of `kind` (invariant 7).
+    pub fn check_owner(&self, owner: OwnerId, kind: JobKind) -> Result<()> {
+        let Some(o) = self.owners.get(&owner) else {
+            return Ok(());
+        };
+        match kind {
+            JobKind::Load if o.loads > 0 => Err(Error::OwnerBusy {
+                owner,
+                reason: "already has a pending load",
+            }),
+            JobKind::Load if o.stores > 0 => Err(Error::OwnerBusy {
+                owner,
+                reason: "has pending stores; a load must wait until they complete",
+            }),
+            JobKind::Store if o.loads > 0 => Err(Error::OwnerBusy {
+                owner,
+                reason: "has a pending load; stores must wait until it completes",
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Adds a job. The caller has validated blocks and called [`JobTable::check_owner`].
+    pub fn insert(
+        &mut self,
+        kind: JobKind,
+        owner: OwnerId,
+        eager: Vec<BlockId>,
+        deferred: Vec<BlockId>,
+        deferred_armed: bool,
+        payload: P,
+    ) -> JobId {
+        let id = JobId(self.next);
+        self.next += 1;
+        let o = self.owners.entry(owner).or_default();
+        match kind {
+            JobKind::Store => {
+                o.stores += 1;
+                self.stats.stores_created += 1;
+            }
+            JobKind::Load => {
+                o.loads += 1;
+                self.stats.loads_created += 1;
+            }
+        }
+        o.jobs.push(id);
+        if self.ring.is_empty() {
+            self.base = id.0;
+        }
+        self.ring.push_back(Some(Job {
+            id,
+            kind,
+            owner,
+            eager,
+            deferred,
+            deferred_armed,
+            failed: false,
+            remaining: self.num_workers,
+            payload,
+        }));
+        self.live += 1;
+        id
+    }
+
+    /// The pending job `id`, if any.
+    pub fn get(&self, id: JobId) -> Option<&Job<P>> {
+        let i = id.0.checked_sub(self.base)?;
+        self.ring.get(usize::try_from(i).ok()?)?.as_ref()
+    }
+
+    /// The pending job `id`, mutably.
+    pub fn get_mut(&mut self, id: JobId) -> Option<&mut Job<P>> {
+        let i = id.0.checked_sub(self.base)?;
+        self.ring.get_mut(usize::try_from(i).ok()?)?.as_mut()
+    }
+
+    /// Validates a report of `count` workers for `id` without changing anything.
+    pub fn validate(&self, id: JobId, count: u32) -> Result<bool> {
+        if id.0 < self.floor {
+            return Ok(false);
+        }
+        if id.0 >= self.next {
+            return Err(Error::UnknownJob(id));
+        }
+        let job = self.get(id).ok_or(Error::JobAlreadyCompleted(id))?;
+        if count == 0 {
+            return Err(Error::ZeroCompletion(id));
+        }
+        if count > job.remaining {
+            return Err(Error::OverCompleted {
+                job: id,
+                reported: count,
+                remaining: job.remaining,
+            });
+        }
+        Ok(true)
+    }
+
+    /// Records `count` worker reports for `id`; `ok == false` marks the job failed.
+    pub fn complete(&mut self, id: JobId, count: u32, ok: bool) -> Result<Completion<P>> {
+        if !self.validate(id, count)? {
+            self.stats.late_reports += 1;
+            return Ok(Completion::Late);
+        }
+        let idx = (id.0 - self.base) as usize;
+        let job = self.ring[idx].as_mut().expect("validated");
+        job.remaining -= count;
+        job.failed |= !ok;
+        if job.remaining > 0 {
+            return Ok(Completion::Pending {
+                remaining: job.remaining,
+            });
+        }
+        let job = self.ring[idx].take().expect("validated");
+        self.live -= 1;
+        while matches!(self.ring.front(), Some(None)) {
+            self.ring.pop_front();
+            self.base += 1;
+        }
+        self.stats.completed += 1;
+        self.stats.failed += u64::from(job.failed);
+        let o = self.owners.get_mut(&job.owner).expect("owner of a pending job");
+        match job.kind {
+            JobKind::Store => o.stores -= 1,
+            JobKind::Load => o.loads -= 1,
+        }
+        if let Some(i) = o.jobs.iter().position(|j| *j == id) {
+            o.jobs.remove(i);
+        }
+        if o.jobs.is_empty() {
+            self.owners.remove(&job.owner);
+        }
+        Ok(Completion::Done(job))
+    }
+
+    /// Pending jobs of `owner`.
+    pub fn owner(&self, owner: OwnerId) -> Option<&OwnerJobs> {
+        self.owners.get(&owner)
+    }
+
+    /// Ids of all pending jobs, in creation order.
+    pub fn pending_ids(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.ring.iter().flatten().map(|j| j.id)
+    }
+
+    /// Empties the table; reports for every id issued so far become late. Returns the jobs
+    /// that were pending, in creation order.
+    pub fn reset(&mut self) -> Vec<Job<P>> {
+        let pending: Vec<Job<P>> = self.ring.drain(..).flatten().collect();
+        self.live = 0;
+        self.owners.clear();
+        self.floor = self.next;
+        self.base = self.next;
+        self.stats.resets += 1;
+        pending
+    }
+
+    /// Number of pending jobs.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    /// Whether no job is pending.
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// Number of requests with pending jobs.
+    pub fn owners_len(&self) -> usize {
+        self.owners.len()
+    }
+
+    /// The id the next job will get.
+    pub fn next_id(&self) -> JobId {
+        JobId(self.next)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> JobStats {
+        self.stats
+    }
+}

@@ -1,0 +1,89 @@
+//! Conversion of Python inputs into owned Rust values, with errors that name the bad value.
+//!
+//! Integer arrays arrive as lists, tuples, ranges or any iterable of ints (numpy integer arrays
+//! included); lists and tuples take a fast path without the iterator protocol.
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use super::errors::{InvalidBlockError, InvalidRequestError};
+use crate::ids::{BlockId, OwnerId};
+
+fn describe(item: &Bound<'_, PyAny>) -> String {
+    let ty = item
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    let repr = item.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string());
+    format!("{repr} ({ty})")
+}
+
+/// Extracts a non-negative integer below `limit`; `err` builds the exception.
+fn extract_index(
+    item: &Bound<'_, PyAny>,
+    what: &str,
+    limit: u64,
+    err: fn(String) -> PyErr,
+) -> PyResult<u64> {
+    match item.extract::<i128>() {
+        Ok(v) if v >= 0 && v < i128::from(limit) => Ok(v as u64),
+        Ok(v) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
+        Err(_) => Err(err(format!("{what} must be an integer, got {}", describe(item)))),
+    }
+}
+
+/// Calls `f` on every item of a list, a tuple or any iterable.
+pub fn for_each_item<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    mut f: impl FnMut(usize, &Bound<'py, PyAny>) -> PyResult<()>,
+) -> PyResult<()> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        for (i, item) in list.iter().enumerate() {
+            f(i, &item)?;
+        }
+    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        for (i, item) in tuple.iter().enumerate() {
+            f(i, &item)?;
+        }
+    } else {
+        let iter = obj.try_iter().map_err(|_| {
+            PyTypeError::new_err(format!("{what} must be a sequence of integers, got {}", describe(obj)))
+        })?;
+        for (i, item) in iter.enumerate() {
+            f(i, &item?)?;
+        }
+    }
+    Ok(())
+}
+
+/// Extracts block ids (each `0 <= b < 2**32 - 1`).
+pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
+    let mut out = Vec::new();
+    for_each_item(obj, what, |i, item| {
+        out.push(block(item, &format!("{what}[{i}]"))?);
+        Ok(())
+    })
+    .map_err(|e| {
+        Python::attach(|py| {
+            if e.is_instance_of::<PyTypeError>(py) {
+                InvalidBlockError::new_err(e.value(py).to_string())
+            } else {
+                e
+            }
+        })
+    })?;
+    Ok(out)
+}
+
+/// Extracts one block id.
+pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
+    extract_index(obj, what, u64::from(u32::MAX), |m| InvalidBlockError::new_err(m))
+        .map(|b| BlockId(b as u32))
+}
+
+/// Extracts a request id used as a job owner (a non-negative 64-bit integer).
+pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
+    extract_index(obj, "request id", u64::MAX, |m| InvalidRequestError::new_err(m)).map(OwnerId)
+}

@@ -1,0 +1,64 @@
+//! The exception hierarchy of `kvoffload.errors` and the one mapping from [`crate::Error`].
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::PyErr;
+
+use crate::error::Error;
+
+create_exception!(
+    kvoffload.errors,
+    KvOffloadError,
+    PyException,
+    "Base class of every kvoffload error."
+);
+create_exception!(
+    kvoffload.errors,
+    ConfigError,
+    KvOffloadError,
+    "A configuration value is out of range or inconsistent."
+);
+create_exception!(
+    kvoffload.errors,
+    UnknownJobError,
+    KvOffloadError,
+    "A job id that was never issued."
+);
+create_exception!(
+    kvoffload.errors,
+    CompletionError,
+    KvOffloadError,
+    "A duplicate, zero or over-counted completion report."
+);
+create_exception!(
+    kvoffload.errors,
+    InvalidBlockError,
+    KvOffloadError,
+    "A GPU block id that is not an integer in the engine's block range."
+);
+create_exception!(
+    kvoffload.errors,
+    InvalidRequestError,
+    KvOffloadError,
+    "A request id of the wrong type or range."
+);
+create_exception!(
+    kvoffload.errors,
+    RequestStateError,
+    KvOffloadError,
+    "An operation the request's current state does not allow."
+);
+
+/// Maps a core error to its Python exception.
+pub fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::Config(_) => ConfigError::new_err(msg),
+        Error::UnknownJob(_) => UnknownJobError::new_err(msg),
+        Error::JobAlreadyCompleted(_) | Error::OverCompleted { .. } | Error::ZeroCompletion(_) => {
+            CompletionError::new_err(msg)
+        }
+        Error::BlockOutOfRange { .. } | Error::EmptyJob(_) => InvalidBlockError::new_err(msg),
+        Error::OwnerBusy { .. } => RequestStateError::new_err(msg),
+    }
+}

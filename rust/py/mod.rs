@@ -1,0 +1,30 @@
+//! Python bindings: the only place that mentions pyo3.
+//!
+//! Each submodule wraps one domain type in a `#[pyclass(frozen)]` holding a lock, converts
+//! Python inputs into owned Rust values before taking the lock, and maps [`crate::Error`] to
+//! the exceptions of `kvoffload.errors`.
+
+mod convert;
+mod errors;
+mod tracker;
+
+use pyo3::prelude::*;
+
+/// The extension module `kvoffload._core`.
+#[pymodule]
+mod _core {
+    #[pymodule_export]
+    use super::errors::{
+        CompletionError, ConfigError, InvalidBlockError, InvalidRequestError, KvOffloadError,
+        RequestStateError, UnknownJobError,
+    };
+    #[pymodule_export]
+    use super::tracker::JobTracker;
+
+    use pyo3::prelude::*;
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        m.add("__version__", env!("CARGO_PKG_VERSION"))
+    }
+}

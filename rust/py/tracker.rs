@@ -1,0 +1,194 @@
+//! `kvoffload._core.JobTracker`: the job table and the fence, for engines and tests that drive
+//! them directly.
+
+use std::sync::{Mutex, MutexGuard};
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::convert;
+use super::errors::{to_py, CompletionError, UnknownJobError};
+use crate::ids::JobId;
+use crate::jobs::{Completion, JobKind};
+use crate::tracker::Tracker;
+
+/// Job table + fence index with eager and deferred lifecycle classes.
+#[pyclass(frozen, module = "kvoffload._core")]
+pub struct JobTracker {
+    inner: Mutex<Tracker<()>>,
+}
+
+impl JobTracker {
+    fn lock(&self) -> MutexGuard<'_, Tracker<()>> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+fn job_id(id: i128) -> PyResult<JobId> {
+    u64::try_from(id)
+        .map(JobId)
+        .map_err(|_| UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative")))
+}
+
+#[pymethods]
+impl JobTracker {
+    #[new]
+    #[pyo3(signature = (num_blocks, num_workers = 1))]
+    fn new(num_blocks: u32, num_workers: u32) -> PyResult<Self> {
+        Ok(Self {
+            inner: Mutex::new(Tracker::new(num_workers, num_blocks).map_err(to_py)?),
+        })
+    }
+
+    /// Creates a store job for request `owner` reading `eager` (armed now) and `deferred`
+    /// (armed when the request releases its blocks) blocks. Returns the job id.
+    #[pyo3(signature = (owner, eager = None, deferred = None))]
+    fn create_store(
+        &self,
+        owner: &Bound<'_, PyAny>,
+        eager: Option<&Bound<'_, PyAny>>,
+        deferred: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let owner = convert::owner(owner)?;
+        let eager = eager.map_or(Ok(Vec::new()), |b| convert::blocks(b, "eager"))?;
+        let deferred = deferred.map_or(Ok(Vec::new()), |b| convert::blocks(b, "deferred"))?;
+        let id = self
+            .lock()
+            .create(JobKind::Store, owner, eager, deferred, ())
+            .map_err(to_py)?;
+        Ok(id.0)
+    }
+
+    /// Creates a load job for request `owner` writing `blocks` (deferred class). Returns the
+    /// job id.
+    fn create_load(&self, owner: &Bound<'_, PyAny>, blocks: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let owner = convert::owner(owner)?;
+        let blocks = convert::blocks(blocks, "blocks")?;
+        let id = self
+            .lock()
+            .create(JobKind::Load, owner, Vec::new(), blocks, ())
+            .map_err(to_py)?;
+        Ok(id.0)
+    }
+
+    /// Request `owner` released its blocks (finish, abort, preemption).
+    fn release(&self, owner: &Bound<'_, PyAny>) -> PyResult<()> {
+        let owner = convert::owner(owner)?;
+        self.lock().release(owner);
+        Ok(())
+    }
+
+    /// Request `owner` holds blocks again (resumed after preemption).
+    fn reacquire(&self, owner: &Bound<'_, PyAny>) -> PyResult<()> {
+        let owner = convert::owner(owner)?;
+        self.lock().reacquire(owner);
+        Ok(())
+    }
+
+    /// Request `owner` is gone; no more jobs will be created for it.
+    fn forget(&self, owner: &Bound<'_, PyAny>) -> PyResult<()> {
+        let owner = convert::owner(owner)?;
+        self.lock().forget(owner);
+        Ok(())
+    }
+
+    /// The per-step fence check: ids of pending jobs with an armed pair on a written block.
+    fn check(&self, written: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let written = convert::blocks(written, "written")?;
+        let flush = self.lock().check(&written).map_err(to_py)?;
+        Ok(flush.into_iter().map(|j| j.0).collect())
+    }
+
+    /// Records `count` worker reports for `job`. Returns `"pending"`, `"done"`, `"failed"`
+    /// (done, with a failed report) or `"late"` (created before a reset, ignored).
+    #[pyo3(signature = (job, count = 1, ok = true))]
+    fn complete(&self, job: i128, count: i64, ok: bool) -> PyResult<&'static str> {
+        let id = job_id(job)?;
+        let count = u32::try_from(count).map_err(|_| {
+            CompletionError::new_err(format!("job {id}: completion count must be >= 1, got {count}"))
+        })?;
+        Ok(match self.lock().complete(id, count, ok).map_err(to_py)? {
+            Completion::Pending { .. } => "pending",
+            Completion::Done(j) if j.failed => "failed",
+            Completion::Done(_) => "done",
+            Completion::Late => "late",
+        })
+    }
+
+    /// Forgets every job; returns the ids that were pending (all must be flushed).
+    fn reset(&self) -> Vec<u64> {
+        self.lock().reset().into_iter().map(|j| j.id.0).collect()
+    }
+
+    /// Ids of pending jobs, in creation order.
+    fn pending_jobs(&self) -> Vec<u64> {
+        self.lock().jobs().pending_ids().map(|j| j.0).collect()
+    }
+
+    /// Ids of pending jobs armed on `block`.
+    fn jobs_on(&self, block: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let b = convert::block(block, "block")?;
+        let t = self.lock();
+        t.validate_blocks(&[b]).map_err(to_py)?;
+        let mut ids: Vec<u64> = t.fence().jobs_on(b).iter().map(|j| j.0).collect();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    /// Worker reports still expected for a pending job.
+    fn remaining(&self, job: i128) -> PyResult<u32> {
+        let id = job_id(job)?;
+        let t = self.lock();
+        t.jobs().validate(id, 1).map_err(to_py)?;
+        Ok(t.jobs().get(id).map_or(0, |j| j.remaining))
+    }
+
+    /// Whether request `owner` has released its blocks.
+    fn is_released(&self, owner: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.lock().is_released(convert::owner(owner)?))
+    }
+
+    /// Number of pending jobs.
+    fn __len__(&self) -> usize {
+        self.lock().jobs().len()
+    }
+
+    /// Number of armed `(block, job)` pairs.
+    #[getter]
+    fn armed_pairs(&self) -> usize {
+        self.lock().fence().armed_pairs()
+    }
+
+    /// Counters: jobs created, completed, failed, late reports, resets, checks, flushed.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.lock();
+        let (j, f) = (t.job_stats(), t.fence_stats());
+        let d = PyDict::new(py);
+        d.set_item("stores_created", j.stores_created)?;
+        d.set_item("loads_created", j.loads_created)?;
+        d.set_item("completed", j.completed)?;
+        d.set_item("failed", j.failed)?;
+        d.set_item("late_reports", j.late_reports)?;
+        d.set_item("resets", j.resets)?;
+        d.set_item("checks", f.checks)?;
+        d.set_item("flushed", f.flushed)?;
+        d.set_item("reset_flushed", f.reset_flushed)?;
+        d.set_item("pending", t.jobs().len())?;
+        d.set_item("armed_pairs", t.fence().armed_pairs())?;
+        d.set_item("owners", t.jobs().owners_len())?;
+        d.set_item("released_owners", t.released_len())?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        let t = self.lock();
+        format!(
+            "JobTracker(num_blocks={}, num_workers={}, pending={}, armed_pairs={})",
+            t.fence().num_blocks(),
+            t.jobs().num_workers(),
+            t.jobs().len(),
+            t.fence().armed_pairs()
+        )
+    }
+}
+
