@@ -23,4 +23,4 @@ pub mod tracker;
 mod py;
 
 pub use error::{Error, Result};
-pub use ids::{BlockId, JobId, OwnerId};
+pub use ids::{BlockId, JobId, Key, OwnerId, SlotId};

@@ -3,8 +3,6 @@
 from collections.abc import Iterable
 from typing import Literal, SupportsIndex, final
 
-from typing_extensions import disjoint_base
-
 __all__ = [
     "CompletionError",
     "ConfigError",
@@ -28,7 +26,6 @@ class InvalidRequestError(KvOffloadError): ...
 class RequestStateError(KvOffloadError): ...
 
 @final
-@disjoint_base
 class JobTracker:
     """Job table + fence index with eager and deferred lifecycle classes."""
 
