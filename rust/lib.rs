@@ -13,10 +13,14 @@
 //! Domain modules never import pyo3; the Python bindings live in `rust/py/` behind the
 //! `python` feature, so `cargo test` and `cargo bench` build plain Rust.
 
+pub mod config;
 pub mod error;
 pub mod fence;
 pub mod ids;
 pub mod jobs;
+pub mod policy;
+pub mod pool;
+pub mod scheduler;
 pub mod tracker;
 
 #[cfg(feature = "python")]

@@ -33,6 +33,7 @@ pub struct Tracker<P> {
     fence: Fence,
     released: FxHashSet<OwnerId>,
     stats: FenceStats,
+    skip_deferred: bool,
 }
 
 impl<P> Tracker<P> {
@@ -46,7 +47,14 @@ impl<P> Tracker<P> {
             fence: Fence::new(num_blocks),
             released: FxHashSet::default(),
             stats: FenceStats::default(),
+            skip_deferred: false,
         })
+    }
+
+    /// Testing only: never arm deferred pairs (a deliberately broken fence, for mutation
+    /// tests that show the integrity oracle catches it).
+    pub fn set_skip_deferred_arming(&mut self, skip: bool) {
+        self.skip_deferred = skip;
     }
 
     /// Checks that every block is in range.
@@ -73,7 +81,7 @@ impl<P> Tracker<P> {
         self.validate_blocks(&eager)?;
         self.validate_blocks(&deferred)?;
         self.jobs.check_owner(owner, kind)?;
-        let armed = self.released.contains(&owner);
+        let armed = self.released.contains(&owner) && !self.skip_deferred;
         let next = self.jobs.next_id();
         self.fence.arm(next, &eager);
         if armed {
@@ -86,6 +94,9 @@ impl<P> Tracker<P> {
     /// of its pending jobs, and of every job created for it until [`Tracker::reacquire`].
     pub fn release(&mut self, owner: OwnerId) {
         self.released.insert(owner);
+        if self.skip_deferred {
+            return;
+        }
         let Some(o) = self.jobs.owner(owner) else {
             return;
         };

@@ -1,21 +1,24 @@
 //! Conversion of Python inputs into owned Rust values, with errors that name the bad value.
 //!
 //! Integer arrays arrive as lists, tuples, ranges or any iterable of ints (numpy integer arrays
-//! included); lists and tuples take a fast path without the iterator protocol.
+//! included); lists and tuples take a fast path without the iterator protocol. Pool keys are
+//! ints in `0..2**128` or `bytes` (opaque hashes, see [`Key::from_bytes`]).
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-use super::errors::{InvalidBlockError, InvalidRequestError};
-use crate::ids::{BlockId, OwnerId};
+use super::errors::{InvalidBlockError, InvalidKeyError, InvalidRequestError};
+use crate::ids::{BlockId, Key, OwnerId};
 
 fn describe(item: &Bound<'_, PyAny>) -> String {
     let ty = item
         .get_type()
         .name()
         .map_or_else(|_| "?".to_owned(), |n| n.to_string());
-    let repr = item.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string());
+    let repr = item
+        .repr()
+        .map_or_else(|_| "?".to_owned(), |r| r.to_string());
     format!("{repr} ({ty})")
 }
 
@@ -29,7 +32,10 @@ fn extract_index(
     match item.extract::<i128>() {
         Ok(v) if v >= 0 && v < i128::from(limit) => Ok(v as u64),
         Ok(v) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
-        Err(_) => Err(err(format!("{what} must be an integer, got {}", describe(item)))),
+        Err(_) => Err(err(format!(
+            "{what} must be an integer, got {}",
+            describe(item)
+        ))),
     }
 }
 
@@ -49,7 +55,10 @@ pub fn for_each_item<'py>(
         }
     } else {
         let iter = obj.try_iter().map_err(|_| {
-            PyTypeError::new_err(format!("{what} must be a sequence of integers, got {}", describe(obj)))
+            PyTypeError::new_err(format!(
+                "{what} must be a sequence of integers, got {}",
+                describe(obj)
+            ))
         })?;
         for (i, item) in iter.enumerate() {
             f(i, &item?)?;
@@ -79,11 +88,63 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
 
 /// Extracts one block id.
 pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
-    extract_index(obj, what, u64::from(u32::MAX), |m| InvalidBlockError::new_err(m))
+    extract_index(obj, what, u64::from(u32::MAX), InvalidBlockError::new_err)
         .map(|b| BlockId(b as u32))
 }
 
 /// Extracts a request id used as a job owner (a non-negative 64-bit integer).
 pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
-    extract_index(obj, "request id", u64::MAX, |m| InvalidRequestError::new_err(m)).map(OwnerId)
+    extract_index(obj, "request id", u64::MAX, InvalidRequestError::new_err).map(OwnerId)
+}
+
+/// Extracts one pool key: an `int` in `0..2**128` (numpy integers included) or `bytes`.
+/// Negative ints, bools, floats, strings and everything else raise `InvalidKeyError`.
+pub fn key(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Key> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(Key::from_bytes(b.as_bytes()));
+    }
+    if !obj.is_instance_of::<PyBool>() {
+        if let Ok(v) = obj.extract::<u128>() {
+            return Ok(Key(v));
+        }
+        if obj.is_instance_of::<PyInt>() || obj.extract::<i128>().is_ok() {
+            return Err(InvalidKeyError::new_err(format!(
+                "{what} must be an int in 0..2**128 or bytes, got {}",
+                describe(obj)
+            )));
+        }
+    }
+    Err(InvalidKeyError::new_err(format!(
+        "{what} must be an int or bytes, got {}",
+        describe(obj)
+    )))
+}
+
+/// Extracts a sequence of pool keys (a list, tuple or any iterable of keys; not a lone `str`,
+/// `bytes` or `int`).
+pub fn keys(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Key>> {
+    let not_a_sequence = || {
+        InvalidKeyError::new_err(format!(
+            "{what} must be a sequence of keys (int or bytes), got {}",
+            describe(obj)
+        ))
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(not_a_sequence());
+    }
+    let mut out = Vec::new();
+    for_each_item(obj, what, |i, item| {
+        out.push(key(item, &format!("{what}[{i}]"))?);
+        Ok(())
+    })
+    .map_err(|e| {
+        Python::attach(|py| {
+            if e.is_instance_of::<PyTypeError>(py) {
+                not_a_sequence()
+            } else {
+                e
+            }
+        })
+    })?;
+    Ok(out)
 }

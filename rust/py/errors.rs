@@ -49,7 +49,35 @@ create_exception!(
     "An operation the request's current state does not allow."
 );
 
+create_exception!(
+    kvoffload.errors,
+    UnknownKeyError,
+    KvOffloadError,
+    "A key the CPU pool holds no entry for."
+);
+create_exception!(
+    kvoffload.errors,
+    KeyStateError,
+    KvOffloadError,
+    "An operation the key's current state in the CPU pool does not allow."
+);
+create_exception!(
+    kvoffload.errors,
+    InvalidKeyError,
+    KvOffloadError,
+    "A key that is not an int in 0..2**128 or bytes."
+);
+
+create_exception!(
+    kvoffload.errors,
+    UnknownRequestError,
+    KvOffloadError,
+    "A request id that is not registered (or was dropped after it finished)."
+);
+
 /// Maps a core error to its Python exception.
+// By value so that call sites read `.map_err(to_py)`.
+#[allow(clippy::needless_pass_by_value)]
 pub fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
@@ -59,6 +87,9 @@ pub fn to_py(e: Error) -> PyErr {
             CompletionError::new_err(msg)
         }
         Error::BlockOutOfRange { .. } | Error::EmptyJob(_) => InvalidBlockError::new_err(msg),
-        Error::OwnerBusy { .. } => RequestStateError::new_err(msg),
+        Error::OwnerBusy { .. } | Error::RequestState { .. } => RequestStateError::new_err(msg),
+        Error::UnknownRequest(_) => UnknownRequestError::new_err(msg),
+        Error::UnknownKey(_) => UnknownKeyError::new_err(msg),
+        Error::KeyNotReady(_) | Error::KeyNotPinned(_) => KeyStateError::new_err(msg),
     }
 }

@@ -1,0 +1,318 @@
+"""Engine-facing scheduler facade: configuration, step input, and :class:`OffloadScheduler`.
+
+All state lives in the Rust core (:class:`kvoffload._core.Scheduler`); this module validates the
+configuration, turns it into the core's arguments and passes each step across the boundary in
+one call. It is engine-neutral: adapters (vLLM, the simulator) convert their own objects into
+:class:`StepInput`.
+
+Example:
+    >>> from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
+    >>> cfg = OffloadConfig(groups=(KvGroup(block_size=16),), num_gpu_blocks=64, cpu_chunks=32)
+    >>> s = OffloadScheduler(cfg)
+    >>> s.add_request("r1", prompt_len=40, block_hashes=[11, 12])
+    >>> s.lookup("r1", num_computed_tokens=0)
+    0
+    >>> s.allocate("r1", [[1, 2, 3]], num_computed_tokens=0, num_load_tokens=0)
+    >>> plan = s.schedule(StepInput(scheduled=[("r1", 40)]))
+    >>> [j.kind for j in plan.stores], plan.flush
+    (['store'], [])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvoffload._core import CompletedJob, Scheduler, StepPlan, TransferJob
+from kvoffload.errors import ConfigError
+
+__all__ = [
+    "CompletedJob",
+    "KvGroup",
+    "OffloadConfig",
+    "OffloadScheduler",
+    "StepInput",
+    "StepPlan",
+    "TransferJob",
+]
+
+BlockHash = int | bytes
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV group: layers sharing one block table.
+
+    Attributes:
+        block_size: Tokens per GPU block.
+        sliding_window: Window in tokens for sliding-window attention; None for full attention.
+        bytes_per_block: Bytes of one GPU block of this group on one worker, all layers (used to
+            size the CPU tier from bytes and for the byte counters; 0 if unknown).
+    """
+
+    block_size: int
+    sliding_window: int | None = None
+    bytes_per_block: int = 0
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Configuration of the offloading scheduler. Invalid values raise :class:`ConfigError`.
+
+    Attributes:
+        groups: The engine's KV groups, in order.
+        num_gpu_blocks: GPU blocks of the engine (block ids are ``0..num_gpu_blocks``).
+        blocks_per_chunk: GPU blocks per chunk, the unit of offloading.
+        hash_block_size: Tokens per chained prefix hash the engine computes; defaults to the
+            first group's block size.
+        cpu_chunks: CPU capacity in chunks (slots) per group.
+        cpu_bytes: CPU capacity in bytes, all groups together (needs ``bytes_per_block``).
+        policy: Eviction policy, ``"lru"`` or ``"arc"``.
+        num_workers: Workers (tensor-parallel ranks) that report each job.
+        max_loading_requests: At most this many requests loading at once (0: no limit).
+        offload_prompt_only: Store prompt tokens only.
+        max_offload_tokens: Store at most this many tokens per request.
+        store_threshold: Store a chunk only after it was looked up this many times (0: always).
+        null_block: The engine's null block id (never copied), or None.
+        debug_skip_deferred_arming: Testing only: a deliberately broken fence.
+    """
+
+    groups: tuple[KvGroup, ...]
+    num_gpu_blocks: int
+    blocks_per_chunk: int = 1
+    hash_block_size: int | None = None
+    cpu_chunks: int | None = None
+    cpu_bytes: int | None = None
+    policy: Literal["lru", "arc"] = "lru"
+    num_workers: int = 1
+    max_loading_requests: int = 0
+    offload_prompt_only: bool = False
+    max_offload_tokens: int | None = None
+    store_threshold: int = 0
+    null_block: int | None = 0
+    debug_skip_deferred_arming: bool = False
+
+    def bytes_per_chunk(self, group: int) -> int:
+        """Bytes of one chunk of ``group`` on one worker (0 if unknown)."""
+        return self.groups[group].bytes_per_block * self.blocks_per_chunk
+
+    def resolved_cpu_chunks(self) -> int:
+        """CPU slots per group, from ``cpu_chunks`` or ``cpu_bytes``."""
+        if (self.cpu_chunks is None) == (self.cpu_bytes is None):
+            raise ConfigError("give exactly one of cpu_chunks and cpu_bytes")
+        if self.cpu_chunks is not None:
+            if self.cpu_chunks <= 0:
+                raise ConfigError(f"cpu_chunks must be positive, got {self.cpu_chunks}")
+            return self.cpu_chunks
+        assert self.cpu_bytes is not None
+        per_slot = sum(self.bytes_per_chunk(g) for g in range(len(self.groups)))
+        if per_slot <= 0:
+            raise ConfigError("cpu_bytes needs bytes_per_block on every KvGroup")
+        chunks = self.cpu_bytes // per_slot
+        if chunks <= 0:
+            raise ConfigError(
+                f"cpu_bytes {self.cpu_bytes} holds no chunk ({per_slot} bytes per chunk "
+                "across groups): raise cpu_bytes"
+            )
+        return chunks
+
+    def to_core(self) -> Scheduler:
+        """Builds the Rust core (validates every value)."""
+        if not self.groups:
+            raise ConfigError("at least one KvGroup is needed")
+        if self.policy not in ("lru", "arc"):
+            raise ConfigError(f"policy must be 'lru' or 'arc', got {self.policy!r}")
+        for name in ("num_gpu_blocks", "blocks_per_chunk", "num_workers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        for g, grp in enumerate(self.groups):
+            if grp.block_size <= 0:
+                raise ConfigError(f"group {g}: block_size must be positive, got {grp.block_size}")
+            if grp.sliding_window is not None and grp.sliding_window <= 0:
+                raise ConfigError(
+                    f"group {g}: sliding_window must be positive or None, got {grp.sliding_window}"
+                )
+            if grp.bytes_per_block < 0:
+                raise ConfigError(f"group {g}: bytes_per_block must be >= 0")
+        hbs = self.hash_block_size if self.hash_block_size is not None else self.groups[0].block_size
+        if hbs <= 0:
+            raise ConfigError(f"hash_block_size must be positive, got {hbs}")
+        for name in ("max_loading_requests", "store_threshold"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_offload_tokens is not None and self.max_offload_tokens < 0:
+            raise ConfigError(f"max_offload_tokens must be >= 0, got {self.max_offload_tokens}")
+        try:
+            return Scheduler(
+                [
+                    (g.block_size, g.sliding_window, self.bytes_per_chunk(i))
+                    for i, g in enumerate(self.groups)
+                ],
+                blocks_per_chunk=self.blocks_per_chunk,
+                hash_block_size=hbs,
+                num_gpu_blocks=self.num_gpu_blocks,
+                cpu_chunks=self.resolved_cpu_chunks(),
+                policy=self.policy,
+                num_workers=self.num_workers,
+                max_loading_requests=self.max_loading_requests,
+                offload_prompt_only=self.offload_prompt_only,
+                max_offload_tokens=self.max_offload_tokens,
+                store_threshold=self.store_threshold,
+                null_block=self.null_block,
+                debug_skip_deferred_arming=self.debug_skip_deferred_arming,
+            )
+        except OverflowError as e:
+            raise ConfigError(f"a configuration value is out of range: {e}") from None
+
+
+@dataclass
+class StepInput:
+    """One engine step, as flat lists.
+
+    Attributes:
+        scheduled: ``(request_id, tokens computed by the end of this step)`` per scheduled
+            request.
+        new_blocks: ``(request_id, group, block ids)`` appended this step (for a resumed request,
+            its whole new block table). Blocks given to ``allocate`` are not repeated here.
+        resumed: Requests resumed from preemption this step.
+        finished: Requests that finished (their blocks are released).
+        aborted: Requests that were aborted.
+        preempted: Requests that were preempted (their blocks are released).
+        written: Block ids written this step (by the forward pass or a load), or None to count
+            every block allocated since the previous step (conservative, still correct).
+    """
+
+    scheduled: Sequence[tuple[str, int]] = ()
+    new_blocks: Sequence[tuple[str, int, Sequence[int]]] = ()
+    resumed: Sequence[str] = ()
+    finished: Sequence[str] = ()
+    aborted: Sequence[str] = ()
+    preempted: Sequence[str] = ()
+    written: Sequence[int] | None = None
+
+
+@dataclass
+class ResetResult:
+    """What a reset left for the engine and workers.
+
+    Attributes:
+        flushed: Job ids that were pending; the next plan's flush set holds them.
+        cancelled_loads: ``(request_id, job_id)`` of loads that will never be reported: the
+            engine must treat those requests' loaded tokens as not computed.
+    """
+
+    flushed: list[int] = field(default_factory=list)
+    cancelled_loads: list[tuple[str, int]] = field(default_factory=list)
+
+
+class OffloadScheduler:
+    """The engine-facing scheduler. One instance per engine (scheduler process).
+
+    Per step: ``lookup`` each waiting request; ``allocate`` each admitted one; ``schedule`` once;
+    ``complete`` as workers report jobs. See DESIGN.md §3.
+    """
+
+    def __init__(self, config: OffloadConfig) -> None:
+        """Validates ``config`` and builds the core."""
+        self.config = config
+        self._core = config.to_core()
+
+    def add_request(self, request_id: str, prompt_len: int, block_hashes: Iterable[BlockHash]) -> None:
+        """Registers a request with the chained hashes of its complete hash blocks."""
+        self._core.add_request(request_id, prompt_len, block_hashes)
+
+    def extend_hashes(self, request_id: str, block_hashes: Iterable[BlockHash]) -> None:
+        """Appends hashes as the request's generated tokens complete hash blocks."""
+        self._core.extend_hashes(request_id, block_hashes)
+
+    def lookup(self, request_id: str, num_computed_tokens: int) -> int | None:
+        """Tokens loadable from the CPU tier beyond the engine's own prefix hit.
+
+        Returns:
+            The number of tokens (0 if none), or None: ask again in a later step (a chunk is
+            still being stored, the request has pending jobs, another request is loading
+            these chunks, or too many requests are loading).
+        """
+        return self._core.lookup(request_id, num_computed_tokens)
+
+    def allocate(
+        self,
+        request_id: str,
+        block_ids: Sequence[Sequence[int]],
+        num_computed_tokens: int,
+        num_load_tokens: int,
+    ) -> int | None:
+        """Records an admitted request's block table (one list per group).
+
+        Args:
+            request_id: The request.
+            block_ids: Its whole block table per group, prefix-cache hits included.
+            num_computed_tokens: The engine's own prefix hit in tokens.
+            num_load_tokens: Tokens to load, as returned by this step's ``lookup`` (or 0).
+
+        Returns:
+            The load job id, or None when nothing is loaded.
+        """
+        return self._core.allocate(request_id, block_ids, num_computed_tokens, num_load_tokens)
+
+    def schedule(self, step: StepInput) -> StepPlan:
+        """Applies one step and returns its plan (loads, stores, flush)."""
+        if step.scheduled:
+            ids, computed = zip(*step.scheduled, strict=True)
+        else:
+            ids, computed = (), ()
+        return self._core.schedule(
+            list(ids),
+            list(computed),
+            list(step.new_blocks),
+            list(step.resumed),
+            list(step.finished),
+            list(step.aborted),
+            list(step.preempted),
+            None if step.written is None else step.written,
+        )
+
+    def complete(self, job_id: int, count: int = 1, ok: bool = True) -> CompletedJob | None:
+        """Records ``count`` worker reports of ``job_id``; returns the job once all reported."""
+        return self._core.complete(job_id, count, ok)
+
+    def complete_many(
+        self, finished: Iterable[int], failed: Iterable[int] = ()
+    ) -> list[CompletedJob]:
+        """Records one worker's report: jobs it finished and jobs it failed."""
+        done = [self._core.complete(j, 1, True) for j in finished]
+        done += [self._core.complete(j, 1, False) for j in failed]
+        return [d for d in done if d is not None]
+
+    def reset(self) -> ResetResult:
+        """Forgets every pending job and empties the CPU tier (e.g. on a prefix-cache reset)."""
+        flushed, cancelled = self._core.reset()
+        return ResetResult(flushed, cancelled)
+
+    def take_events(self) -> list[tuple[str, int, list[int], str]]:
+        """Drains ``(kind, group, keys, medium)`` events: kind is "stored" or "removed"."""
+        return self._core.take_events()
+
+    def status(self, request_id: str) -> str:
+        """Status of a tracked request."""
+        return self._core.status(request_id)
+
+    def stats(self) -> dict[str, object]:
+        """Counters of the scheduler, job table, fence and CPU pools."""
+        return self._core.stats()
+
+    @property
+    def num_requests(self) -> int:
+        """Tracked requests."""
+        return self._core.num_requests
+
+    @property
+    def armed_pairs(self) -> int:
+        """Armed (block, job) pairs in the fence."""
+        return self._core.armed_pairs
+
+    def pending_jobs(self) -> list[int]:
+        """Ids of pending jobs."""
+        return self._core.pending_jobs()
