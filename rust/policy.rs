@@ -465,7 +465,7 @@ impl ArcPolicy {
         while self.t1.len + self.ghosts.len(B1) > c && self.ghosts.len(B1) > 0 {
             self.ghosts.pop_front(B1);
         }
-        while self.ghosts.len(B2) > c {
+        while self.ghosts.len(B2) > c + 1 {
             self.ghosts.pop_front(B2);
         }
         while u64::from(self.t1.len)

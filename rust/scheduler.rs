@@ -219,12 +219,15 @@ struct Request {
     lookup: Option<LookupResult>,
     /// Step at which it was last queued for store planning (dedup of the work list).
     queued: u64,
+    /// Bumped whenever the block table is replaced, so older index entries die.
+    epoch: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct PosEntry {
     req: u32,
     owner: OwnerId,
+    epoch: u32,
     group: u32,
     pos: u32,
 }
@@ -359,6 +362,7 @@ impl Scheduler {
             wait_on: Vec::new(),
             lookup: None,
             queued: u64::MAX,
+            epoch: 0,
         };
         let i = if let Some(i) = self.free.pop() {
             self.reqs[i as usize] = Some(req);
@@ -648,6 +652,7 @@ impl Scheduler {
             rg.cursor = cursor;
         }
         let r = self.req_mut(i);
+        r.epoch += 1;
         r.status = Status::Running;
         r.computed = hit_tokens;
         r.first_ask = None;
@@ -656,17 +661,24 @@ impl Scheduler {
         if transfers.is_empty() {
             return Ok(None);
         }
-        let dest: Vec<BlockId> = transfers
-            .iter()
-            .flat_map(|t| t.gpu_blocks.iter().map(|b| BlockId(*b)))
-            .collect();
+        // Destination blocks: sliding-window groups are eager (the engine may free them while
+        // the request runs), full-attention groups deferred, as for stores.
+        let (mut eager, mut deferred) = (Vec::new(), Vec::new());
+        for t in &transfers {
+            let class = if self.cfg.groups[t.group as usize].sliding_window.is_some() {
+                &mut eager
+            } else {
+                &mut deferred
+            };
+            class.extend(t.gpu_blocks.iter().map(|b| BlockId(*b)));
+        }
         let payload = JobPayload {
             req: i,
             transfers: transfers.clone(),
         };
         let job = self
             .tracker
-            .create(JobKind::Load, owner, Vec::new(), dest, payload)
+            .create(JobKind::Load, owner, eager, deferred, payload)
             .expect("blocks validated, no pending job");
         for t in &transfers {
             for k in &t.keys {
@@ -859,6 +871,7 @@ impl Scheduler {
             self.tracker.reacquire(owner);
             let r = self.req_mut(i);
             r.status = Status::Running;
+            r.epoch += 1;
             for g in &mut r.groups {
                 g.blocks.clear();
             }
@@ -931,12 +944,13 @@ impl Scheduler {
         if b == NULL {
             return;
         }
-        let owner = r.owner;
+        let (owner, epoch) = (r.owner, r.epoch);
         let mut entries = std::mem::take(&mut self.pos_index[b as usize]);
         entries.retain(|e| self.entry_live(e, b));
         entries.push(PosEntry {
             req: i,
             owner,
+            epoch,
             group: g,
             pos,
         });
@@ -950,6 +964,7 @@ impl Scheduler {
         };
         let rg = &r.groups[e.group as usize];
         r.owner == e.owner
+            && r.epoch == e.epoch
             && rg.blocks.get(e.pos as usize) == Some(&b)
             && e.pos >= rg.cursor * self.cfg.blocks_per_chunk
     }
@@ -997,7 +1012,8 @@ impl Scheduler {
             let mut c = rg.cursor;
             let (mut keys, mut chunks) = (Vec::new(), Vec::new());
             let mut dropped = 0;
-            while c < limit {
+            // At most a pool's worth of chunks per attempt, so a long request still fits.
+            while c < limit && keys.len() < self.cfg.cpu_chunks as usize {
                 let Some(key) = self.key(r, g, c) else {
                     break;
                 };
@@ -1230,6 +1246,7 @@ impl Scheduler {
                 }
             }
         }
+        cancelled.sort_unstable_by_key(|(_, j)| *j);
         (flushed, cancelled)
     }
 

@@ -6,6 +6,7 @@
 
 mod convert;
 mod errors;
+mod pool;
 mod scheduler;
 mod tracker;
 
@@ -20,6 +21,8 @@ mod _core {
         KeyStateError, KvOffloadError, RequestStateError, UnknownJobError, UnknownKeyError,
         UnknownRequestError,
     };
+    #[pymodule_export]
+    use super::pool::{CpuPool, StorePlan};
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
     #[pymodule_export]
