@@ -72,8 +72,17 @@ fn bench_create_complete(c: &mut Criterion) {
             b.iter(|| {
                 let bs = blocks(start, 16);
                 start = (start + 16) % (NUM_BLOCKS - 16);
-                let (e, d) = if eager { (bs, vec![]) } else { (vec![], bs) };
-                let id = t.create(JobKind::Store, OwnerId(7), e, d, ()).unwrap();
+                let (eager_blocks, deferred_blocks) =
+                    if eager { (bs, vec![]) } else { (vec![], bs) };
+                let id = t
+                    .create(
+                        JobKind::Store,
+                        OwnerId(7),
+                        eager_blocks,
+                        deferred_blocks,
+                        (),
+                    )
+                    .unwrap();
                 black_box(t.complete(black_box(id), 1, true).unwrap());
             });
         });

@@ -50,6 +50,10 @@ create_exception!(
 );
 
 /// Maps a core error to its Python exception.
+#[expect(
+    clippy::needless_pass_by_value,
+    reason = "by value so that callers can write `map_err(to_py)`"
+)]
 pub fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
