@@ -5,9 +5,9 @@
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyInt, PyList, PyTuple};
 
-use super::errors::{InvalidBlockError, InvalidRequestError};
+use super::errors::{ConfigError, InvalidBlockError, InvalidRequestError};
 use crate::ids::{BlockId, OwnerId};
 
 fn describe(item: &Bound<'_, PyAny>) -> String {
@@ -31,6 +31,10 @@ fn extract_index(
     match item.extract::<i128>() {
         Ok(v) if v >= 0 && v < i128::from(limit) => Ok(v as u64),
         Ok(v) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
+        Err(_) if item.is_instance_of::<PyInt>() => Err(err(format!(
+            "{what} must be in 0..{limit}, got {}",
+            describe(item)
+        ))),
         Err(_) => Err(err(format!(
             "{what} must be an integer, got {}",
             describe(item)
@@ -99,4 +103,12 @@ pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
         InvalidRequestError::new_err(m)
     })
     .map(OwnerId)
+}
+
+/// Extracts a size of the configuration (`0..2**32`; the core rejects zero with its own message).
+pub fn config_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
+    extract_index(obj, what, u64::from(u32::MAX) + 1, |m| {
+        ConfigError::new_err(m)
+    })
+    .map(|v| v as u32)
 }

@@ -35,8 +35,18 @@ fn job_id(id: i128) -> PyResult<JobId> {
 #[pymethods]
 impl JobTracker {
     #[new]
-    #[pyo3(signature = (num_blocks, num_workers = 1))]
-    fn new(num_blocks: u32, num_workers: u32) -> PyResult<Self> {
+    #[pyo3(
+        signature = (num_blocks, num_workers = None),
+        text_signature = "(num_blocks, num_workers=1)"
+    )]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        num_workers: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        // Sizes are extracted here, not by pyo3, so that a negative, oversized or non-integer
+        // size raises ConfigError naming it rather than OverflowError or TypeError.
+        let num_blocks = convert::config_size(num_blocks, "num_blocks")?;
+        let num_workers = num_workers.map_or(Ok(1), |n| convert::config_size(n, "num_workers"))?;
         Ok(Self {
             inner: Mutex::new(Tracker::new(num_workers, num_blocks).map_err(to_py)?),
         })
