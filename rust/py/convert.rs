@@ -21,15 +21,15 @@ fn describe(item: &Bound<'_, PyAny>) -> String {
     format!("{repr} ({ty})")
 }
 
-/// Extracts a non-negative integer below `limit`; `err` builds the exception.
+/// Extracts a non-negative integer below `limit` (at most `2**64`); `err` builds the exception.
 fn extract_index(
     item: &Bound<'_, PyAny>,
     what: &str,
-    limit: u64,
+    limit: i128,
     err: fn(String) -> PyErr,
 ) -> PyResult<u64> {
     match item.extract::<i128>() {
-        Ok(v) if v >= 0 && v < i128::from(limit) => Ok(v as u64),
+        Ok(v) if v >= 0 && v < limit => Ok(v as u64),
         Ok(v) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
         Err(_) if item.is_instance_of::<PyInt>() => Err(err(format!(
             "{what} must be in 0..{limit}, got {}",
@@ -91,7 +91,7 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
 
 /// Extracts one block id.
 pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
-    extract_index(obj, what, u64::from(u32::MAX), |m| {
+    extract_index(obj, what, i128::from(u32::MAX), |m| {
         InvalidBlockError::new_err(m)
     })
     .map(|b| BlockId(b as u32))
@@ -99,7 +99,7 @@ pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
 
 /// Extracts a request id used as a job owner (a non-negative 64-bit integer).
 pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
-    extract_index(obj, "request id", u64::MAX, |m| {
+    extract_index(obj, "request id", 1 << 64, |m| {
         InvalidRequestError::new_err(m)
     })
     .map(OwnerId)
@@ -107,8 +107,5 @@ pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
 
 /// Extracts a size of the configuration (`0..2**32`; the core rejects zero with its own message).
 pub fn config_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
-    extract_index(obj, what, u64::from(u32::MAX) + 1, |m| {
-        ConfigError::new_err(m)
-    })
-    .map(|v| v as u32)
+    extract_index(obj, what, 1 << 32, ConfigError::new_err).map(|v| v as u32)
 }
