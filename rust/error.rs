@@ -34,7 +34,7 @@ pub enum Error {
     },
 
     /// A completion count of zero.
-    #[error("job {0}: completion count must be at least 1")]
+    #[error("job {0}: completion count must be at least 1, got 0")]
     ZeroCompletion(JobId),
 
     /// A block id outside the engine's block range.

@@ -8,6 +8,7 @@ use pyo3::types::PyDict;
 
 use super::convert;
 use super::errors::{to_py, CompletionError, UnknownJobError};
+use crate::error::Error;
 use crate::ids::JobId;
 use crate::jobs::{Completion, JobKind};
 use crate::tracker::Tracker;
@@ -20,21 +21,33 @@ pub struct JobTracker {
 
 impl JobTracker {
     fn lock(&self) -> MutexGuard<'_, Tracker<()>> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
 fn job_id(id: i128) -> PyResult<JobId> {
-    u64::try_from(id)
-        .map(JobId)
-        .map_err(|_| UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative")))
+    u64::try_from(id).map(JobId).map_err(|_| {
+        UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative"))
+    })
 }
 
 #[pymethods]
 impl JobTracker {
     #[new]
-    #[pyo3(signature = (num_blocks, num_workers = 1))]
-    fn new(num_blocks: u32, num_workers: u32) -> PyResult<Self> {
+    #[pyo3(
+        signature = (num_blocks, num_workers = None),
+        text_signature = "(num_blocks, num_workers=1)"
+    )]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        num_workers: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        // Sizes are extracted here, not by pyo3, so that a negative, oversized or non-integer
+        // size raises ConfigError naming it rather than OverflowError or TypeError.
+        let num_blocks = convert::config_size(num_blocks, "num_blocks")?;
+        let num_workers = num_workers.map_or(Ok(1), |n| convert::config_size(n, "num_workers"))?;
         Ok(Self {
             inner: Mutex::new(Tracker::new(num_workers, num_blocks).map_err(to_py)?),
         })
@@ -102,12 +115,24 @@ impl JobTracker {
     /// Records `count` worker reports for `job`. Returns `"pending"`, `"done"`, `"failed"`
     /// (done, with a failed report) or `"late"` (created before a reset, ignored).
     #[pyo3(signature = (job, count = 1, ok = true))]
-    fn complete(&self, job: i128, count: i64, ok: bool) -> PyResult<&'static str> {
+    fn complete(&self, job: i128, count: i128, ok: bool) -> PyResult<&'static str> {
         let id = job_id(job)?;
-        let count = u32::try_from(count).map_err(|_| {
-            CompletionError::new_err(format!("job {id}: completion count must be >= 1, got {count}"))
+        // A count outside u32 is clamped, so the core checks the report in its usual order
+        // (late, unknown, already completed, zero, over); its message then names the count
+        // the caller passed, not the clamped one.
+        let clamped = u32::try_from(count.clamp(0, i128::from(u32::MAX))).expect("clamped");
+        let outcome = self.lock().complete(id, clamped, ok).map_err(|e| match e {
+            Error::ZeroCompletion(_) if count != 0 => CompletionError::new_err(format!(
+                "job {id}: completion count must be at least 1, got {count}"
+            )),
+            Error::OverCompleted { remaining, .. } if count != i128::from(clamped) => {
+                CompletionError::new_err(format!(
+                    "job {id} over-completed: {count} worker reports but only {remaining} pending"
+                ))
+            }
+            e => to_py(e),
         })?;
-        Ok(match self.lock().complete(id, count, ok).map_err(to_py)? {
+        Ok(match outcome {
             Completion::Pending { .. } => "pending",
             Completion::Done(j) if j.failed => "failed",
             Completion::Done(_) => "done",
@@ -191,4 +216,3 @@ impl JobTracker {
         )
     }
 }
-
