@@ -591,7 +591,10 @@ impl EvictionPolicy for ArcPolicy {
         let slots = |l: &List| self.links.iter(l).map(SlotId).collect();
         PolicySnapshot {
             resident: vec![("t1", slots(&self.t1)), ("t2", slots(&self.t2))],
-            ghosts: vec![("b1", self.ghosts.keys_of(B1)), ("b2", self.ghosts.keys_of(B2))],
+            ghosts: vec![
+                ("b1", self.ghosts.keys_of(B1)),
+                ("b2", self.ghosts.keys_of(B2)),
+            ],
             target: Some(self.target),
         }
     }

@@ -780,7 +780,10 @@ impl Pool {
         }
         let occupied = self.entries.iter().filter(|e| **e != Entry::Free).count();
         if occupied != self.index.len() {
-            return Err(format!("{occupied} occupied slots, {} keys", self.index.len()));
+            return Err(format!(
+                "{occupied} occupied slots, {} keys",
+                self.index.len()
+            ));
         }
         if (storing, pinned) != (self.storing, self.pinned) {
             return Err(format!(
@@ -795,7 +798,9 @@ impl Pool {
                 return Err(format!("free run {start}+{len} badly indexed"));
             }
             if prev_end.is_some_and(|e| e >= start) {
-                return Err(format!("free run at {start} overlaps or touches the previous"));
+                return Err(format!(
+                    "free run at {start} overlaps or touches the previous"
+                ));
             }
             if (start..start + len).any(|s| self.entries[s as usize] != Entry::Free) {
                 return Err(format!("free run {start}+{len} holds an occupied slot"));
@@ -804,7 +809,10 @@ impl Pool {
             sum += len;
         }
         if sum != self.free.free || self.free.by_len.len() != self.free.by_start.len() {
-            return Err(format!("free runs hold {sum} slots, free count {}", self.free.free));
+            return Err(format!(
+                "free runs hold {sum} slots, free count {}",
+                self.free.free
+            ));
         }
         // Policy: every occupied slot exactly once; ghosts bounded and not resident.
         let snap = self.policy.snapshot();
@@ -823,7 +831,10 @@ impl Pool {
         let mut ghosts = 0;
         for (name, keys) in &snap.ghosts {
             if keys.len() > cap as usize {
-                return Err(format!("ghost list {name} holds {} > {cap} keys", keys.len()));
+                return Err(format!(
+                    "ghost list {name} holds {} > {cap} keys",
+                    keys.len()
+                ));
             }
             if let Some(k) = keys.iter().find(|k| self.index.contains_key(k)) {
                 return Err(format!("ghost list {name} holds resident key {k}"));

@@ -311,11 +311,15 @@ impl Scheduler {
     }
 
     fn req(&self, i: u32) -> &Request {
-        self.reqs[i as usize].as_ref().expect("indexed request exists")
+        self.reqs[i as usize]
+            .as_ref()
+            .expect("indexed request exists")
     }
 
     fn req_mut(&mut self, i: u32) -> &mut Request {
-        self.reqs[i as usize].as_mut().expect("indexed request exists")
+        self.reqs[i as usize]
+            .as_mut()
+            .expect("indexed request exists")
     }
 
     fn state_err(id: &str, status: Status, what: &str) -> Error {
@@ -406,11 +410,17 @@ impl Scheduler {
         let i = self.idx(id)?;
         let r = self.req(i);
         if !matches!(r.status, Status::Waiting | Status::Preempted) {
-            return Err(Self::state_err(id, r.status, "only waiting requests are looked up"));
+            return Err(Self::state_err(
+                id,
+                r.status,
+                "only waiting requests are looked up",
+            ));
         }
         self.stats.lookups += 1;
         // Work on the request outside the slab so the pools and the tracker stay borrowable.
-        let mut r = self.reqs[i as usize].take().expect("indexed request exists");
+        let mut r = self.reqs[i as usize]
+            .take()
+            .expect("indexed request exists");
         let answer = self.lookup_inner(&mut r, hit_tokens);
         self.reqs[i as usize] = Some(r);
         if answer.is_none() {
@@ -561,7 +571,11 @@ impl Scheduler {
                 num_blocks: self.cfg.num_gpu_blocks,
             });
         }
-        Ok(if Some(b) == self.cfg.null_block { NULL } else { b })
+        Ok(if Some(b) == self.cfg.null_block {
+            NULL
+        } else {
+            b
+        })
     }
 
     fn engine_blocks(&self, blocks: &[u32]) -> Result<Vec<u32>> {
@@ -581,7 +595,11 @@ impl Scheduler {
         let i = self.idx(id)?;
         let r = self.req(i);
         if !matches!(r.status, Status::Waiting | Status::Preempted) {
-            return Err(Self::state_err(id, r.status, "only waiting requests are allocated"));
+            return Err(Self::state_err(
+                id,
+                r.status,
+                "only waiting requests are allocated",
+            ));
         }
         if blocks.len() != self.cfg.groups.len() {
             return Err(Error::RequestState {
@@ -598,7 +616,11 @@ impl Scheduler {
             .map(|b| self.engine_blocks(b))
             .collect::<Result<Vec<_>>>()?;
         if self.tracker.jobs().owner(r.owner).is_some() {
-            return Err(Self::state_err(id, r.status, "it still has pending jobs; look it up again"));
+            return Err(Self::state_err(
+                id,
+                r.status,
+                "it still has pending jobs; look it up again",
+            ));
         }
         let end = hit_tokens + load_tokens;
         if load_tokens > 0 {
@@ -641,7 +663,9 @@ impl Scheduler {
         for (g, t) in tables.into_iter().enumerate() {
             self.allocated
                 .extend(t.iter().filter(|b| **b != NULL).map(|b| BlockId(*b)));
-            let cursor = self.req(i).groups[g].cursor.max(end / self.cfg.chunk_tokens(g));
+            let cursor = self.req(i).groups[g]
+                .cursor
+                .max(end / self.cfg.chunk_tokens(g));
             for (pos, b) in t.iter().enumerate() {
                 if *b != NULL && pos as u32 >= cursor * bpc {
                     self.pending_assign.push((i, g as u32, pos as u32));
@@ -733,7 +757,8 @@ impl Scheduler {
                 let c = pos / bpc;
                 if c != last_chunk {
                     last_chunk = c;
-                    tr.keys.push(self.key(self.req(i), g, c).expect("looked-up key"));
+                    tr.keys
+                        .push(self.key(self.req(i), g, c).expect("looked-up key"));
                 }
                 kidx.push(tr.keys.len() - 1);
                 tr.gpu_blocks.push(b);
@@ -783,19 +808,25 @@ impl Scheduler {
         for &i in &resumed {
             let r = self.req(i);
             if !matches!(r.status, Status::Preempted | Status::Running) {
-                return Err(Self::state_err(&r.id, r.status, "only a preempted request resumes"));
+                return Err(Self::state_err(
+                    &r.id,
+                    r.status,
+                    "only a preempted request resumes",
+                ));
             }
         }
-        let live = |s: &Self, i: u32| {
-            s.req(i).status == Status::Running || resumed.contains(&i)
-        };
+        let live = |s: &Self, i: u32| s.req(i).status == Status::Running || resumed.contains(&i);
         let mut scheduled = Vec::with_capacity(input.scheduled.len());
         for (id, computed) in input.scheduled.iter().zip(&input.computed) {
             let id = id.as_ref();
             let i = self.idx(id)?;
             if !live(self, i) {
                 let r = self.req(i);
-                return Err(Self::state_err(id, r.status, "allocate it before scheduling it"));
+                return Err(Self::state_err(
+                    id,
+                    r.status,
+                    "allocate it before scheduling it",
+                ));
             }
             scheduled.push((i, *computed));
         }
@@ -814,7 +845,11 @@ impl Scheduler {
             }
             if !live(self, i) {
                 let r = self.req(i);
-                return Err(Self::state_err(id, r.status, "only running requests get blocks"));
+                return Err(Self::state_err(
+                    id,
+                    r.status,
+                    "only running requests get blocks",
+                ));
             }
             new_blocks.push((i, *g as usize, self.engine_blocks(blocks)?));
         }
@@ -827,7 +862,11 @@ impl Scheduler {
         for &i in &preempted {
             let r = self.req(i);
             if r.status != Status::Running {
-                return Err(Self::state_err(&r.id, r.status, "only running requests are preempted"));
+                return Err(Self::state_err(
+                    &r.id,
+                    r.status,
+                    "only running requests are preempted",
+                ));
             }
         }
         let explicit = match &input.written {
@@ -852,15 +891,14 @@ impl Scheduler {
                 work.push(i);
             }
         }
-        let written: Vec<BlockId> = match explicit {
-            Some(w) => w.into_iter().filter(|b| *b != NULL).map(BlockId).collect(),
-            None => {
-                let mut w = std::mem::take(&mut self.allocated);
-                for (_, _, blocks) in &new_blocks {
-                    w.extend(blocks.iter().filter(|b| **b != NULL).map(|b| BlockId(*b)));
-                }
-                w
+        let written: Vec<BlockId> = if let Some(w) = explicit {
+            w.into_iter().filter(|b| *b != NULL).map(BlockId).collect()
+        } else {
+            let mut w = std::mem::take(&mut self.allocated);
+            for (_, _, blocks) in &new_blocks {
+                w.extend(blocks.iter().filter(|b| **b != NULL).map(|b| BlockId(*b)));
             }
+            w
         };
         self.allocated.clear();
         for b in &written {
@@ -1035,14 +1073,12 @@ impl Scheduler {
             let plan = if keys.is_empty() {
                 None
             } else {
-                match self.pools[g].prepare_store(&keys) {
-                    Some(p) => Some(p),
-                    None => {
-                        self.stats.store_no_room += 1;
-                        retry = true;
-                        continue;
-                    }
-                }
+                let Some(p) = self.pools[g].prepare_store(&keys) else {
+                    self.stats.store_no_room += 1;
+                    retry = true;
+                    continue;
+                };
+                Some(p)
             };
             self.stats.chunks_dropped += dropped;
             cursors.push((g, c));

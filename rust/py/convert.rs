@@ -8,7 +8,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-use super::errors::{InvalidBlockError, InvalidKeyError, InvalidRequestError};
+use super::errors::{ConfigError, InvalidBlockError, InvalidKeyError, InvalidRequestError};
 use crate::ids::{BlockId, Key, OwnerId};
 
 fn describe(item: &Bound<'_, PyAny>) -> String {
@@ -147,4 +147,9 @@ pub fn keys(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Key>> {
         })
     })?;
     Ok(out)
+}
+
+/// Extracts a configuration size (an integer in `0..2**32`; zero is checked by the core).
+pub fn config_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
+    extract_index(obj, what, 1 << 32, ConfigError::new_err).map(|v| v as u32)
 }

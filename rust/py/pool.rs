@@ -27,8 +27,12 @@ fn slot_ids(slots: &[SlotId]) -> Vec<u32> {
 /// Extracts a `u32` configuration value, or raises `ConfigError` naming it.
 fn config_u32(obj: &Bound<'_, PyAny>, what: &str, min: u32, max: u32) -> PyResult<u32> {
     let bad = || {
-        let repr = obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string());
-        ConfigError::new_err(format!("{what} must be an integer in {min}..={max}, got {repr}"))
+        let repr = obj
+            .repr()
+            .map_or_else(|_| "?".to_owned(), |r| r.to_string());
+        ConfigError::new_err(format!(
+            "{what} must be an integer in {min}..={max}, got {repr}"
+        ))
     };
     match obj.extract::<i128>() {
         Ok(v) if (i128::from(min)..=i128::from(max)).contains(&v) => Ok(v as u32),
@@ -102,9 +106,7 @@ impl CpuPool {
             Some(p) => {
                 let name: String = p.extract().map_err(|_| {
                     let repr = p.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string());
-                    ConfigError::new_err(format!(
-                        "policy must be \"lru\" or \"arc\", got {repr}"
-                    ))
+                    ConfigError::new_err(format!("policy must be \"lru\" or \"arc\", got {repr}"))
                 })?;
                 name.parse().map_err(to_py)?
             }

@@ -67,7 +67,11 @@ impl TransferJob {
     /// Number of GPU blocks copied.
     #[getter]
     fn num_blocks(&self) -> usize {
-        self.inner.transfers.iter().map(|t| t.gpu_blocks.len()).sum()
+        self.inner
+            .transfers
+            .iter()
+            .map(|t| t.gpu_blocks.len())
+            .sum()
     }
 
     fn __repr__(&self) -> String {
@@ -114,7 +118,10 @@ impl StepPlan {
             "StepPlan(loads={}, stores={}, flush={})",
             self.loads.bind(py).len(),
             self.stores.bind(py).len(),
-            self.flush.bind(py).repr().map_or_else(|_| "?".into(), |r| r.to_string())
+            self.flush
+                .bind(py)
+                .repr()
+                .map_or_else(|_| "?".into(), |r| r.to_string())
         )
     }
 }
@@ -194,9 +201,7 @@ fn block_lists(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Vec<u32>>> {
 
 fn token_count(v: i64, what: &str) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| {
-        super::errors::InvalidRequestError::new_err(format!(
-            "{what} must be in 0..2**32, got {v}"
-        ))
+        super::errors::InvalidRequestError::new_err(format!("{what} must be in 0..2**32, got {v}"))
     })
 }
 
@@ -229,11 +234,13 @@ impl Scheduler {
         let cfg = SchedulerConfig {
             groups: groups
                 .into_iter()
-                .map(|(block_size, sliding_window, bytes_per_chunk)| GroupConfig {
-                    block_size,
-                    sliding_window,
-                    bytes_per_chunk,
-                })
+                .map(
+                    |(block_size, sliding_window, bytes_per_chunk)| GroupConfig {
+                        block_size,
+                        sliding_window,
+                        bytes_per_chunk,
+                    },
+                )
                 .collect(),
             blocks_per_chunk,
             hash_block_size,
@@ -419,7 +426,11 @@ impl Scheduler {
 
     /// Ids of pending jobs, in creation order.
     fn pending_jobs(&self) -> Vec<u64> {
-        self.lock().pending_jobs().into_iter().map(|j| j.0).collect()
+        self.lock()
+            .pending_jobs()
+            .into_iter()
+            .map(|j| j.0)
+            .collect()
     }
 
     /// Number of tracked requests.
@@ -443,33 +454,33 @@ impl Scheduler {
     /// Counters of the scheduler, the job table, the fence and each group's pool.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let core = self.lock();
-        let s = core.stats();
-        let (j, f) = core.tracker_stats();
+        let st = core.stats();
+        let (jobs, fence) = core.tracker_stats();
         let d = PyDict::new(py);
         for (k, v) in [
-            ("steps", s.steps),
-            ("lookups", s.lookups),
-            ("lookups_deferred", s.lookups_deferred),
-            ("lookup_hit_tokens", s.lookup_hit_tokens),
-            ("max_lookup_wait_steps", s.max_lookup_wait_steps),
-            ("store_jobs", s.store_jobs),
-            ("store_chunks", s.store_chunks),
-            ("store_bytes", s.store_bytes),
-            ("load_jobs", s.load_jobs),
-            ("load_blocks", s.load_blocks),
-            ("load_tokens", s.load_tokens),
-            ("load_bytes", s.load_bytes),
-            ("flushes_necessary", s.flushes_necessary),
-            ("flushes_conservative", s.flushes_conservative),
-            ("flushes_reset", s.flushes_reset),
-            ("store_no_room", s.store_no_room),
-            ("chunks_dropped", s.chunks_dropped),
-            ("failed_stores", s.failed_stores),
-            ("failed_loads", s.failed_loads),
-            ("resets", s.resets),
-            ("jobs_completed", j.completed),
-            ("late_reports", j.late_reports),
-            ("fence_checks", f.checks),
+            ("steps", st.steps),
+            ("lookups", st.lookups),
+            ("lookups_deferred", st.lookups_deferred),
+            ("lookup_hit_tokens", st.lookup_hit_tokens),
+            ("max_lookup_wait_steps", st.max_lookup_wait_steps),
+            ("store_jobs", st.store_jobs),
+            ("store_chunks", st.store_chunks),
+            ("store_bytes", st.store_bytes),
+            ("load_jobs", st.load_jobs),
+            ("load_blocks", st.load_blocks),
+            ("load_tokens", st.load_tokens),
+            ("load_bytes", st.load_bytes),
+            ("flushes_necessary", st.flushes_necessary),
+            ("flushes_conservative", st.flushes_conservative),
+            ("flushes_reset", st.flushes_reset),
+            ("store_no_room", st.store_no_room),
+            ("chunks_dropped", st.chunks_dropped),
+            ("failed_stores", st.failed_stores),
+            ("failed_loads", st.failed_loads),
+            ("resets", st.resets),
+            ("jobs_completed", jobs.completed),
+            ("late_reports", jobs.late_reports),
+            ("fence_checks", fence.checks),
         ] {
             d.set_item(k, v)?;
         }
