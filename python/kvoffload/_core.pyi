@@ -1,9 +1,17 @@
 """Type stubs for the Rust extension ``kvoffload._core`` (checked by ``mypy.stubtest``)."""
 
 from collections.abc import Iterable
-from typing import Literal, SupportsIndex, final
+from typing import Any, Literal, SupportsIndex, final
 
 __all__ = [
+    "UnknownKeyError",
+    "KeyStateError",
+    "InvalidKeyError",
+    "UnknownRequestError",
+    "TransferJob",
+    "StepPlan",
+    "Scheduler",
+    "CompletedJob",
     "CompletionError",
     "ConfigError",
     "InvalidBlockError",
@@ -24,6 +32,10 @@ class CompletionError(KvOffloadError): ...
 class InvalidBlockError(KvOffloadError): ...
 class InvalidRequestError(KvOffloadError): ...
 class RequestStateError(KvOffloadError): ...
+class UnknownRequestError(KvOffloadError): ...
+class InvalidKeyError(KvOffloadError): ...
+class KeyStateError(KvOffloadError): ...
+class UnknownKeyError(KvOffloadError): ...
 
 @final
 class JobTracker:
@@ -53,3 +65,103 @@ class JobTracker:
     @property
     def armed_pairs(self) -> int: ...
     def stats(self) -> dict[str, int]: ...
+
+@final
+class TransferJob:
+    """One store or load job of a step plan."""
+
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def kind(self) -> Literal["store", "load"]: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def transfers(self) -> list[tuple[int, list[int], list[int]]]: ...
+    @property
+    def keys(self) -> list[tuple[int, list[int]]]: ...
+    @property
+    def num_blocks(self) -> int: ...
+
+@final
+class StepPlan:
+    """What the workers must do this step."""
+
+    @property
+    def loads(self) -> list[TransferJob]: ...
+    @property
+    def stores(self) -> list[TransferJob]: ...
+    @property
+    def flush(self) -> list[int]: ...
+
+@final
+class CompletedJob:
+    """A job whose last worker reported."""
+
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def kind(self) -> Literal["store", "load"]: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def invalid_blocks(self) -> list[int]: ...
+
+@final
+class Scheduler:
+    """The scheduler core: request tracking, lookups, loads, store planning and the fence."""
+
+    def __new__(
+        cls,
+        groups: list[tuple[int, int | None, int]],
+        *,
+        blocks_per_chunk: int,
+        hash_block_size: int,
+        num_gpu_blocks: int,
+        cpu_chunks: int,
+        policy: str = "lru",
+        num_workers: int = 1,
+        max_loading_requests: int = 0,
+        offload_prompt_only: bool = False,
+        max_offload_tokens: int | None = None,
+        store_threshold: int = 0,
+        null_block: int | None = ...,
+        debug_skip_deferred_arming: bool = False,
+    ) -> Scheduler: ...
+    def add_request(
+        self, request_id: str, prompt_len: int, block_hashes: Iterable[int | bytes]
+    ) -> None: ...
+    def extend_hashes(self, request_id: str, block_hashes: Iterable[int | bytes]) -> None: ...
+    def lookup(self, request_id: str, num_computed_tokens: int) -> int | None: ...
+    def allocate(
+        self,
+        request_id: str,
+        block_ids: Iterable[Iterable[SupportsIndex]],
+        num_computed_tokens: int,
+        num_load_tokens: int,
+    ) -> int | None: ...
+    def schedule(
+        self,
+        scheduled: list[str],
+        computed: list[int],
+        new_blocks: list[tuple[str, int, Iterable[SupportsIndex]]] | None = None,
+        resumed: list[str] | None = None,
+        finished: list[str] | None = None,
+        aborted: list[str] | None = None,
+        preempted: list[str] | None = None,
+        written: Iterable[SupportsIndex] | None = None,
+    ) -> StepPlan: ...
+    def complete(self, job: int, count: int = 1, ok: bool = True) -> CompletedJob | None: ...
+    def reset(self) -> tuple[list[int], list[tuple[str, int]]]: ...
+    def take_events(self) -> list[tuple[str, int, list[int], str]]: ...
+    def status(self, request_id: str) -> str: ...
+    def pending_jobs(self) -> list[int]: ...
+    @property
+    def num_requests(self) -> int: ...
+    @property
+    def armed_pairs(self) -> int: ...
+    @property
+    def loading_requests(self) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
