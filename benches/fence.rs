@@ -28,13 +28,25 @@ fn bench_check(c: &mut Criterion) {
         let mut t: Tracker<()> = Tracker::new(1, NUM_BLOCKS).unwrap();
         // Armed pairs live on blocks 4096.. (16 per job); 8 jobs also sit on written blocks.
         for j in 0..armed / 16 {
-            t.create(JobKind::Store, OwnerId(u64::from(j)), blocks(4096 + j * 16, 16), vec![], ())
-                .unwrap();
+            t.create(
+                JobKind::Store,
+                OwnerId(u64::from(j)),
+                blocks(4096 + j * 16, 16),
+                vec![],
+                (),
+            )
+            .unwrap();
         }
         if armed > 0 {
             for j in 0..8 {
-                t.create(JobKind::Store, OwnerId(1 << 40 | j), vec![BlockId(j as u32 * 64)], vec![], ())
-                    .unwrap();
+                t.create(
+                    JobKind::Store,
+                    OwnerId(1 << 40 | j),
+                    vec![BlockId(j as u32 * 64)],
+                    vec![],
+                    (),
+                )
+                .unwrap();
             }
         }
         let written = blocks(0, 512);
@@ -60,8 +72,17 @@ fn bench_create_complete(c: &mut Criterion) {
             b.iter(|| {
                 let bs = blocks(start, 16);
                 start = (start + 16) % (NUM_BLOCKS - 16);
-                let (e, d) = if eager { (bs, vec![]) } else { (vec![], bs) };
-                let id = t.create(JobKind::Store, OwnerId(7), e, d, ()).unwrap();
+                let (eager_blocks, deferred_blocks) =
+                    if eager { (bs, vec![]) } else { (vec![], bs) };
+                let id = t
+                    .create(
+                        JobKind::Store,
+                        OwnerId(7),
+                        eager_blocks,
+                        deferred_blocks,
+                        (),
+                    )
+                    .unwrap();
                 black_box(t.complete(black_box(id), 1, true).unwrap());
             });
         });

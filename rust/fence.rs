@@ -104,7 +104,10 @@ mod tests {
         f.arm(JobId(5), &[BlockId(1), BlockId(2)]);
         f.arm(JobId(3), &[BlockId(2)]);
         let mut out = vec![JobId(99)];
-        f.check(&[BlockId(2), BlockId(1), BlockId(7), BlockId(100)], &mut out);
+        f.check(
+            &[BlockId(2), BlockId(1), BlockId(7), BlockId(100)],
+            &mut out,
+        );
         assert_eq!(out, vec![JobId(99), JobId(3), JobId(5)]);
         f.disarm(JobId(5), &[BlockId(1), BlockId(2)]);
         assert_eq!(f.armed_pairs(), 1);

@@ -28,12 +28,12 @@ impl Key {
     /// A key from an opaque hash given as bytes: up to 16 bytes are taken as a big-endian
     /// integer; longer hashes (e.g. SHA-256 digests) are folded to 128 bits with FNV-1a.
     pub fn from_bytes(bytes: &[u8]) -> Self {
+        const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013B;
         if bytes.len() <= 16 {
             let mut buf = [0u8; 16];
             buf[16 - bytes.len()..].copy_from_slice(bytes);
             return Key(u128::from_be_bytes(buf));
         }
-        const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013B;
         let mut h: u128 = 0x6C62_272E_07BB_0142_62B8_2175_6295_C58D;
         for &b in bytes {
             h ^= u128::from(b);
@@ -43,6 +43,7 @@ impl Key {
     }
 
     /// The key of the same content hash in KV group `group` (group 0 keeps the hash as is).
+    #[must_use]
     pub fn in_group(self, group: u32) -> Self {
         if group == 0 {
             return self;

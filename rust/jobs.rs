@@ -108,7 +108,9 @@ impl<P> JobTable<P> {
     /// An empty table whose jobs complete after `num_workers` reports each.
     pub fn new(num_workers: u32) -> Result<Self> {
         if num_workers == 0 {
-            return Err(Error::Config("num_workers must be at least 1, got 0".into()));
+            return Err(Error::Config(
+                "num_workers must be at least 1, got 0".into(),
+            ));
         }
         Ok(Self {
             num_workers,
@@ -248,7 +250,10 @@ impl<P> JobTable<P> {
         }
         self.stats.completed += 1;
         self.stats.failed += u64::from(job.failed);
-        let o = self.owners.get_mut(&job.owner).expect("owner of a pending job");
+        let o = self
+            .owners
+            .get_mut(&job.owner)
+            .expect("owner of a pending job");
         match job.kind {
             JobKind::Store => o.stores -= 1,
             JobKind::Load => o.loads -= 1,

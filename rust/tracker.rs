@@ -79,7 +79,9 @@ impl<P> Tracker<P> {
         if armed {
             self.fence.arm(next, &deferred);
         }
-        Ok(self.jobs.insert(kind, owner, eager, deferred, armed, payload))
+        Ok(self
+            .jobs
+            .insert(kind, owner, eager, deferred, armed, payload))
     }
 
     /// The owner released its blocks (finished, aborted or preempted): arm the deferred pairs

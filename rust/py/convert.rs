@@ -15,7 +15,9 @@ fn describe(item: &Bound<'_, PyAny>) -> String {
         .get_type()
         .name()
         .map_or_else(|_| "?".to_owned(), |n| n.to_string());
-    let repr = item.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string());
+    let repr = item
+        .repr()
+        .map_or_else(|_| "?".to_owned(), |r| r.to_string());
     format!("{repr} ({ty})")
 }
 
@@ -29,7 +31,10 @@ fn extract_index(
     match item.extract::<i128>() {
         Ok(v) if v >= 0 && v < i128::from(limit) => Ok(v as u64),
         Ok(v) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
-        Err(_) => Err(err(format!("{what} must be an integer, got {}", describe(item)))),
+        Err(_) => Err(err(format!(
+            "{what} must be an integer, got {}",
+            describe(item)
+        ))),
     }
 }
 
@@ -49,7 +54,10 @@ pub fn for_each_item<'py>(
         }
     } else {
         let iter = obj.try_iter().map_err(|_| {
-            PyTypeError::new_err(format!("{what} must be a sequence of integers, got {}", describe(obj)))
+            PyTypeError::new_err(format!(
+                "{what} must be a sequence of integers, got {}",
+                describe(obj)
+            ))
         })?;
         for (i, item) in iter.enumerate() {
             f(i, &item?)?;
@@ -79,11 +87,11 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
 
 /// Extracts one block id.
 pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
-    extract_index(obj, what, u64::from(u32::MAX), |m| InvalidBlockError::new_err(m))
+    extract_index(obj, what, u64::from(u32::MAX), InvalidBlockError::new_err)
         .map(|b| BlockId(b as u32))
 }
 
 /// Extracts a request id used as a job owner (a non-negative 64-bit integer).
 pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
-    extract_index(obj, "request id", u64::MAX, |m| InvalidRequestError::new_err(m)).map(OwnerId)
+    extract_index(obj, "request id", u64::MAX, InvalidRequestError::new_err).map(OwnerId)
 }

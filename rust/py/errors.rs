@@ -50,6 +50,8 @@ create_exception!(
 );
 
 /// Maps a core error to its Python exception.
+// By value so that call sites read `.map_err(to_py)`.
+#[allow(clippy::needless_pass_by_value)]
 pub fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {

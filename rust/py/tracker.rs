@@ -20,14 +20,16 @@ pub struct JobTracker {
 
 impl JobTracker {
     fn lock(&self) -> MutexGuard<'_, Tracker<()>> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
 fn job_id(id: i128) -> PyResult<JobId> {
-    u64::try_from(id)
-        .map(JobId)
-        .map_err(|_| UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative")))
+    u64::try_from(id).map(JobId).map_err(|_| {
+        UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative"))
+    })
 }
 
 #[pymethods]
@@ -105,7 +107,9 @@ impl JobTracker {
     fn complete(&self, job: i128, count: i64, ok: bool) -> PyResult<&'static str> {
         let id = job_id(job)?;
         let count = u32::try_from(count).map_err(|_| {
-            CompletionError::new_err(format!("job {id}: completion count must be >= 1, got {count}"))
+            CompletionError::new_err(format!(
+                "job {id}: completion count must be >= 1, got {count}"
+            ))
         })?;
         Ok(match self.lock().complete(id, count, ok).map_err(to_py)? {
             Completion::Pending { .. } => "pending",
@@ -191,4 +195,3 @@ impl JobTracker {
         )
     }
 }
-
