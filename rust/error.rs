@@ -2,7 +2,7 @@
 //! can tell what to fix without a debugger. Every fallible operation checks its input before it
 //! changes anything: an `Err` means state is unchanged.
 
-use crate::ids::{BlockId, JobId, OwnerId};
+use crate::ids::{BlockId, JobId, Key, OwnerId};
 
 /// Convenience alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -58,4 +58,16 @@ pub enum Error {
     /// A job with no blocks.
     #[error("request {0}: a job needs at least one block")]
     EmptyJob(OwnerId),
+
+    /// A key the CPU pool holds no entry for.
+    #[error("unknown key {0}: the CPU pool holds no entry for it")]
+    UnknownKey(Key),
+
+    /// A load of a key whose store has not completed.
+    #[error("key {0} is being stored and is not readable yet: load it after its store completes")]
+    KeyNotReady(Key),
+
+    /// An unpin without a matching pin.
+    #[error("key {0} is not pinned: complete_load without a matching prepare_load")]
+    KeyNotPinned(Key),
 }

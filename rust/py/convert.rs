@@ -1,14 +1,15 @@
 //! Conversion of Python inputs into owned Rust values, with errors that name the bad value.
 //!
 //! Integer arrays arrive as lists, tuples, ranges or any iterable of ints (numpy integer arrays
-//! included); lists and tuples take a fast path without the iterator protocol.
+//! included); lists and tuples take a fast path without the iterator protocol. Pool keys are
+//! ints in `0..2**128` or `bytes` (opaque hashes, see [`Key::from_bytes`]).
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-use super::errors::{InvalidBlockError, InvalidRequestError};
-use crate::ids::{BlockId, OwnerId};
+use super::errors::{InvalidBlockError, InvalidKeyError, InvalidRequestError};
+use crate::ids::{BlockId, Key, OwnerId};
 
 fn describe(item: &Bound<'_, PyAny>) -> String {
     let ty = item
@@ -94,4 +95,56 @@ pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
 /// Extracts a request id used as a job owner (a non-negative 64-bit integer).
 pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
     extract_index(obj, "request id", u64::MAX, InvalidRequestError::new_err).map(OwnerId)
+}
+
+/// Extracts one pool key: an `int` in `0..2**128` (numpy integers included) or `bytes`.
+/// Negative ints, bools, floats, strings and everything else raise `InvalidKeyError`.
+pub fn key(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Key> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(Key::from_bytes(b.as_bytes()));
+    }
+    if !obj.is_instance_of::<PyBool>() {
+        if let Ok(v) = obj.extract::<u128>() {
+            return Ok(Key(v));
+        }
+        if obj.is_instance_of::<PyInt>() || obj.extract::<i128>().is_ok() {
+            return Err(InvalidKeyError::new_err(format!(
+                "{what} must be an int in 0..2**128 or bytes, got {}",
+                describe(obj)
+            )));
+        }
+    }
+    Err(InvalidKeyError::new_err(format!(
+        "{what} must be an int or bytes, got {}",
+        describe(obj)
+    )))
+}
+
+/// Extracts a sequence of pool keys (a list, tuple or any iterable of keys; not a lone `str`,
+/// `bytes` or `int`).
+pub fn keys(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Key>> {
+    let not_a_sequence = || {
+        InvalidKeyError::new_err(format!(
+            "{what} must be a sequence of keys (int or bytes), got {}",
+            describe(obj)
+        ))
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(not_a_sequence());
+    }
+    let mut out = Vec::new();
+    for_each_item(obj, what, |i, item| {
+        out.push(key(item, &format!("{what}[{i}]"))?);
+        Ok(())
+    })
+    .map_err(|e| {
+        Python::attach(|py| {
+            if e.is_instance_of::<PyTypeError>(py) {
+                not_a_sequence()
+            } else {
+                e
+            }
+        })
+    })?;
+    Ok(out)
 }

@@ -49,6 +49,25 @@ create_exception!(
     "An operation the request's current state does not allow."
 );
 
+create_exception!(
+    kvoffload.errors,
+    UnknownKeyError,
+    KvOffloadError,
+    "A key the CPU pool holds no entry for."
+);
+create_exception!(
+    kvoffload.errors,
+    KeyStateError,
+    KvOffloadError,
+    "An operation the key's current state in the CPU pool does not allow."
+);
+create_exception!(
+    kvoffload.errors,
+    InvalidKeyError,
+    KvOffloadError,
+    "A key that is not an int in 0..2**128 or bytes."
+);
+
 /// Maps a core error to its Python exception.
 // By value so that call sites read `.map_err(to_py)`.
 #[allow(clippy::needless_pass_by_value)]
@@ -62,5 +81,7 @@ pub fn to_py(e: Error) -> PyErr {
         }
         Error::BlockOutOfRange { .. } | Error::EmptyJob(_) => InvalidBlockError::new_err(msg),
         Error::OwnerBusy { .. } => RequestStateError::new_err(msg),
+        Error::UnknownKey(_) => UnknownKeyError::new_err(msg),
+        Error::KeyNotReady(_) | Error::KeyNotPinned(_) => KeyStateError::new_err(msg),
     }
 }

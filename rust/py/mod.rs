@@ -6,6 +6,7 @@
 
 mod convert;
 mod errors;
+mod pool;
 mod tracker;
 
 use pyo3::prelude::*;
@@ -15,9 +16,11 @@ use pyo3::prelude::*;
 mod _core {
     #[pymodule_export]
     use super::errors::{
-        CompletionError, ConfigError, InvalidBlockError, InvalidRequestError, KvOffloadError,
-        RequestStateError, UnknownJobError,
+        CompletionError, ConfigError, InvalidBlockError, InvalidKeyError, InvalidRequestError,
+        KeyStateError, KvOffloadError, RequestStateError, UnknownJobError, UnknownKeyError,
     };
+    #[pymodule_export]
+    use super::pool::{CpuPool, StorePlan};
     #[pymodule_export]
     use super::tracker::JobTracker;
 
