@@ -5,7 +5,7 @@ fence, the CPU pool and request tracking. The Python layer adds engine-facing fa
 torch data plane.
 """
 
-from kvoffload._core import JobTracker, __version__
+from kvoffload._core import CpuPool, JobTracker, StorePlan, __version__
 from kvoffload.errors import KvOffloadError
 
-__all__ = ["JobTracker", "KvOffloadError", "__version__"]
+__all__ = ["CpuPool", "JobTracker", "KvOffloadError", "StorePlan", "__version__"]

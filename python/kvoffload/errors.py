@@ -9,18 +9,24 @@ from kvoffload._core import (
     CompletionError,
     ConfigError,
     InvalidBlockError,
+    InvalidKeyError,
     InvalidRequestError,
+    KeyStateError,
     KvOffloadError,
     RequestStateError,
     UnknownJobError,
+    UnknownKeyError,
 )
 
 __all__ = [
     "CompletionError",
     "ConfigError",
     "InvalidBlockError",
+    "InvalidKeyError",
     "InvalidRequestError",
+    "KeyStateError",
     "KvOffloadError",
     "RequestStateError",
     "UnknownJobError",
+    "UnknownKeyError",
 ]
