@@ -8,7 +8,9 @@
 //! - [`jobs`]: the job table (monotonic ids, per-worker completion counting, reset epochs) and
 //!   the per-request rule "one pending load or any number of pending stores";
 //! - [`fence`]: the armed index `block -> pending jobs` and the one-pass check;
-//! - [`tracker`]: jobs and fence together, with the eager / deferred lifecycle classes.
+//! - [`tracker`]: jobs and fence together, with the eager / deferred lifecycle classes;
+//! - [`pool`]: the CPU pool (slots, key states, pins, contiguous allocation, events);
+//! - [`policy`]: its eviction policies (LRU, ARC) behind one trait.
 //!
 //! Domain modules never import pyo3; the Python bindings live in `rust/py/` behind the
 //! `python` feature, so `cargo test` and `cargo bench` build plain Rust.

@@ -5,7 +5,7 @@ fence, the CPU pool and request tracking. The Python layer adds engine-facing fa
 torch data plane.
 """
 
-from kvoffload._core import CpuPool, JobTracker, Scheduler, __version__
+from kvoffload._core import CpuPool, JobTracker, Scheduler, StorePlan, __version__
 from kvoffload.errors import KvOffloadError
 
-__all__ = ["CpuPool", "JobTracker", "KvOffloadError", "Scheduler", "__version__"]
+__all__ = ["CpuPool", "JobTracker", "KvOffloadError", "Scheduler", "StorePlan", "__version__"]

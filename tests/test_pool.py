@@ -1,0 +1,343 @@
+"""Tests of ``kvoffload.CpuPool``: the reference scenario, the ARC rules, key conversion and bad
+input (a specific exception from ``kvoffload.errors``, a message naming the bad value, and the
+pool left exactly as it was)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvoffload
+from kvoffload import CpuPool, StorePlan
+from kvoffload.errors import (
+    ConfigError,
+    InvalidKeyError,
+    KeyStateError,
+    KvOffloadError,
+    UnknownKeyError,
+)
+
+UNIVERSE = range(12)
+
+
+def snapshot(pool: CpuPool) -> tuple[Any, ...]:
+    """Everything observable about a pool, read without side effects."""
+    return (
+        pool.stats(),
+        [pool.state(k) for k in UNIVERSE],
+        [pool.pins(k) for k in UNIVERSE],
+        [pool.slot(k) for k in UNIVERSE],
+        pool.order(),
+    )
+
+
+def fill(pool: CpuPool, keys: Iterable[int | bytes]) -> StorePlan:
+    """Stores and completes `keys` (which must fit)."""
+    plan = pool.prepare_store(keys)
+    assert plan is not None
+    pool.complete_store(plan.keys)
+    return plan
+
+
+def test_exports() -> None:
+    assert kvoffload.CpuPool is CpuPool
+    assert "CpuPool" in kvoffload.__all__
+    for name in ("UnknownKeyError", "KeyStateError", "InvalidKeyError"):
+        assert name in kvoffload.errors.__all__
+        assert issubclass(getattr(kvoffload.errors, name), KvOffloadError)
+
+
+def test_reference_scenario_lru() -> None:
+    pool = CpuPool(4)
+
+    plan = pool.prepare_store([1, 2])
+    assert plan is not None
+    assert plan.keys == [1, 2]
+    assert len(set(plan.slots)) == 2
+    assert plan.evicted == []
+    assert pool.lookup([1]) == (0, ["storing"])
+    pool.complete_store([1, 2])
+    assert pool.lookup([1, 2]) == (2, ["ready", "ready"])
+
+    plan = pool.prepare_store([2, 3, 4, 5])
+    assert plan is not None
+    assert (plan.keys, plan.evicted) == ([3, 4, 5], [1])
+
+    before = snapshot(pool)
+    assert pool.prepare_store([1, 6]) is None  # only 2 is evictable
+    after = snapshot(pool)
+    assert after[0].pop("no_room") == before[0].pop("no_room") + 1
+    assert after == before
+
+    pool.complete_store([3, 4, 5])
+    assert pool.prepare_load([2, 3]) == [pool.slot(2), pool.slot(3)]
+    before = snapshot(pool)
+    assert pool.prepare_store([6, 7, 8]) is None  # only 4 and 5 are evictable
+    after = snapshot(pool)
+    after[0].pop("no_room")
+    before[0].pop("no_room")
+    assert after == before
+
+    pool.complete_load([2, 3])
+    plan = pool.prepare_store([6, 7, 8])
+    assert plan is not None
+    assert plan.evicted == [2, 3, 4]
+    pool.complete_store([6, 7, 8])
+
+    pool.touch([5, 6, 7])
+    plan = pool.prepare_store([9])
+    assert plan is not None
+    assert plan.evicted == [8]
+    slot9 = plan.slots[0]
+
+    pool.complete_store([7, 9], ok=False)
+    assert pool.state(7) == "ready"
+    assert pool.state(9) == "absent"
+    assert pool.slot(9) is None
+    assert pool.stats()["free"] == 1
+    plan = pool.prepare_store([10])
+    assert plan is not None
+    assert plan.slots == [slot9]
+
+    assert pool.take_events() == [
+        ("stored", [1, 2], "cpu"),
+        ("removed", [1], "cpu"),
+        ("stored", [3, 4, 5], "cpu"),
+        ("removed", [2, 3, 4], "cpu"),
+        ("stored", [6, 7, 8], "cpu"),
+        ("removed", [8], "cpu"),
+    ]
+    assert pool.take_events() == []
+    stats = pool.stats()
+    assert stats["evictions"] == 5
+    assert stats["failed_stores"] == 1
+    assert stats["no_room"] == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_same_call_keys_pins_and_stores_are_never_evicted(policy: str) -> None:
+    pool = CpuPool(3, policy)
+    fill(pool, [1, 2])
+    pool.prepare_store([3])
+    assert pool.prepare_store([1, 2, 4]) is None  # 1 and 2 are in the call, 3 is storing
+    pool.prepare_load([1])
+    assert pool.pins(1) == 1
+    plan = pool.prepare_store([4])
+    assert plan is not None
+    assert plan.evicted == [2]
+    assert pool.prepare_store([5]) is None
+    assert len(pool) == 3
+
+
+def test_lookup_reports_states_and_counts_hits() -> None:
+    pool = CpuPool(8)
+    fill(pool, [1, 2, 4])
+    pool.prepare_store([3])
+    assert pool.lookup([1, 2, 3, 4, 5]) == (2, ["ready", "ready", "storing", "ready", "absent"])
+    assert pool.lookup(iter([5])) == (0, ["absent"])
+    stats = pool.stats()
+    assert (stats["hits"], stats["misses"]) == (2, 4)
+
+
+def test_contiguous_slots_and_stats() -> None:
+    pool = CpuPool(64)
+    first = fill(pool, list(range(16)))
+    second = fill(pool, list(range(100, 116)))
+    assert first.slots == list(range(16))
+    assert second.slots == list(range(16, 32))
+    stats = pool.stats()
+    assert stats["allocations"] == 2
+    assert stats["allocated_slots"] == 32
+    assert stats["allocated_runs"] == stats["contiguous_allocations"] == 2
+
+
+def test_touch_makes_the_prefix_most_recent() -> None:
+    pool = CpuPool(4)
+    fill(pool, [1, 2, 3, 4])
+    pool.touch([1, 2, 3])
+    assert pool.order() == {"lru": [4, 3, 2, 1]}
+
+
+def test_arc_rules() -> None:
+    pool = CpuPool(4, policy="ARC")
+    assert pool.policy == "arc"
+    fill(pool, [1, 2])
+    pool.prepare_store([3])
+    pool.touch([1, 3])  # ready 1 is promoted, storing 3 stays in T1
+    assert pool.order()["t1"] == [2, 3]
+    assert pool.order()["t2"] == [1]
+    pool.complete_store([3])
+    fill(pool, [4])
+    # T1 = [2, 3, 4], T2 = [1], target 0: the victim is T1's least recent, remembered in B1.
+    plan = pool.prepare_store([5])
+    assert plan is not None
+    assert plan.evicted == [2]
+    assert pool.order()["b1"] == [2]
+    pool.complete_store([5], ok=False)  # a failed store leaves the victim in its ghost list
+    assert pool.order()["b1"] == [2]
+    assert pool.stats()["target"] == 0
+    pool.touch([2])  # B1 hit raises the target
+    assert pool.stats()["target"] == 1
+    # A ghost stored again enters T2.
+    fill(pool, [2])
+    assert pool.order()["t2"] == [1, 2]
+    assert pool.order()["b1"] == []
+    stats = pool.stats()
+    assert stats["ghosts"] == 0
+
+
+def test_arc_b2_hit_lowers_the_target_and_ghosts_stay_bounded() -> None:
+    pool = CpuPool(2, policy="arc")
+    fill(pool, [1, 2])
+    pool.touch([1, 2])  # T2 = [2, 1]
+    fill(pool, [3])  # evicts 2 from T2 -> B2
+    assert pool.order()["b2"] == [2]
+    fill(pool, [4])  # |T1| = 1 > 0: evicts 3 -> B1
+    pool.touch([3])
+    assert pool.stats()["target"] == 1
+    pool.touch([2])
+    assert pool.stats()["target"] == 0
+    for k in range(10, 60):
+        fill(pool, [k])
+        pool.touch([k])
+        order = pool.order()
+        assert len(order["b1"]) <= 2
+        assert len(order["b2"]) <= 2
+        assert sum(len(v) for v in order.values()) <= 4
+
+
+def test_admission_filter() -> None:
+    pool = CpuPool(4, store_threshold=2)
+    plan = pool.prepare_store([1, 2])
+    assert plan is not None
+    assert (plan.keys, plan.filtered) == ([], [1, 2])
+    pool.lookup([1])
+    pool.lookup([1, 2])
+    plan = pool.prepare_store([1, 2])
+    assert plan is not None
+    assert (plan.keys, plan.filtered) == ([1], [2])
+    assert pool.stats()["filtered"] == 3
+
+
+def test_reset_empties_everything() -> None:
+    pool = CpuPool(4, "arc")
+    fill(pool, [1, 2, 3])
+    pool.prepare_store([4])
+    pool.prepare_load([2])
+    pool.take_events()
+    pool.reset()
+    events = pool.take_events()
+    assert len(events) == 1
+    kind, keys, medium = events[0]
+    assert (kind, sorted(keys), medium) == ("removed", [1, 2, 3], "cpu")
+    assert len(pool) == 0
+    assert all(pool.state(k) == "absent" for k in UNIVERSE)
+    stats = pool.stats()
+    assert (stats["used"], stats["free"], stats["pinned"], stats["resets"]) == (0, 4, 0, 1)
+    assert fill(pool, [5, 6, 7, 8]).slots == [0, 1, 2, 3]
+
+
+def test_keys_as_bytes_and_numpy() -> None:
+    pool = CpuPool(8)
+    big = 2**128 - 1
+    plan = pool.prepare_store([b"\x01\x00", np.uint64(7), big, b"\xff" * 16])
+    assert plan is not None
+    # 16 bytes of 0xff and 2**128 - 1 are the same key.
+    assert plan.keys == [256, 7, big]
+    assert all(type(k) is int for k in plan.keys)
+    long_hash = bytes(range(32))  # longer than 16 bytes: folded to 128 bits
+    pool.complete_store(np.array([256, 7], dtype=np.uint64))
+    assert pool.lookup([256, 7, big]) == (2, ["ready", "ready", "storing"])
+    assert pool.state(long_hash) == "absent"
+    fill(pool, [long_hash])
+    assert pool.state(long_hash) == "ready"
+
+
+@given(st.integers(min_value=0, max_value=2**128 - 1))
+def test_int_and_big_endian_bytes_are_one_key(k: int) -> None:
+    pool = CpuPool(1)
+    fill(pool, [k])
+    assert pool.state(k.to_bytes(16, "big")) == "ready"
+    assert pool.take_events() == [("stored", [k], "cpu")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: specific exception, message naming the value, state unchanged.
+
+
+def busy_pool() -> CpuPool:
+    """A pool with ready (1, 2), pinned (2) and storing (3) keys."""
+    pool = CpuPool(4, "arc", store_threshold=0)
+    fill(pool, [1, 2])
+    pool.prepare_store([3])
+    pool.prepare_load([2])
+    pool.take_events()
+    return pool
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "needle"),
+    [
+        (lambda p: p.prepare_load([1, 9]), UnknownKeyError, hex(9)),
+        (lambda p: p.prepare_load([1, 3]), KeyStateError, hex(3)),
+        (lambda p: p.complete_load([2, 1]), KeyStateError, hex(1)),
+        (lambda p: p.complete_load([2, 2]), KeyStateError, hex(2)),
+        (lambda p: p.complete_load([11]), UnknownKeyError, hex(11)),
+        (lambda p: p.complete_store([3, 10]), UnknownKeyError, hex(10)),
+        (lambda p: p.complete_store([10], ok=False), UnknownKeyError, hex(10)),
+        (lambda p: p.prepare_store([4, 1.5]), InvalidKeyError, "1.5"),
+        (lambda p: p.prepare_store(["7"]), InvalidKeyError, "'7'"),
+        (lambda p: p.prepare_store([-1]), InvalidKeyError, "-1"),
+        (lambda p: p.prepare_store([2**128]), InvalidKeyError, str(2**128)),
+        (lambda p: p.prepare_store([True]), InvalidKeyError, "True"),
+        (lambda p: p.prepare_store(None), InvalidKeyError, "None"),
+        (lambda p: p.prepare_store("12"), InvalidKeyError, "'12'"),
+        (lambda p: p.prepare_load(5), InvalidKeyError, "5"),
+        (lambda p: p.lookup([0, 1.0]), InvalidKeyError, "1.0"),
+        (lambda p: p.touch([1, object()]), InvalidKeyError, "object"),
+        (lambda p: p.state(-5), InvalidKeyError, "-5"),
+        (lambda p: p.slot(2.5), InvalidKeyError, "2.5"),
+        (lambda p: p.complete_store([3.0]), InvalidKeyError, "3.0"),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(call: Any, exc: type[Exception], needle: str) -> None:
+    pool = busy_pool()
+    before = snapshot(pool)
+    with pytest.raises(exc) as info:
+        call(pool)
+    assert needle in str(info.value)
+    assert snapshot(pool) == before
+    assert pool.take_events() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"capacity": 0}, "got 0"),
+        ({"capacity": -3}, "got -3"),
+        ({"capacity": 2.0}, "got 2.0"),
+        ({"capacity": "8"}, "got '8'"),
+        ({"capacity": 2**40}, f"got {2**40}"),
+        ({"capacity": 8, "policy": "fifo"}, '"fifo"'),
+        ({"capacity": 8, "policy": 1}, "got 1"),
+        ({"capacity": 8, "store_threshold": -1}, "got -1"),
+    ],
+)
+def test_bad_config_raises_config_error(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        CpuPool(**kwargs)
+    assert needle in str(info.value)
+    assert isinstance(info.value, KvOffloadError)
+
+
+def test_repr_and_store_plan() -> None:
+    pool = CpuPool(2)
+    plan = pool.prepare_store([5])
+    assert plan is not None
+    assert repr(plan) == "StorePlan(keys=[5], slots=[0], evicted=[], filtered=[])"
+    assert repr(pool) == "CpuPool(capacity=2, policy='lru', used=1, storing=1, pinned=0)"
