@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
 from kvoffload import JobTracker
 
 NUM_BLOCKS = 16

@@ -88,7 +88,8 @@ def test_running_full_attention_store_never_touches_the_fence():
     s = make()
     admit(s, "a", [[1, 2]], prompt=8)
     plan = s.schedule(StepInput(scheduled=[("a", 8)]))
-    assert plan.stores and s.armed_pairs == 0
+    assert plan.stores
+    assert s.armed_pairs == 0
     # Even if the engine (wrongly, conservatively) reports the blocks written, no flush.
     assert s.schedule(StepInput(scheduled=[("a", 9)], written=[1, 2])).flush == []
 
@@ -200,7 +201,8 @@ def test_abort_while_loading_arms_the_load():
     s.schedule(StepInput(aborted=["b"], written=[]))
     assert s.schedule(StepInput(written=[6])).flush == [load]
     done = s.complete(load)
-    assert done is not None and done.ok
+    assert done is not None
+    assert done.ok
     s.schedule(StepInput(written=[]))
     assert s.num_requests == 0
 
@@ -248,7 +250,7 @@ def test_bad_input_raises_specific_errors_and_changes_nothing():
     s = make()
     admit(s, "a", [[1, 2]], prompt=8)
     before = s.stats()
-    with pytest.raises(UnknownRequestError, match="'nope'|\"nope\""):
+    with pytest.raises(UnknownRequestError, match=r"nope"):
         s.schedule(StepInput(scheduled=[("a", 8), ("nope", 1)]))
     with pytest.raises(InvalidBlockError, match="64"):
         s.schedule(StepInput(scheduled=[("a", 8)], new_blocks=[("a", 0, [64])]))

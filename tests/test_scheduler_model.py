@@ -20,7 +20,8 @@ from tests.model.scheduler_model import ModelScheduler
 
 def _plan_tuple(jobs):
     return [
-        (j.job_id, j.kind, j.request_id, [tuple(t) for t in j.transfers]) if hasattr(j, "job_id")
+        (j.job_id, j.kind, j.request_id, [tuple(t) for t in j.transfers])
+        if hasattr(j, "job_id")
         else (j.id, j.kind, j.req, [(g, gpu, cpu) for g, gpu, cpu, _ in j.transfers])
         for j in jobs
     ]
@@ -29,7 +30,9 @@ def _plan_tuple(jobs):
 class Engine:
     """A tiny paged engine: block tables, a free list, requests with shared prefixes."""
 
-    def __init__(self, rng: random.Random, window: bool, bpc: int, workers: int, conservative: bool):
+    def __init__(
+        self, rng: random.Random, window: bool, bpc: int, workers: int, conservative: bool
+    ):
         self.rng = rng
         self.bs = 4
         self.bpc = bpc
@@ -75,7 +78,13 @@ class Engine:
         plen = shared * self.bs + self.rng.randrange(1, 30)
         hashes = [family * 10_000 + i for i in range(shared)]
         hashes += [self.n * 100_000 + i for i in range(plen // self.bs - shared)]
-        self.reqs[rid] = {"plen": plen, "hashes": hashes, "tables": None, "computed": 0, "tokens": plen}
+        self.reqs[rid] = {
+            "plen": plen,
+            "hashes": hashes,
+            "tables": None,
+            "computed": 0,
+            "tokens": plen,
+        }
         self.both("add_request", rid, plen, hashes)
         self.waiting.append(rid)
 
@@ -115,7 +124,11 @@ class Engine:
             a, b = self.both("allocate", rid, tables, hit, a)
             assert a == b
             if a is not None:
-                self.pending[a] = {"remaining": self.workers, "blocks": set(sum(tables, [])), "req": rid}
+                self.pending[a] = {
+                    "remaining": self.workers,
+                    "blocks": {b for t in tables for b in t},
+                    "req": rid,
+                }
                 self.loads += 1
             r["tables"] = tables
             r["computed"] = r["tokens"]
@@ -185,13 +198,19 @@ class Engine:
                 a2, b2 = self.both("allocate", rid, tables, 0, a)
                 assert a2 == b2
                 if a2 is not None:
-                    self.pending[a2] = {"remaining": self.workers, "blocks": set(sum(tables, [])), "req": rid}
+                    self.pending[a2] = {
+                        "remaining": self.workers,
+                        "blocks": {b for t in tables for b in t},
+                        "req": rid,
+                    }
                 r["tables"] = tables
                 r["computed"] = r["tokens"]
                 written += [b for t in tables for b in t]
                 self.waiting.remove(rid)
                 self.running.append(rid)
-        written = [b for b in written if b in self.owner]  # blocks of requests that ended are not written
+        written = [
+            b for b in written if b in self.owner
+        ]  # blocks of requests that ended are not written
         ids = [s[0] for s in scheduled]
         comp = [s[1] for s in scheduled]
         w = None if self.conservative else written
@@ -204,7 +223,11 @@ class Engine:
         assert list(plan.flush) == flush
         for j in [*plan.loads, *plan.stores]:
             blocks = {b for _, gpu, _ in j.transfers for b in gpu}
-            self.pending[j.job_id] = {"remaining": self.workers, "blocks": blocks, "req": j.request_id}
+            self.pending[j.job_id] = {
+                "remaining": self.workers,
+                "blocks": blocks,
+                "req": j.request_id,
+            }
         # Ground truth: a written block that a pending job touches but its request no longer
         # holds (it was re-allocated) must have that job flushed (no torn store).
         wset = set(written)
@@ -212,7 +235,9 @@ class Engine:
             if jid in plan.flush:
                 continue
             for b in p["blocks"] & wset:
-                assert self.owner.get(b) == p["req"], f"job {jid} reads block {b} rewritten unflushed"
+                assert self.owner.get(b) == p["req"], (
+                    f"job {jid} reads block {b} rewritten unflushed"
+                )
         # Workers: complete the flush set first, then random others out of order.
         self.flushes += len(plan.flush)
         for jid in plan.flush:
@@ -224,10 +249,7 @@ class Engine:
         if rng.random() < 0.01:
             a, b = self.both("reset")
             assert a == b
-            for jid in list(self.pending):
-                self.pending.pop(jid)
-            for rid, _ in a[1]:
-                pass
+            self.pending.clear()
 
     def finish_job(self, jid, ok, count=None):
         p = self.pending.get(jid)
@@ -252,7 +274,11 @@ class Engine:
         _, _, flush = self.model.schedule([], [], (), (), finished, aborted, (), None)
         assert list(plan.flush) == flush
         for j in plan.stores:
-            self.pending[j.job_id] = {"remaining": self.workers, "blocks": set(), "req": j.request_id}
+            self.pending[j.job_id] = {
+                "remaining": self.workers,
+                "blocks": set(),
+                "req": j.request_id,
+            }
         for _ in range(50):
             for jid in list(self.pending):
                 self.finish_job(jid, ok=True)
@@ -260,7 +286,11 @@ class Engine:
             _, stores, _ = self.model.schedule([], [])
             assert _plan_tuple(plan.stores) == _plan_tuple(stores)
             for j in plan.stores:
-                self.pending[j.job_id] = {"remaining": self.workers, "blocks": set(), "req": j.request_id}
+                self.pending[j.job_id] = {
+                    "remaining": self.workers,
+                    "blocks": set(),
+                    "req": j.request_id,
+                }
             if not self.pending and self.core.num_requests == 0:
                 break
         # No leaks (invariant 6).

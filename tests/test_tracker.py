@@ -13,10 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import kvoffload
 import numpy as np
 import pytest
-from conftest import NUM_BLOCKS, Busy, observe
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -26,6 +24,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
+import kvoffload
+from conftest import NUM_BLOCKS, Busy, observe
 from kvoffload import JobTracker, KvOffloadError
 from kvoffload.errors import (
     CompletionError,

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvoffload.errors import (
     ConfigError,
     EngineClosedError,
