@@ -136,7 +136,9 @@ class OffloadConfig:
                 )
             if grp.bytes_per_block < 0:
                 raise ConfigError(f"group {g}: bytes_per_block must be >= 0")
-        hbs = self.hash_block_size if self.hash_block_size is not None else self.groups[0].block_size
+        hbs = (
+            self.hash_block_size if self.hash_block_size is not None else self.groups[0].block_size
+        )
         if hbs <= 0:
             raise ConfigError(f"hash_block_size must be positive, got {hbs}")
         for name in ("max_loading_requests", "store_threshold"):
@@ -219,7 +221,9 @@ class OffloadScheduler:
         self.config = config
         self._core = config.to_core()
 
-    def add_request(self, request_id: str, prompt_len: int, block_hashes: Iterable[BlockHash]) -> None:
+    def add_request(
+        self, request_id: str, prompt_len: int, block_hashes: Iterable[BlockHash]
+    ) -> None:
         """Registers a request with the chained hashes of its complete hash blocks."""
         self._core.add_request(request_id, prompt_len, block_hashes)
 
