@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from tests.model.scheduler_model import ModelScheduler
 
 from kvoffload import Scheduler
-from tests.model.scheduler_model import ModelScheduler
 
 BS = 16
 CFG = dict(

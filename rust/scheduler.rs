@@ -953,6 +953,22 @@ impl Scheduler {
         self.tracker
             .check_into(&written, &mut flush)
             .expect("written blocks validated");
+        // A store created this step for a running request reads blocks that request still
+        // holds and writes in this very step (the chunk it just computed): it must run after
+        // the forward pass, never be flushed before it. Blocks of its that left a window and
+        // were re-allocated were dropped before the store was built.
+        let fresh: Vec<JobId> = stores
+            .iter()
+            .filter(|j: &&PlannedJob| {
+                self.index
+                    .get(&j.request)
+                    .is_some_and(|i| self.req(*i).status == Status::Running)
+            })
+            .map(|j| j.id)
+            .collect();
+        if !fresh.is_empty() {
+            flush.retain(|j| fresh.binary_search(j).is_err());
+        }
         let n = flush.len() as u64;
         if input.written.is_some() {
             self.stats.flushes_necessary += n;

@@ -347,6 +347,35 @@ def test_copy_count_matches_reference_run_count(pairs: list[tuple[int, int]]) ->
         assert res.bytes == 16 * len(g)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
+def test_large_jobs_split_over_copy_threads(threads: int, pattern: str) -> None:
+    """Jobs of >= 2 MiB are split over cpu_copy_threads; bytes and copy counts are unchanged."""
+    gen = torch.Generator().manual_seed(17)
+    rng = np.random.default_rng(17)
+    cache = make_cache("split", torch.float16, gen, num_blocks=112, block_shape=(16, 8, 64))
+    with engine_for(cache, blocks_per_chunk=4, num_slots=16, cpu_copy_threads=threads) as eng:
+        if pattern == "contiguous":
+            src, cpos = np.arange(8, 56), np.arange(48)
+        else:
+            src, cpos = rng.choice(112, 48, replace=False), rng.permutation(64)[:48]
+        snap = cache.snapshot()
+        eng.submit_store(1, [(0, src, cpos)])
+        res = run_one(eng, 1)
+        assert res.ok
+        assert res.bytes == 48 * 4 * 16 * 1024  # 3 MiB: over the split threshold
+        assert res.copies == count_runs(src, cpos) * 4
+        for i, rb in enumerate(cache.region_bytes()):
+            assert torch.equal(eng.cpu_region(0, i)[torch.as_tensor(cpos)], rb[src])
+        dst = rng.choice(np.setdiff1d(np.arange(112), src), 48, replace=False)
+        eng.submit_load(2, [(0, dst, cpos)])
+        assert run_one(eng, 2).ok
+        cache.assert_bytes(cache.expected_after_copy(snap, src, dst))
+        helpers = [t for t in threading.enumerate() if t.name.startswith("kvoffload-copy")]
+        assert bool(helpers) == (threads > 1)
+    assert not any(t.name.startswith("kvoffload-copy") for t in threading.enumerate())
+
+
 # --------------------------------------------------------------------------- concurrency (CPU)
 
 
@@ -762,6 +791,8 @@ def test_config_errors() -> None:
         TransferEngine([[k]], blocks_per_chunk=1, num_slots=0)
     with pytest.raises(ConfigError, match="2 layouts given for 1 KV groups"):
         TransferEngine([[k]], blocks_per_chunk=1, num_slots=1, layout=["kv_first"] * 2)
+    with pytest.raises(ConfigError, match="cpu_copy_threads must be >= 1"):
+        TransferEngine([[k]], blocks_per_chunk=1, num_slots=1, cpu_copy_threads=0)
     with pytest.raises(ConfigError, match="layout must be"):
         TransferEngine([[k]], blocks_per_chunk=1, num_slots=1, layout="heads_first")  # type: ignore[arg-type]
     if not HAS_CUDA:

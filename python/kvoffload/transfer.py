@@ -60,6 +60,8 @@ An engine is driven from one thread (the worker's); it is not itself thread-safe
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import operator
 import queue
 import threading
@@ -95,13 +97,13 @@ __all__ = [
 
 Layout: TypeAlias = Literal["blocks_first", "kv_first"]
 """Layout of a registered tensor: ``[num_blocks, ...]`` or ``[2, num_blocks, ...]``."""
-LayerCache: TypeAlias = "torch.Tensor | Sequence[torch.Tensor]"
+LayerCache: TypeAlias = torch.Tensor | Sequence[torch.Tensor]
 """One layer's KV cache: one tensor (joined K/V or a single latent) or several (K, V)."""
-GroupCaches: TypeAlias = "Mapping[str, LayerCache] | Sequence[LayerCache]"
+GroupCaches: TypeAlias = Mapping[str, LayerCache] | Sequence[LayerCache]
 """One KV group's layers, by name (a mapping, as vLLM registers them) or by position."""
-BlockIds: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"
+BlockIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
 """A one-dimensional sequence of integer block ids or CPU positions."""
-Transfer: TypeAlias = "tuple[SupportsIndex, BlockIds, BlockIds]"
+Transfer: TypeAlias = tuple[SupportsIndex, BlockIds, BlockIds]
 """``(group, gpu_blocks, cpu_blocks)``; ``cpu_blocks[i] = slot * blocks_per_chunk + offset``."""
 JobKind: TypeAlias = Literal["store", "load"]
 """``"store"`` copies GPU blocks to the CPU pool, ``"load"`` copies them back."""
@@ -483,6 +485,22 @@ def _cuda_ok(err: object) -> bool:
     return int(getattr(err, "value", err)) == 0  # type: ignore[call-overload]
 
 
+def _clear_cuda_last_error() -> None:
+    """Reset the CUDA runtime's last error after a failed ``cudaHostRegister``.
+
+    The runtime keeps the error until ``cudaGetLastError`` reads it, and torch's next kernel
+    launch check would report it as its own. ``torch.cuda.cudart()`` does not expose
+    ``cudaGetLastError``; call it on the libcudart torch loaded (best effort, Linux).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except Exception:  # pragma: no cover - best effort on a path only a GPU reaches
+        return
+
+
 def _block_rows(x: torch.Tensor, where: str) -> torch.Tensor:
     """View a block-first tensor ``[num_blocks, ...]`` as bytes ``[num_blocks, bytes_per_block]``.
 
@@ -692,7 +710,8 @@ class TransferEngine:
             pin_memory: Pin the pool for asynchronous GPU copies; default: the tensors are on
                 CUDA.
             cpu_copy_threads: CPU engines: threads a large job (>= 2 MiB) is split over, like
-                torch's own parallel ``copy_``; default ``torch.get_num_threads()``.
+                torch's own parallel ``copy_``; default ``torch.get_num_threads()``. Jobs run
+                unsplit while a per-copy test hook (``_copy_delay_s``, ``_before_copy``) is set.
             _copy_delay_s: Test hook: sleep this long before every copy.
             _before_copy: Test hook: called with ``(job_id, copy_index)`` before every copy, on
                 the thread that issues it; raising fails the job.
@@ -715,6 +734,10 @@ class TransferEngine:
             )
         if len(kv_caches) == 0:
             raise RegistrationError("kv_caches is empty: register at least one KV group")
+        parts = torch.get_num_threads() if cpu_copy_threads is None else cpu_copy_threads
+        parts = operator.index(parts)
+        if parts < 1:
+            raise ConfigError(f"cpu_copy_threads must be >= 1, got {parts}")
         layouts = [layout] * len(kv_caches) if isinstance(layout, str) else list(layout)
         if len(layouts) != len(kv_caches):
             raise ConfigError(f"{len(layouts)} layouts given for {len(kv_caches)} KV groups")
@@ -801,10 +824,6 @@ class TransferEngine:
             "bytes_loaded": 0,
         }
         kinds: tuple[JobKind, ...] = ("store", "load")
-        parts = torch.get_num_threads() if cpu_copy_threads is None else cpu_copy_threads
-        parts = operator.index(parts)
-        if parts < 1:
-            raise ConfigError(f"cpu_copy_threads must be >= 1, got {parts}")
         if on_cpu and parts > 1:
             self._resources.helpers = ThreadPoolExecutor(parts - 1, "kvoffload-copy")
         for kind in kinds:
@@ -822,17 +841,26 @@ class TransferEngine:
         self._finalizer = weakref.finalize(self, self._resources.release, cancel=True)
 
     def _allocate(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
-        """Allocate the pool; pin it with cudaHostRegister when ``pin`` (no power-of-2 growth)."""
-        pool = torch.empty(nbytes, dtype=torch.uint8)
+        """Allocate the pool; pin it with cudaHostRegister when ``pin`` (no power-of-2 growth).
+
+        The registered range is page-aligned and page-rounded inside a slightly larger plain
+        allocation, so it never shares a page with another registration (which would fail).
+        """
         if not pin:
-            return pool, False
-        cudart = torch.cuda.cudart()
+            return torch.empty(nbytes, dtype=torch.uint8), False
+        page = mmap.PAGESIZE
+        raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % page
+        pool = raw[start : start + nbytes]
         ptr = pool.data_ptr()
-        if _cuda_ok(cudart.cudaHostRegister(ptr, nbytes, 0)):
+        cudart = torch.cuda.cudart()
+        if _cuda_ok(cudart.cudaHostRegister(ptr, -(-nbytes // page) * page, 0)):
             if pool.is_pinned():
                 self._resources.registered_ptr = ptr
                 return pool, True
             cudart.cudaHostUnregister(ptr)
+        else:
+            _clear_cuda_last_error()
         # Fallback: torch's pinned allocator (may round the allocation up to a power of two).
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
 

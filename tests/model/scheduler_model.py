@@ -392,7 +392,10 @@ class ModelScheduler:
             for j in self.jobs.values()
             if ws & set(j.eager) or (j.armed and ws & set(j.deferred))
         )
-        flush = sorted(set(flush) | set(self.reset_flush))
+        fresh = {
+            j.id for j in stores if j.req in self.reqs and self.reqs[j.req].status == "running"
+        }
+        flush = sorted((set(flush) - fresh) | set(self.reset_flush))
         self.reset_flush = []
         loads, self.new_loads = self.new_loads, []
         return loads, stores, flush

@@ -1,0 +1,210 @@
+"""The simulated engine and its integrity oracle (:mod:`kvoffload.sim`).
+
+Every run below uses real torch tensors, the real scheduler and the real data plane with copies
+on background threads. The pressured configuration (few GPU blocks, copies slowed down, results
+polled as they finish) makes blocks be freed and re-written while stores of them are pending, so
+the fence has work to do: correct runs must flush and report zero mismatches, and the same runs
+with the fence broken must report mismatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvoffload.sim import BlockPool, SimConfig, SimError, Simulator, make_workload, simulate
+from kvoffload.sim.oracle import Stream, chained_hashes
+
+PRESSURE = SimConfig(
+    num_requests=40,
+    scale=0.5,
+    num_gpu_blocks=96,
+    cpu_chunks=2048,
+    arrival_gap=0.5,
+    completion="poll",
+    copy_delay_s=0.002,
+    sliding_window=None,
+)
+WORKLOADS = ["chat", "sysprompt", "docs", "mixed"]
+
+
+def assert_clean(r, *, flush_field: str) -> None:
+    assert r.mismatches == 0, r.mismatch_details[:5]
+    assert r.hit_mismatches == 0, r.mismatch_details[:5]
+    assert r.torn_stores == 0, r.mismatch_details[:5]
+    assert r.cpu_hit_tokens > 0
+    assert r.load_jobs > 0
+    assert r.blocks_verified > 0
+    assert r.store_jobs > 0
+    assert r.bytes_stored > 0
+    assert r.bytes_loaded > 0
+    assert getattr(r, flush_field) > 0, "no flush: the run did not exercise the fence"
+    assert r.leaked_requests == 0
+    assert r.leaked_jobs == 0
+
+
+# ---------------------------------------------------------------------- oracle and workloads
+
+
+def test_chained_hashes_depend_on_the_whole_prefix() -> None:
+    a = np.arange(64, dtype=np.int64)
+    b = a.copy()
+    b[3] = 999
+    ha, hb = chained_hashes(a, 16), chained_hashes(b, 16)
+    assert len(ha) == 4
+    assert all(x != y for x, y in zip(ha, hb, strict=True))
+    assert chained_hashes(a[:48], 16) == ha[:3]  # a prefix hashes the same
+
+
+def test_oracle_content_is_shared_by_equal_prefixes_only() -> None:
+    a = Stream(np.arange(40, dtype=np.int64), 16)
+    b = Stream(np.concatenate([np.arange(20), np.full(20, 7)]).astype(np.int64), 16)
+    pos = np.arange(16, dtype=np.int64)
+    assert np.array_equal(a.content(pos, 0, 0, 24), b.content(pos, 0, 0, 24))
+    assert not np.array_equal(a.content(pos + 16, 0, 0, 24), b.content(pos + 16, 0, 0, 24))
+    assert not np.array_equal(a.content(pos, 0, 0, 24), a.content(pos, 1, 0, 24))  # group
+    assert not np.array_equal(a.content(pos, 0, 0, 24), a.content(pos, 0, 1, 24))  # layer
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_are_seeded(name: str) -> None:
+    one = make_workload(name, 12, seed=3, block_size=16, scale=0.3)
+    two = make_workload(name, 12, seed=3, block_size=16, scale=0.3)
+    other = make_workload(name, 12, seed=4, block_size=16, scale=0.3)
+    assert len(one) == 12
+    key = [(s.req_id, s.prompt_len, s.output_len, s.arrival, s.stream.hash_list) for s in one]
+    assert key == [
+        (s.req_id, s.prompt_len, s.output_len, s.arrival, s.stream.hash_list) for s in two
+    ]
+    assert key != [
+        (s.req_id, s.prompt_len, s.output_len, s.arrival, s.stream.hash_list) for s in other
+    ]
+
+
+def test_chat_turns_extend_the_previous_turn() -> None:
+    specs = make_workload("chat", 12, seed=1, block_size=16, scale=0.3)
+    by_id = {s.req_id: s for s in specs}
+    follow = [s for s in specs if s.after is not None]
+    assert follow
+    for s in follow:
+        prev = by_id[s.after]
+        assert s.stream is prev.stream
+        assert s.prompt_len > prev.prompt_len + prev.output_len
+
+
+def test_block_pool_hits_keep_content_and_eviction_rewrites() -> None:
+    pool = BlockPool(4)
+    a, b, c = pool.take(3)
+    assert pool.num_free() == 0
+    pool.register(a, 0, 111)
+    pool.release([c, b, a])  # tail first, as an engine frees
+    assert pool.cached(0, 111) == a
+    pool.touch(a)  # a hit: out of the free queue, content kept
+    assert pool.num_free() == 2
+    assert pool.cached(0, 111) == a
+    pool.release([a])
+    got = pool.take(3)  # LRU order: c, b, then a (evicted)
+    assert got == [c, b, a]
+    assert pool.cached(0, 111) is None
+    assert pool.evictions == 1
+    with pytest.raises(SimError):
+        pool.take(1)
+
+
+# ---------------------------------------------------------------------- correct runs
+
+
+@pytest.mark.parametrize("fence", ["exact", "conservative"])
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_runs_are_byte_exact_under_pressure(name: str, fence: str) -> None:
+    r = simulate(replace(PRESSURE, workload=name, fence=fence))
+    assert_clean(r, flush_field="flushes_necessary" if fence == "exact" else "flushes_conservative")
+    assert r.gpu_hit_tokens > 0
+    assert r.hit_blocks_verified > 0
+
+
+def test_preemption_happens_and_stays_exact() -> None:
+    r = simulate(replace(PRESSURE, workload="chat"))
+    assert r.preemptions > 0
+    assert_clean(r, flush_field="flushes_necessary")
+
+
+def test_async_scheduling_is_exact() -> None:
+    r = simulate(replace(PRESSURE, workload="mixed", async_scheduling=True))
+    assert_clean(r, flush_field="flushes_necessary")
+
+
+def test_step_completion_is_reproducible_and_exact() -> None:
+    cfg = replace(PRESSURE, workload="docs", completion="step", copy_delay_s=0.0)
+    one, two = simulate(cfg), simulate(cfg)
+    assert one.mismatches == 0
+    assert one.cpu_hit_tokens > 0
+    fields = ("steps", "gpu_hit_tokens", "cpu_hit_tokens", "prefill_tokens", "bytes_stored")
+    assert [getattr(one, f) for f in fields] == [getattr(two, f) for f in fields]
+    assert one.timeline == two.timeline
+
+
+def test_offload_saves_prefill_and_baseline_is_sane() -> None:
+    on = simulate(replace(PRESSURE, workload="docs", completion="step", copy_delay_s=0.0))
+    off = simulate(
+        replace(PRESSURE, workload="docs", completion="step", copy_delay_s=0.0, offload=False)
+    )
+    assert off.cpu_hit_tokens == 0
+    assert off.store_jobs == 0
+    assert off.hit_mismatches == 0
+    assert off.hit_blocks_verified > 0
+    assert on.prefill_tokens < off.prefill_tokens
+
+
+@pytest.mark.parametrize("fence", ["exact", "conservative"])
+def test_sliding_window_group_is_exact(fence: str) -> None:
+    cfg = replace(PRESSURE, workload="mixed", num_gpu_blocks=160, sliding_window=128, fence=fence)
+    r = simulate(cfg)
+    assert_clean(r, flush_field="flushes_necessary" if fence == "exact" else "flushes_conservative")
+
+
+# ---------------------------------------------------------------------- broken fences
+
+
+@pytest.mark.parametrize("name", ["chat", "docs", "mixed"])
+def test_fence_off_is_caught(name: str) -> None:
+    r = simulate(replace(PRESSURE, workload=name, fence="off"))
+    assert r.mismatches > 0
+    d = r.mismatch_details[0]
+    assert d.request
+    assert d.step > 0
+    assert d.chunk >= 0
+
+
+@pytest.mark.parametrize("name", ["chat", "docs"])
+def test_deferred_pairs_never_armed_is_caught(name: str) -> None:
+    r = simulate(replace(PRESSURE, workload=name, skip_deferred_arming=True))
+    assert r.mismatches > 0
+    assert r.flushes_necessary < simulate(replace(PRESSURE, workload=name)).flushes_necessary
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"num_gpu_blocks": 1}, "num_gpu_blocks"),
+        ({"fence": "sometimes"}, "fence"),
+        ({"policy": "fifo"}, "policy"),
+        ({"device": "tpu"}, "device"),
+        ({"token_budget": 0}, "token_budget"),
+        ({"sliding_window": 8}, "sliding_window"),
+        ({"workload": "nope"}, "unknown workload"),
+    ],
+)
+def test_bad_config_is_rejected(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Simulator(replace(PRESSURE, **change))
+
+
+def test_gpu_too_small_for_a_request_is_an_error() -> None:
+    with pytest.raises(SimError, match="GPU blocks"):
+        Simulator(replace(PRESSURE, workload="docs", num_gpu_blocks=16))
