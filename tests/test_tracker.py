@@ -26,7 +26,6 @@ from hypothesis.stateful import (
 )
 
 import kvoffload
-from conftest import NUM_BLOCKS, Busy, observe
 from kvoffload import JobTracker, KvOffloadError
 from kvoffload.errors import (
     CompletionError,
@@ -36,6 +35,7 @@ from kvoffload.errors import (
     RequestStateError,
     UnknownJobError,
 )
+from tests.conftest import NUM_BLOCKS, Busy, observe
 
 # --------------------------------------------------------------------------------------------
 # The documented behaviour
