@@ -26,11 +26,11 @@ fn describe(item: &Bound<'_, PyAny>) -> String {
 fn extract_index(
     item: &Bound<'_, PyAny>,
     what: &str,
-    limit: u64,
+    limit: u128,
     err: fn(String) -> PyErr,
 ) -> PyResult<u64> {
     match item.extract::<i128>() {
-        Ok(v) if v >= 0 && v < i128::from(limit) => Ok(v as u64),
+        Ok(v) if v >= 0 && (v as u128) < limit => Ok(v as u64),
         Ok(v) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
         Err(_) => Err(err(format!(
             "{what} must be an integer, got {}",
@@ -88,13 +88,13 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
 
 /// Extracts one block id.
 pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
-    extract_index(obj, what, u64::from(u32::MAX), InvalidBlockError::new_err)
+    extract_index(obj, what, u128::from(u32::MAX), InvalidBlockError::new_err)
         .map(|b| BlockId(b as u32))
 }
 
 /// Extracts a request id used as a job owner (a non-negative 64-bit integer).
 pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
-    extract_index(obj, "request id", u64::MAX, InvalidRequestError::new_err).map(OwnerId)
+    extract_index(obj, "request id", 1 << 64, InvalidRequestError::new_err).map(OwnerId)
 }
 
 /// Extracts one pool key: an `int` in `0..2**128` (numpy integers included) or `bytes`.
