@@ -160,7 +160,7 @@ def test_report(capsys: pytest.CaptureFixture[str]) -> None:
         lines.append(
             f"{r.direction:9} {r.pattern:10} {r.chunk // KIB:>5}KiB {r.copies:>6} "
             f"{JOB_BYTES / r.engine_s / 1e9:>11.2f} {JOB_BYTES / r.copy_s / 1e9:>10.2f} "
-            f"{ratio:>6.2f}  {goal}"
+            f"{ratio:>6.3f}  {goal}"
         )
     with capsys.disabled():
         print("\n".join(lines))

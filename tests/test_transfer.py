@@ -376,6 +376,25 @@ def test_large_jobs_split_over_copy_threads(threads: int, pattern: str) -> None:
     assert not any(t.name.startswith("kvoffload-copy") for t in threading.enumerate())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocks_larger_than_a_copy_piece(threads: int) -> None:
+    """Blocks of 320 KiB are copied in 256 KiB pieces plus a tail; the bytes must not care."""
+    gen = torch.Generator().manual_seed(18)
+    k = rand_tensor((16, 320 * 1024), torch.uint8, gen)
+    cache = Cache([(k,)], kv_first=False, num_blocks=16)
+    with TransferEngine([[k]], blocks_per_chunk=2, num_slots=4, cpu_copy_threads=threads) as eng:
+        snap = cache.snapshot()
+        src = np.array([1, 2, 3, 7, 8, 9, 12, 13])  # 2.5 MiB: split over the threads
+        cpos = np.array([4, 5, 0, 1, 2, 3, 6, 7])  # runs [1,2] [3] [7,8,9] [12,13]
+        eng.submit_store(1, [(0, src, cpos)])
+        assert run_one(eng, 1).copies == 4
+        assert torch.equal(eng.cpu_region(0, 0)[torch.as_tensor(cpos)], snap[0][src])
+        dst = np.array([0, 4, 5, 6, 10, 11, 14, 15])
+        eng.submit_load(2, [(0, dst, cpos)])
+        assert run_one(eng, 2).ok
+        cache.assert_bytes(cache.expected_after_copy(snap, src, dst))
+
+
 # --------------------------------------------------------------------------- concurrency (CPU)
 
 
@@ -612,10 +631,16 @@ def test_shutdown_without_wait_cancels_unfinished_jobs() -> None:
     eng.submit_store(2, [(0, [3], [3])])  # waits behind job 1 on the store thread
     eng.queue_store(3, [(0, [4], [4])])  # never submitted
     assert gate.entered.wait(WAIT_S)
-    timer = threading.Timer(0.05, gate.release.set)  # lets job 1 leave the hook
-    timer.start()
+    cancel = eng._resources.lanes["store"].cancel
+
+    def release_once_cancelled() -> None:  # job 1 leaves the hook only after shutdown began
+        cancel.wait(WAIT_S)
+        gate.release.set()
+
+    releaser = threading.Thread(target=release_once_cancelled)
+    releaser.start()
     results = {r.job_id: r for r in eng.shutdown(wait=False)}
-    timer.join()
+    releaser.join()
     assert sorted(results) == [1, 2, 3]
     for r in results.values():
         assert not r.ok

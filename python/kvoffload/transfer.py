@@ -32,19 +32,23 @@ slots.
 GPU block ids and the CPU positions are consecutive are found with numpy and copied with one
 copy per run per tensor; :attr:`TransferResult.copies` reports how many were issued.
 
-* On CUDA: one stream per direction. Before a job's copies, an event is recorded on the current
-  (compute) stream and the copy stream waits on it, so a store reads its blocks after the compute
-  that wrote them and a load writes its blocks after the compute that last used them. An end
-  event per job tells completion; :meth:`TransferEngine.wait` blocks the host on it and
+* On CUDA: one ``copy_(non_blocking=True)`` per run per tensor, on one stream per direction.
+  Before a job's copies, an event is recorded on the current (compute) stream and the copy
+  stream waits on it, so a store reads its blocks after the compute that wrote them and a load
+  writes its blocks after the compute that last used them. An end event per job tells
+  completion; :meth:`TransferEngine.wait` blocks the host on it and
   :meth:`TransferEngine.fence` makes the compute stream wait on it instead. The pool is pinned
   with ``cudaHostRegister`` on a plain allocation (torch's pinned allocator rounds sizes up to a
-  power of two, which would nearly double a large pool).
+  power of two, which would nearly double a large pool). Each copy costs a few µs of host time,
+  so many scattered small blocks are bound by that (``benches/gpu_transfer.py`` measures it).
 * On CPU: copies run on one background thread per direction, so they really overlap with the
   caller, with the same API and guarantees. Copies go through numpy views of the same memory:
   numpy releases the GIL, costs ~0.3 µs per call against ~2.5 µs for ``torch.Tensor.copy_``,
   and does not start an OpenMP team from the background thread (measured on 2 cores, torch
   ``copy_`` from a background thread reached 48% of a main-thread ``copy_`` for 256 KiB runs,
-  numpy 100%).
+  numpy 100%). Like torch's own ``copy_``, a large job (>= 2 MiB) is split over
+  ``cpu_copy_threads`` threads, and long runs are copied in 256 KiB pieces.
+  ``benches/bench_transfer.py`` compares the result with a plain ``copy_``.
 
 **Failures.** A copy that raises marks its job failed (``ok=False`` from :meth:`poll`); the job
 never hangs. Nothing becomes visible on failure because visibility is the scheduler's decision:
@@ -60,6 +64,7 @@ An engine is driven from one thread (the worker's); it is not itself thread-safe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import operator
@@ -108,6 +113,9 @@ Transfer: TypeAlias = tuple[SupportsIndex, BlockIds, BlockIds]
 JobKind: TypeAlias = Literal["store", "load"]
 """``"store"`` copies GPU blocks to the CPU pool, ``"load"`` copies them back."""
 
+_NP_PIECE_BYTES = 256 << 10
+"""CPU engines copy long runs in pieces of about this size: on the 2-core AMD EPYC this was
+tuned on, glibc's memcpy moves 256-512 KiB pieces ~10-15% faster than multi-MiB ones."""
 _PARALLEL_MIN_BYTES = 2 << 20
 """CPU engines split a job of at least this many bytes over their copy threads (a hand-off to a
 helper thread costs tens of µs, one 2 MiB memcpy ~100 µs)."""
@@ -257,6 +265,31 @@ def _split(pieces: list[_Piece], parts: int) -> list[list[_Piece]]:
     return bins
 
 
+def _np_copy(
+    dst: npt.NDArray[np.uint8],
+    d0: int,
+    src: npt.NDArray[np.uint8],
+    s0: int,
+    n: int,
+    bytes_per_block: int,
+) -> None:
+    """``dst[d0:d0+n] = src[s0:s0+n]`` in pieces of about ``_NP_PIECE_BYTES``."""
+    if bytes_per_block > _NP_PIECE_BYTES:  # big blocks: pieces of each row
+        piece = _NP_PIECE_BYTES
+        for k in range(n):
+            drow, srow = dst[d0 + k], src[s0 + k]
+            for a in range(0, bytes_per_block, piece):
+                drow[a : a + piece] = srow[a : a + piece]
+        return
+    step = _NP_PIECE_BYTES // bytes_per_block
+    if n <= step:
+        dst[d0 : d0 + n] = src[s0 : s0 + n]
+        return
+    for k in range(0, n, step):
+        m = min(step, n - k)
+        dst[d0 + k : d0 + k + m] = src[s0 + k : s0 + k + m]
+
+
 def _copy_pieces(
     pieces: list[_Piece], store: bool, cancel: threading.Event | None, progress: list[int]
 ) -> None:
@@ -268,9 +301,9 @@ def _copy_pieces(
         assert gpu_np is not None
         assert cpu_np is not None
         if store:
-            cpu_np[c0 : c0 + n] = gpu_np[g0 : g0 + n]
+            _np_copy(cpu_np, c0, gpu_np, g0, n, r.bytes_per_block)
         else:
-            gpu_np[g0 : g0 + n] = cpu_np[c0 : c0 + n]
+            _np_copy(gpu_np, g0, cpu_np, c0, n, r.bytes_per_block)
         progress[0] += n * r.bytes_per_block
         progress[1] += 1
 
@@ -366,9 +399,9 @@ def _execute(
                     nbytes = n * r.bytes_per_block
                     if r.gpu_np is not None and r.cpu_np is not None:
                         if store:
-                            r.cpu_np[c0:c1] = r.gpu_np[g0:g1]
+                            _np_copy(r.cpu_np, c0, r.gpu_np, g0, n, r.bytes_per_block)
                         else:
-                            r.gpu_np[g0:g1] = r.cpu_np[c0:c1]
+                            _np_copy(r.gpu_np, g0, r.cpu_np, c0, n, r.bytes_per_block)
                     elif store:
                         r.cpu[c0:c1].copy_(r.gpu[g0:g1], non_blocking=non_blocking)
                     else:
@@ -455,7 +488,7 @@ class _Lane:
 
 
 class _Resources:
-    """What must be released exactly once: lanes, streams, the host registration."""
+    """What must be released exactly once: lanes, copy helpers, streams, the registration."""
 
     def __init__(self) -> None:
         self.lanes: dict[JobKind, _Lane] = {}
@@ -465,7 +498,10 @@ class _Resources:
         self.released = False
 
     def release(self, *, cancel: bool) -> None:
-        """Join the lanes, synchronise the streams, unregister the pool. Idempotent."""
+        """Join the lanes and copy helpers, synchronise the streams, unregister the pool.
+
+        Idempotent.
+        """
         if self.released:
             return
         self.released = True
@@ -1138,12 +1174,13 @@ class TransferEngine:
             planned_copies += starts.size * len(grp.regions)
         for group, arrays in dests.items():
             d = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-            if d.size > 1:
-                u, counts = np.unique(d, return_counts=True)
-                if u.size != d.size:
+            if d.size > 1 and not bool((np.diff(d) > 0).all()):  # increasing: distinct
+                d = np.sort(d)
+                same = np.flatnonzero(d[1:] == d[:-1])
+                if same.size:
                     side = "cpu_blocks" if kind == "store" else "gpu_blocks"
                     raise TransferError(
-                        f"job {jid}: group {group} writes {side} {int(u[counts > 1][0])} twice"
+                        f"job {jid}: group {group} writes {side} {int(d[same[0]])} twice"
                     )
         return _Job(jid, kind, runs, planned_bytes, planned_copies)
 
@@ -1166,9 +1203,11 @@ class TransferEngine:
                 end = torch.cuda.Event()
                 end.record(stream)
             job.end_event = end
-        except Exception as exc:  # no event: report it failed at once (a sticky CUDA error)
+        except Exception as exc:  # no end event (a CUDA error): fail it once the stream is idle
             job.error = job.error or f"{type(exc).__name__}: {exc}"
             job.end_event = None
+            with contextlib.suppress(Exception):  # the job's error is already recorded
+                stream.synchronize()
             job.t_done = time.perf_counter()
             job.done.set()
             self._sink.push(job)
