@@ -12,8 +12,9 @@
 //! - free slots are a run-length set: maximal free runs indexed by start and by length (two
 //!   B-trees, O(log runs) per allocation or release). A store call asks for all its slots at
 //!   once: the smallest free run that holds them all (best fit), else the largest runs first,
-//!   so the data plane copies a job with few large copies. [`PoolStats`] says how well that
-//!   works.
+//!   so the data plane copies a job with few large copies. In a full pool (the steady state)
+//!   the victims' slots are the only free ones: they are handed out directly, sorted, without
+//!   touching the B-trees. [`PoolStats`] says how contiguous allocations are.
 //!
 //! Every operation checks its input before it changes anything: an `Err` (or a `None` from
 //! [`Pool::prepare_store`]) means nothing changed. Changes visible to other caches are queued
