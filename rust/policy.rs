@@ -412,7 +412,9 @@ impl Ghosts {
 /// - A touch of a *ready* T1 entry promotes it to T2; a storing entry stays in T1 (it has not
 ///   been used yet). A touch in T2 moves it to T2's most recent end.
 /// - A touch of a key in B1 raises the target `p` by `max(|B2| / |B1|, 1)` (up to the
-///   capacity); in B2 it lowers `p` by `max(|B1| / |B2|, 1)` (down to 0).
+///   capacity); in B2 it lowers `p` by `max(|B1| / |B2|, 1)` (down to 0). The ghost moves to
+///   the most recent end of its list and stays there until the key is stored again (it then
+///   enters T2) or is trimmed. Every touch adapts, so touch once per access.
 /// - Replacement takes the least recent evictable entry of T1 when `|T1| > p`, else of T2, and
 ///   falls back to the other list when the preferred one has no evictable entry. A multi-victim
 ///   choice applies this rule once per victim, counting earlier victims as gone.

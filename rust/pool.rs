@@ -12,8 +12,9 @@
 //! - free slots are a run-length set: maximal free runs indexed by start and by length (two
 //!   B-trees, O(log runs) per allocation or release). A store call asks for all its slots at
 //!   once: the smallest free run that holds them all (best fit), else the largest runs first,
-//!   so the data plane copies a job with few large copies. [`PoolStats`] says how well that
-//!   works.
+//!   so the data plane copies a job with few large copies. In a full pool (the steady state)
+//!   the victims' slots are the only free ones: they are handed out directly, sorted, without
+//!   touching the B-trees. [`PoolStats`] says how contiguous allocations are.
 //!
 //! Every operation checks its input before it changes anything: an `Err` (or a `None` from
 //! [`Pool::prepare_store`]) means nothing changed. Changes visible to other caches are queued
@@ -535,16 +536,21 @@ impl Pool {
                 return None;
             }
         }
+        // A full pool (the steady state) has no free slot but the victims' own: they are
+        // handed out directly, sorted, instead of through the free set (same runs, no B-tree
+        // traffic).
+        let reuse_victims = self.free.free == 0;
         plan.evicted.reserve(victims.len());
         for &slot in &victims {
             let key = self.keys[slot.0 as usize];
             self.policy.evict(slot, key);
             self.index.remove(&key);
             self.entries[slot.0 as usize] = Entry::Free;
-            self.free.release(slot.0);
+            if !reuse_victims {
+                self.free.release(slot.0);
+            }
             plan.evicted.push(key);
         }
-        self.victims = victims;
         if !plan.evicted.is_empty() {
             self.stats.evictions += plan.evicted.len() as u64;
             self.events.push(PoolEvent {
@@ -554,7 +560,14 @@ impl Pool {
         }
         if need > 0 {
             plan.slots.reserve(need as usize);
-            let runs = self.free.alloc(need, &mut plan.slots);
+            let runs = if reuse_victims {
+                debug_assert_eq!(victims.len(), need as usize);
+                victims.sort_unstable();
+                plan.slots.extend_from_slice(&victims);
+                1 + victims.windows(2).filter(|w| w[1].0 != w[0].0 + 1).count() as u32
+            } else {
+                self.free.alloc(need, &mut plan.slots)
+            };
             for (&key, &slot) in plan.keys.iter().zip(&plan.slots) {
                 self.index.insert(key, slot);
                 self.entries[slot.0 as usize] = Entry::Storing;
@@ -567,6 +580,7 @@ impl Pool {
             self.stats.allocated_runs += u64::from(runs);
             self.stats.contiguous_allocations += u64::from(runs == 1);
         }
+        self.victims = victims;
         self.stats.filtered += plan.filtered.len() as u64;
         Some(plan)
     }

@@ -441,12 +441,14 @@ fn slots_of_one_call_are_contiguous_when_possible() {
 
 #[test]
 fn a_fragmented_pool_uses_the_largest_runs_first() {
-    let mut p = pool(8, PolicyKind::Lru);
-    fill(&mut p, &[0, 1, 2, 3, 4, 5, 6, 7]); // slots 0..8 in key order
-    p.prepare_load(&ks(&[0, 2, 6])).unwrap(); // pinned: slots 0, 2, 6 stay
+    let mut p = pool(10, PolicyKind::Lru);
+    let all: Vec<u128> = (0..10).collect();
+    assert_eq!(p.prepare_store(&ks(&all)).unwrap().slots.len(), 10); // key i in slot i
+    p.complete_store(&ks(&[1, 3, 4, 5, 7]), false).unwrap(); // free: {1}, {3, 4, 5}, {7}
+    p.complete_store(&ks(&[0, 2, 6, 8, 9]), true).unwrap();
     let plan = p.prepare_store(&ks(&[10, 11, 12, 13, 14])).unwrap();
-    assert_eq!(plan.evicted, ks(&[1, 3, 4, 5, 7]));
-    // Victim slots 1, 3..=5, 7: the run 3..6 first, then 1 and 7 in some order.
+    assert!(plan.evicted.is_empty());
+    // No run holds 5: the 3-slot run first, then the single slots.
     assert_eq!(&plan.slots[..3], &[SlotId(3), SlotId(4), SlotId(5)]);
     let mut rest = plan.slots[3..].to_vec();
     rest.sort();
@@ -454,10 +456,29 @@ fn a_fragmented_pool_uses_the_largest_runs_first() {
     let s = p.stats();
     assert_eq!(
         (s.allocations, s.allocated_slots, s.allocated_runs),
-        (2, 13, 4)
+        (2, 15, 4)
     );
     assert_eq!(s.contiguous_allocations, 1);
-    assert!((s.slots_per_run() - 13.0 / 4.0).abs() < 1e-9);
+    assert!((s.slots_per_run() - 15.0 / 4.0).abs() < 1e-9);
+}
+
+#[test]
+fn a_full_pool_reuses_the_victims_slots_in_order() {
+    let mut p = pool(8, PolicyKind::Lru);
+    fill(&mut p, &[0, 1, 2, 3, 4, 5, 6, 7]); // key i in slot i
+    p.prepare_load(&ks(&[0, 2, 6])).unwrap(); // pinned: slots 0, 2, 6 stay
+    p.touch(&ks(&[7, 5])); // LRU order: 0 1 2 3 4 6 5 7
+    let plan = p.prepare_store(&ks(&[10, 11, 12, 13, 14])).unwrap();
+    assert_eq!(plan.evicted, ks(&[1, 3, 4, 5, 7]));
+    // Sorted victim slots: runs {1}, {3, 4, 5}, {7}, in slot order for the keys in order.
+    let want: Vec<SlotId> = [1, 3, 4, 5, 7].into_iter().map(SlotId).collect();
+    assert_eq!(plan.slots, want);
+    let s = p.stats();
+    assert_eq!(
+        (s.allocations, s.allocated_slots, s.allocated_runs),
+        (2, 13, 4)
+    );
+    p.check_consistency().unwrap();
 }
 
 #[test]
