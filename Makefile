@@ -44,7 +44,7 @@ test: build ## cargo test + pytest
 
 bench: build ## criterion benches and pytest-benchmark benches
 	cargo bench
-	$(PY) -m pytest -q benches --benchmark-enable -p no:cacheprovider
+	$(PY) -m pytest -q -s benches/bench_*.py --benchmark-enable -p no:cacheprovider
 
 demo: build ## run the simulated engine end to end
 	$(VENV)/bin/kvoffload simulate

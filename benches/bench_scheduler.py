@@ -81,3 +81,42 @@ def test_steady_decode_step(benchmark, n):
         f"ratio {t_model / t_core:.0f}x"
     )
     assert t_model > 0
+
+
+@pytest.mark.parametrize("n", [64, 256, 512])
+def test_prefill_heavy_step(benchmark, n):
+    """One in eight requests prefills a 256-token piece per step (16 chunks to store)."""
+    steps = 40
+    core = Scheduler([(BS, None, 0)], **CFG)
+    model = ModelScheduler([(BS, None)], **CFG)
+    ids, computed = setup(core, n)
+    setup(model, n)
+    run_steps(core, ids, computed, 1, True)
+    run_steps(model, ids, computed, 1, False)
+    start = [c + 1 for c in computed]
+    # The same sequence of step inputs for both implementations.
+    inputs = []
+    cur = start
+    for step in range(1, steps + 1):
+        cur = [c + (256 if i % 8 == step % 8 else 1) for i, c in enumerate(cur)]
+        inputs.append(cur)
+    it = iter(inputs)
+
+    def one_step():
+        plan = core.schedule(ids, next(it), None, None, None, None, None, [])
+        for j in plan.stores:
+            core.complete(j.job_id)
+
+    benchmark.pedantic(one_step, rounds=steps, iterations=1)
+    t_core = benchmark.stats.stats.mean
+    t0 = time.perf_counter()
+    for comp in inputs:
+        _, stores, _ = model.schedule(ids, comp, (), (), (), (), (), [])
+        for j in stores:
+            model.complete(j.id)
+    t_model = (time.perf_counter() - t0) / steps
+    print(
+        f"\nprefill-heavy {n} requests: core {t_core * 1e6:.1f} us/step, "
+        f"model {t_model * 1e6:.1f} us/step, ratio {t_model / t_core:.0f}x"
+    )
+    assert t_model > 0
