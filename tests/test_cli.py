@@ -103,6 +103,8 @@ def test_broken_fence_fails_the_command(capsys: pytest.CaptureFixture[str]) -> N
         "poll",
         "--copy-delay-ms",
         "2",
+        "--sliding-window",
+        "0",
         "--no-baseline",
         "--quiet",
     ]

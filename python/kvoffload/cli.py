@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--sliding-window",
         type=_non_negative,
-        default=0,
+        default=128,
         metavar="TOKENS",
-        help="add a sliding-window KV group with this window (default: 0, none)",
+        help="window of the second, sliding-window KV group (default: 128; 0: none)",
     )
     s.add_argument(
         "--async-scheduling", action="store_true", help="one-step lag between schedule and outputs"
