@@ -120,3 +120,24 @@ def test_prefill_heavy_step(benchmark, n):
         f"model {t_model * 1e6:.1f} us/step, ratio {t_model / t_core:.0f}x"
     )
     assert t_model > 0
+
+
+def test_steady_decode_512_through_the_facade(benchmark):
+    """The same steady decode at 512 requests, through ``OffloadScheduler.schedule``."""
+    from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
+
+    s = OffloadScheduler(
+        OffloadConfig(groups=(KvGroup(BS),), num_gpu_blocks=200_000, cpu_chunks=400_000)
+    )
+    ids, computed = setup(s, 512)
+    state = {"computed": computed}
+
+    def one_step():
+        state["computed"] = [c + 1 for c in state["computed"]]
+        step = StepInput(request_ids=ids, computed_tokens=state["computed"], written=[])
+        for j in s.schedule(step).stores:
+            s.complete(j.job_id)
+
+    one_step()
+    benchmark(one_step)
+    print(f"\nfacade, 512 requests: {benchmark.stats.stats.mean * 1e6:.1f} us/step")

@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension ``kvoffload._core`` (checked by ``mypy.stubtest``)."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
 _Key: TypeAlias = SupportsIndex | bytes
@@ -150,13 +150,13 @@ class Scheduler:
     ) -> int | None: ...
     def schedule(
         self,
-        scheduled: list[str],
-        computed: list[int],
-        new_blocks: list[tuple[str, int, Iterable[SupportsIndex]]] | None = None,
-        resumed: list[str] | None = None,
-        finished: list[str] | None = None,
-        aborted: list[str] | None = None,
-        preempted: list[str] | None = None,
+        scheduled: Sequence[str],
+        computed: Sequence[int],
+        new_blocks: Sequence[tuple[str, int, Iterable[SupportsIndex]]] | None = None,
+        resumed: Sequence[str] | None = None,
+        finished: Sequence[str] | None = None,
+        aborted: Sequence[str] | None = None,
+        preempted: Sequence[str] | None = None,
         written: Iterable[SupportsIndex] | None = None,
     ) -> StepPlan: ...
     def complete(self, job: int, count: int = 1, ok: bool = True) -> CompletedJob | None: ...

@@ -184,6 +184,9 @@ class StepInput:
         preempted: Requests that were preempted (their blocks are released).
         written: Block ids written this step (by the forward pass or a load), or None to count
             every block allocated since the previous step (conservative, still correct).
+        request_ids: Fast path instead of ``scheduled``: the scheduled request ids ...
+        computed_tokens: ... and their computed tokens, as two parallel sequences (no per-step
+            tuple packing and unpacking on the engine side).
     """
 
     scheduled: Sequence[tuple[str, int]] = ()
@@ -193,6 +196,8 @@ class StepInput:
     aborted: Sequence[str] = ()
     preempted: Sequence[str] = ()
     written: Sequence[int] | None = None
+    request_ids: Sequence[str] = ()
+    computed_tokens: Sequence[int] = ()
 
 
 @dataclass
@@ -264,18 +269,20 @@ class OffloadScheduler:
     def schedule(self, step: StepInput) -> StepPlan:
         """Applies one step and returns its plan (loads, stores, flush)."""
         if step.scheduled:
+            if step.request_ids:
+                raise ConfigError("give scheduled or request_ids/computed_tokens, not both")
             ids, computed = zip(*step.scheduled, strict=True)
         else:
-            ids, computed = (), ()
+            ids, computed = step.request_ids, step.computed_tokens
         return self._core.schedule(
-            list(ids),
-            list(computed),
-            list(step.new_blocks),
-            list(step.resumed),
-            list(step.finished),
-            list(step.aborted),
-            list(step.preempted),
-            None if step.written is None else step.written,
+            ids,
+            computed,
+            step.new_blocks or None,
+            step.resumed or None,
+            step.finished or None,
+            step.aborted or None,
+            step.preempted or None,
+            step.written,
         )
 
     def complete(self, job_id: int, count: int = 1, ok: bool = True) -> CompletedJob | None:
