@@ -286,3 +286,39 @@ def test_invalid_config_says_what_to_change(kwargs, match):
 def test_window_smaller_than_chunk_rejected():
     with pytest.raises(ConfigError, match="lower blocks_per_chunk"):
         make(window=4, blocks_per_chunk=2)
+
+
+def test_failed_load_reports_its_destination_blocks():
+    s = make(num_workers=2)
+    admit(s, "a", [[1, 2, 3]], prompt=9)
+    for j in s.schedule(StepInput(scheduled=[("a", 8)])).stores:
+        s.complete(j.job_id, count=2)
+    s.schedule(StepInput(finished=["a"], written=[]))
+    load = admit(s, "b", [[5, 6, 7]], prompt=9, expect_load=8)
+    assert s.complete(load, ok=True) is None  # one worker succeeded
+    done = s.complete(load, ok=False)  # the other failed: the load failed
+    assert done.kind == "load"
+    assert not done.ok
+    assert done.invalid_blocks == [5, 6]
+    assert s.stats()["failed_loads"] == 1
+    # The chunks stay readable (the CPU copy is intact) and unpinned.
+    assert s.stats()["pools"][0]["pinned"] == 0
+    s.add_request("c", 9, hashes(2))
+    assert s.lookup("c", 0) == 8
+
+
+def test_events_carry_group_and_keys():
+    s = make(window=8, cpu_chunks=2)
+    admit(s, "a", [[1, 2, 3], [11, 12, 13]], prompt=12)
+    complete_all(s, s.schedule(StepInput(scheduled=[("a", 8)])).stores)
+    events = s.take_events()
+    assert sorted((kind, group, keys) for kind, group, keys, _ in events) == [
+        ("stored", 0, [1000, 1001]),
+        ("stored", 1, [1000, 1001]),
+    ]
+    assert {medium for *_, medium in events} == {"cpu"}
+    # A third chunk evicts the least recent one in each group's pool.
+    complete_all(s, s.schedule(StepInput(scheduled=[("a", 12)])).stores)
+    removed = [(g, keys) for kind, g, keys, _ in s.take_events() if kind == "removed"]
+    assert sorted(removed) == [(0, [1000]), (1, [1000])]
+    assert s.take_events() == []
