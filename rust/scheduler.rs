@@ -483,6 +483,11 @@ impl Scheduler {
     /// ready, or 0; and whether a chunk that could extend it is still being stored.
     fn hit_end(&mut self, r: &Request, hit: u32) -> (u32, bool) {
         let mut cap = r.prompt_len - u32::from(self.cfg.has_window());
+        if r.status == Status::Preempted {
+            // Resumed requests recompute their generated tokens too: every token that had KV
+            // may come back (the last sampled one never had any).
+            cap = cap.max(r.computed);
+        }
         let hashed = (r.hashes.len() as u64 * u64::from(self.cfg.hash_block_size))
             .min(u64::from(u32::MAX)) as u32;
         cap = cap.min(hashed);

@@ -322,3 +322,19 @@ def test_events_carry_group_and_keys():
     removed = [(g, keys) for kind, g, keys, _ in s.take_events() if kind == "removed"]
     assert sorted(removed) == [(0, [1000]), (1, [1000])]
     assert s.take_events() == []
+
+
+def test_resumed_request_loads_its_generated_tokens_too():
+    s = make()
+    admit(s, "a", [[1, 2, 3, 4]], prompt=8)
+    jobs = s.schedule(StepInput(scheduled=[("a", 8)])).stores
+    s.extend_hashes("a", [1002])  # decode fills the third block
+    jobs += s.schedule(StepInput(scheduled=[("a", 12)])).stores
+    complete_all(s, jobs)
+    s.schedule(StepInput(preempted=["a"], written=[]))
+    # Prompt (8) and generated tokens (4) had KV: all 12 come back.
+    assert s.lookup("a", 0) == 12
+    load = s.allocate("a", [[9, 10, 11, 12]], 0, 12)
+    assert load is not None
+    plan = s.schedule(StepInput(scheduled=[("a", 13)], written=[9, 10, 11, 12]))
+    assert [t[1] for j in plan.loads for t in j.transfers] == [[9, 10, 11]]

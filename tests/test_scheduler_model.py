@@ -160,7 +160,7 @@ class Engine:
                     # Free a block that left the window (the engine may re-use it at once).
                     t = r["tables"][1]
                     out = (r["computed"] - self.window) // self.bs
-                    for pos in range(max(out, 0)):
+                    for pos in range(min(max(out, 0), len(t))):
                         if t[pos] and self.owner.get(t[pos]) == rid:
                             del self.owner[t[pos]]
                             self.free.append(t[pos])

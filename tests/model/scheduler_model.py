@@ -135,7 +135,10 @@ class ModelScheduler:
         self.req(rid).hashes.extend(hashes)
 
     def hit_end(self, r: MRequest, hit: int) -> tuple[int, bool]:
-        cap = min(r.prompt_len - int(self.has_window), len(r.hashes) * self.hbs)
+        cap = r.prompt_len - int(self.has_window)
+        if r.status == "preempted":
+            cap = max(cap, r.computed)
+        cap = min(cap, len(r.hashes) * self.hbs)
         cap -= cap % self.align
         if cap <= hit:
             return 0, False
