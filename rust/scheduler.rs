@@ -445,11 +445,14 @@ impl Scheduler {
         if first_ask {
             // Wait only for loads already in flight now, never for loads started later.
             let mut jobs = Vec::new();
-            self.for_each_needed(r, hit, end, |g, key| {
-                if let Some(j) = self.loading.get(&(g, key)) {
-                    jobs.push(*j);
-                }
-            });
+            for g in 0..self.cfg.groups.len() {
+                let loading = &self.loading;
+                jobs.extend(
+                    self.needed_keys(r, g, hit, end)
+                        .into_iter()
+                        .filter_map(|k| loading.get(&(g as u32, k)).copied()),
+                );
+            }
             jobs.sort_unstable();
             jobs.dedup();
             r.wait_on = jobs;
@@ -470,10 +473,7 @@ impl Scheduler {
             end,
         });
         for g in 0..self.cfg.groups.len() {
-            let last = end / self.cfg.chunk_tokens(g);
-            let keys: Vec<Key> = (self.first_needed_chunk(g, hit, end)..last)
-                .filter_map(|c| self.key(r, g, c))
-                .collect();
+            let keys = self.needed_keys(r, g, hit, end);
             self.pools[g].touch(&keys);
         }
         Some(end - hit)
@@ -558,15 +558,12 @@ impl Scheduler {
         start / self.cfg.chunk_tokens(g)
     }
 
-    fn for_each_needed(&self, r: &Request, hit: u32, end: u32, mut f: impl FnMut(u32, Key)) {
-        for g in 0..self.cfg.groups.len() {
-            let last = end / self.cfg.chunk_tokens(g);
-            for c in self.first_needed_chunk(g, hit, end)..last {
-                if let Some(k) = self.key(r, g, c) {
-                    f(g as u32, k);
-                }
-            }
-        }
+    /// Keys of the chunks group `g` needs loaded for tokens `[hit, end)`.
+    fn needed_keys(&self, r: &Request, g: usize, hit: u32, end: u32) -> Vec<Key> {
+        let last = end / self.cfg.chunk_tokens(g);
+        (self.first_needed_chunk(g, hit, end)..last)
+            .filter_map(|c| self.key(r, g, c))
+            .collect()
     }
 
     fn engine_block(&self, b: u32) -> Result<u32> {
