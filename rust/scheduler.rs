@@ -863,7 +863,7 @@ impl Scheduler {
         }
         for &i in &preempted {
             let r = self.req(i);
-            if r.status != Status::Running {
+            if !matches!(r.status, Status::Running | Status::Preempted) {
                 return Err(Self::state_err(
                     &r.id,
                     r.status,
@@ -987,6 +987,26 @@ impl Scheduler {
             stores,
             flush,
         })
+    }
+
+    /// The engine released a running request's blocks outside a step (for example after a
+    /// failed load it chose not to keep): its pending jobs' deferred pairs are armed, its
+    /// remaining stores are planned next step, and it may be looked up again. Idempotent for
+    /// a request already preempted; reporting it again in the next step's `preempted` is fine.
+    pub fn preempt(&mut self, id: &str) -> Result<()> {
+        let i = self.idx(id)?;
+        let r = self.req(i);
+        match r.status {
+            Status::Preempted => Ok(()),
+            Status::Running => {
+                let owner = r.owner;
+                self.req_mut(i).status = Status::Preempted;
+                self.tracker.release(owner);
+                self.retry.push(i);
+                Ok(())
+            }
+            status => Err(Self::state_err(id, status, "only running requests are preempted")),
+        }
     }
 
     /// Indexes position `pos` of group `g` of request `i` under its block.

@@ -338,3 +338,25 @@ def test_resumed_request_loads_its_generated_tokens_too():
     assert load is not None
     plan = s.schedule(StepInput(scheduled=[("a", 13)], written=[9, 10, 11, 12]))
     assert [t[1] for j in plan.loads for t in j.transfers] == [[9, 10, 11]]
+
+
+def test_preempt_outside_a_step_after_a_failed_load():
+    s = make()
+    admit(s, "a", [[1, 2, 3]], prompt=9)
+    complete_all(s, s.schedule(StepInput(scheduled=[("a", 8)])).stores)
+    s.schedule(StepInput(finished=["a"], written=[]))
+    load = admit(s, "b", [[5, 6, 7]], prompt=9, expect_load=8)
+    s.schedule(StepInput(written=[5, 6, 7]))
+    assert s.complete(load, ok=False).invalid_blocks == [5, 6]
+    # The engine drops b's blocks and will admit it again: it must be lookable.
+    with pytest.raises(RequestStateError, match="running"):
+        s.lookup("b", 0)
+    s.preempt("b")
+    s.preempt("b")  # idempotent
+    assert s.status("b") == "preempted"
+    assert s.lookup("b", 0) == 8
+    # Reporting the preemption in the next step as well is harmless.
+    s.schedule(StepInput(preempted=["b"], written=[]))
+    s.schedule(StepInput(aborted=["b"], written=[]))
+    with pytest.raises(UnknownRequestError, match="b"):
+        s.preempt("b")  # aborted with nothing pending: dropped

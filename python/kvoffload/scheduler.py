@@ -285,6 +285,11 @@ class OffloadScheduler:
             step.written,
         )
 
+    def preempt(self, request_id: str) -> None:
+        """The engine released a running request's blocks outside a step (e.g. it dropped the
+        blocks of a failed load and will admit the request again). Idempotent."""
+        self._core.preempt(request_id)
+
     def complete(self, job_id: int, count: int = 1, ok: bool = True) -> CompletedJob | None:
         """Records ``count`` worker reports of ``job_id``; returns the job once all reported."""
         return self._core.complete(job_id, count, ok)

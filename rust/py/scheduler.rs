@@ -308,6 +308,12 @@ impl Scheduler {
         Ok(job.map(|j| j.0))
     }
 
+    /// The engine released a running request's blocks outside a step (e.g. after a failed
+    /// load); idempotent.
+    fn preempt(&self, request_id: &str) -> PyResult<()> {
+        self.lock().preempt(request_id).map_err(to_py)
+    }
+
     /// Applies one engine step; returns its plan.
     #[pyo3(signature = (
         scheduled, computed, new_blocks = None, resumed = None, finished = None,
