@@ -1005,7 +1005,11 @@ impl Scheduler {
                 self.retry.push(i);
                 Ok(())
             }
-            status => Err(Self::state_err(id, status, "only running requests are preempted")),
+            status => Err(Self::state_err(
+                id,
+                status,
+                "only running requests are preempted",
+            )),
         }
     }
 
