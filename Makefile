@@ -68,7 +68,6 @@ $(STAMP_VLLM_BUILD): $(STAMP_VLLM_DEPS) $(RUST_SRC) $(PY_SRC)
 
 test-vllm: $(STAMP_VLLM_BUILD) ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm
 	$(VLLM_PY) -m pytest -q tests/vllm
-	@cat $(VLLM_VENV)/e2e-report.json
 
 bench: build ## criterion benches and pytest-benchmark benches
 	cargo bench

@@ -59,7 +59,10 @@ LAYERS = 2
 
 
 def make_config(
-    num_blocks: int, extra: dict[str, Any] | None = None, async_scheduling: bool = False
+    num_blocks: int,
+    extra: dict[str, Any] | None = None,
+    async_scheduling: bool = False,
+    failure_policy: str = "fail",
 ) -> tuple[VllmConfig, KVCacheConfig]:
     model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32", seed=0)
     sched = SchedulerConfig(
@@ -77,6 +80,7 @@ def make_config(
         kv_connector_module_path="kvoffload.integrations.vllm",
         kv_role="kv_both",
         kv_connector_extra_config=extra if extra is not None else {"cpu_chunks": 256},
+        kv_load_failure_policy=failure_policy,  # type: ignore[arg-type]
     )
     vc = VllmConfig(
         model_config=model,
@@ -107,10 +111,12 @@ class Harness:
         num_blocks: int,
         async_scheduling: bool = False,
         copy_delay_s: float = 0.0,
+        failure_policy: str = "fail",
+        block_errors_only: bool = False,
         **extra: Any,
     ) -> None:
         ex = {"cpu_chunks": 256, **extra}
-        vc, kcc = make_config(num_blocks, ex, async_scheduling)
+        vc, kcc = make_config(num_blocks, ex, async_scheduling, failure_policy)
         self.vc = vc
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
@@ -128,8 +134,16 @@ class Harness:
         # [2, num_blocks, block_size, heads, head] per layer, like vLLM's CPU backend.
         self.kv = {f"layer{i}": torch.zeros(2, num_blocks, BS, 1, 4) for i in range(LAYERS)}
         assert self.worker.worker_side is not None
-        if copy_delay_s:
-            self.worker.worker_side.engine_kwargs = {"_copy_delay_s": copy_delay_s}
+        # Load jobs to fail per request id (the worker's TransferEngine raises for them).
+        self.fail_loads: dict[str, int] = {}
+        self.failed_jobs: list[tuple[int, str]] = []
+        # Emulates a worker reporting failed loads by block only (no failed_recving): vLLM
+        # then keeps the valid prefix and recomputes from the first invalid block.
+        self.block_errors_only = block_errors_only
+        self.worker.worker_side.engine_kwargs = {
+            "_copy_delay_s": copy_delay_s,
+            "_fault_injector": self._inject,
+        }
         self.worker.register_kv_caches(self.kv)
         self.async_scheduling = async_scheduling
         self.prev: tuple[Any, Any] | None = None
@@ -139,6 +153,15 @@ class Harness:
         self.plans: list[KvOffloadMetadata] = []
         self.loads_checked = 0
         self.steps = 0
+        self.admitted: list[tuple[str, int]] = []  # (request, computed tokens) when scheduled
+
+    def _inject(self, job: int) -> None:
+        for m in list(self.plans):
+            for j, rid, _ in m.loads:
+                if j == job and self.fail_loads.get(rid, 0) > 0:
+                    self.fail_loads[rid] -= 1
+                    self.failed_jobs.append((job, rid))
+                    raise RuntimeError(f"injected failure of load job {job} ({rid})")
 
     # ------------------------------------------------------------------ requests
 
@@ -184,6 +207,7 @@ class Harness:
         # Newly scheduled requests: verify what a load put into their blocks.
         for nr in so.scheduled_new_reqs:
             req = self.reqs[nr.req_id]
+            self.admitted.append((nr.req_id, nr.num_computed_tokens))
             self.verify_prefix(req, nr.num_computed_tokens)
         # The forward pass.
         sampled: dict[str, list[int]] = {}
@@ -206,7 +230,8 @@ class Harness:
         res = w.get_transfer_results(so.finished_req_ids)
         kv_out = KVConnectorOutput(
             finished_recving=res.finished_recving,
-            failed_recving=res.failed_recving,
+            failed_recving=set() if self.block_errors_only else res.failed_recving,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
             kv_connector_worker_meta=w.build_connector_worker_meta(),
         )
         w.clear_connector_metadata()
@@ -411,6 +436,135 @@ def test_stats_and_events_surface() -> None:
     assert red["sched_steps"] >= 3
     assert red["bytes_stored"] == 5 * BS * LAYERS * 2 * 4 * 4
     assert red["sched_us_per_step"] > 0
+
+
+# ------------------------------------------------------------------------- failed loads
+
+
+def _assert_clean(h: Harness) -> None:
+    """Nothing pending, armed or tracked: in the core and in the adapter."""
+    s = h.conn.scheduler_side
+    assert s is not None
+    core = s.sched
+    assert core.pending_jobs() == []
+    assert core.armed_pairs == 0
+    assert core.num_requests == 0
+    assert not s.running and not s.known and not s.loading and not s.pending
+    assert h.worker.worker_side is not None
+    assert not h.worker.worker_side.load_req and not h.worker.worker_side.cancelled
+
+
+def _load_jobs(h: Harness, rid: str) -> list[int]:
+    return [j for m in h.plans for j, r, _ in m.loads if r == rid]
+
+
+def _stored_then_local_reset(h: Harness, p: list[int]) -> None:
+    """Computes ``p`` once (stored to the CPU tier) and empties vLLM's prefix cache."""
+    h.add("a", p)
+    h.run_until_done()
+    h.drain()
+    assert h.sched.reset_prefix_cache()
+
+
+def test_failed_load_recompute_policy_readmits_and_reloads(async_sched: bool) -> None:
+    # failed_recving: vLLM (policy "recompute") zeroes the request's computed tokens, frees
+    # its blocks and asks the connector again; the core still had it running.
+    h = Harness(64, async_scheduling=async_sched, failure_policy="recompute")
+    p = prompt(11, 100)
+    _stored_then_local_reset(h, p)
+    h.fail_loads["b"] = 1
+    h.add("b", p)
+    h.run_until_done()
+    h.drain()
+    assert [rid for _, rid in h.failed_jobs] == ["b"]
+    jobs = _load_jobs(h, "b")
+    assert len(jobs) == 2 and jobs[0] == h.failed_jobs[0][0]  # re-admitted, loaded again
+    # Admitted once, after the second load, with every loaded token verified.
+    assert [c for r, c in h.admitted if r == "b"] == [96]
+    assert h.reqs["b"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert h.true_tokens["b"] == h.true_tokens["a"]
+    st = h.conn.scheduler_side.sched.stats()
+    assert st["failed_loads"] == 1
+    _assert_clean(h)
+
+
+def test_failed_load_fail_policy_finishes_request_with_error(async_sched: bool) -> None:
+    h = Harness(64, async_scheduling=async_sched)  # vLLM's default policy: "fail"
+    p = prompt(12, 100)
+    _stored_then_local_reset(h, p)
+    h.fail_loads["b"] = 1
+    h.add("b", p)
+    h.run_until_done()
+    h.drain()
+    assert len(_load_jobs(h, "b")) == 1
+    assert h.reqs["b"].status == RequestStatus.FINISHED_ERROR
+    # The engine goes on: the same prompt loads (correctly) from the CPU tier.
+    h.add("c", p)
+    h.run_until_done()
+    h.drain()
+    assert len(_load_jobs(h, "c")) == 1
+    assert [c for r, c in h.admitted if r == "c"] == [96]
+    _assert_clean(h)
+
+
+def test_failed_load_block_errors_keep_valid_prefix_and_recompute(async_sched: bool) -> None:
+    # invalid_block_ids only: vLLM truncates the computed tokens at the first invalid block,
+    # keeps the blocks (and the valid local prefix) and recomputes the rest in place.
+    h = Harness(
+        64, async_scheduling=async_sched, failure_policy="recompute", block_errors_only=True
+    )
+    p = prompt(13, 100)
+    _stored_then_local_reset(h, p)
+    h.add("c", p[:40])  # loads 2 blocks from the CPU tier: vLLM's prefix cache has them
+    h.run_until_done()
+    h.drain()
+    h.fail_loads["b"] = 1
+    h.add("b", p)
+    h.run_until_done()
+    h.drain()
+    assert [rid for _, rid in h.failed_jobs] == ["b"]
+    assert len(_load_jobs(h, "b")) == 1
+    # Not asked again: scheduled with the valid local prefix only, the rest recomputed.
+    assert [c for r, c in h.admitted if r == "b"] == [32]
+    assert h.reqs["b"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # b's recomputed blocks are what the next request gets (prefix cache), verified.
+    h.add("d", [*p, 5])
+    h.run_until_done()
+    h.drain()
+    assert [c for r, c in h.admitted if r == "d"] == [96]
+    _assert_clean(h)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_reset_cache_with_loads_in_flight(async_sched: bool, policy: str) -> None:
+    h = Harness(64, async_scheduling=async_sched, copy_delay_s=0.05, failure_policy=policy)
+    p = prompt(14, 100)
+    _stored_then_local_reset(h, p)
+    h.add("b", p)
+    for _ in range(3):
+        h.step()
+        if _load_jobs(h, "b"):
+            break
+    s = h.conn.scheduler_side
+    assert s.loading, "b's load should be in flight"
+    if policy == "fail":
+        # A cancelled load would fail the request: refused while loads are in flight.
+        assert not h.conn.reset_cache()
+        h.run_until_done()
+        h.drain()
+        assert [c for r, c in h.admitted if r == "b"] == [96]
+        assert h.conn.reset_cache()
+    else:
+        assert h.conn.reset_cache()
+        assert not s.loading
+        h.run_until_done()
+        h.drain()
+        # The cancelled load was reported as failed: vLLM asked again, the CPU tier was
+        # empty, and b was computed from scratch.
+        assert len(_load_jobs(h, "b")) == 1
+        assert [c for r, c in h.admitted if r == "b"] == [0]
+        assert h.reqs["b"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    _assert_clean(h)
 
 
 def _finished(h: Harness) -> set[str]:

@@ -293,11 +293,13 @@ class KvOffloadMetadata(KVConnectorMetadata):
         loads: ``(job_id, request_id, transfers)`` per load job.
         stores: ``(job_id, transfers)`` per store job.
         flush: Jobs that must complete before this step writes its blocks.
+        cancelled: Load jobs a cache reset cancelled: workers report them as failed.
     """
 
     loads: list[tuple[int, str, _Transfers]] = field(default_factory=list)
     stores: list[tuple[int, _Transfers]] = field(default_factory=list)
     flush: list[int] = field(default_factory=list)
+    cancelled: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -393,9 +395,10 @@ def _keys(hashes: Iterable[Any]) -> list[int]:
 class _SchedulerSide:
     """Maps vLLM's scheduler-side connector calls onto :class:`OffloadScheduler`."""
 
-    def __init__(self, cfg: OffloadConfig, exact_fence: bool) -> None:
+    def __init__(self, cfg: OffloadConfig, exact_fence: bool, recompute: bool = False) -> None:
         self.cfg = cfg
         self.exact_fence = exact_fence
+        self.recompute = recompute  # vLLM's kv_load_failure_policy is "recompute"
         self.sched = OffloadScheduler(cfg)
         self.block_size = cfg.groups[0].block_size
         self.chunk_tokens = self.block_size * cfg.blocks_per_chunk
@@ -408,6 +411,7 @@ class _SchedulerSide:
         self.written: list[int] = []
         self.conservative = False
         self.pending: set[int] = set()
+        self.cancelled: list[int] = []  # loads cancelled by a reset, for the next plan
         self.stats = KvOffloadStats()
         self.t = 0.0
         self.step_times: list[float] = []
@@ -435,6 +439,11 @@ class _SchedulerSide:
         try:
             if rid not in self.reqs:
                 self.on_new_request(request)
+            if rid in self.running:
+                # vLLM asks again for a request it admitted: it freed the blocks of a failed
+                # load (kv_load_failure_policy "recompute", nothing valid kept) and re-queued
+                # it. Release it in the core and start afresh.
+                self._released(rid)
             self._sync_hashes(rid, request)
             got = self.sched.lookup(rid, num_computed_tokens)
             self.stats.data["lookups"] += 1
@@ -448,6 +457,14 @@ class _SchedulerSide:
         finally:
             self.t += time.perf_counter() - t
 
+    def _released(self, rid: str) -> None:
+        """vLLM released ``rid``'s blocks outside a step: forget its block table."""
+        self.sched.preempt(rid)
+        self.running.discard(rid)
+        self.known.pop(rid, None)
+        self.loading.pop(rid, None)
+        self.hit.pop(rid, None)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -456,7 +473,13 @@ class _SchedulerSide:
         try:
             if rid in self.running:
                 # Second call after an asynchronous load: the new blocks arrive with the
-                # scheduler output.
+                # scheduler output. After a failed load vLLM kept the valid prefix and
+                # recomputes from the first invalid block: those blocks are written again.
+                known = self.known.get(rid)
+                if known is not None:
+                    first = request.num_computed_tokens // self.block_size
+                    for g, tb in enumerate(blocks.get_block_ids()):
+                        self.written.extend(b for b in tb[first : known[g]] if b != 0)
                 return
             tables = [list(ids) for ids in blocks.get_block_ids()]
             hit = self.hit.pop(rid, None)
@@ -553,7 +576,9 @@ class _SchedulerSide:
             loads=[(j.job_id, j.request_id, j.transfers) for j in plan.loads],
             stores=[(j.job_id, j.transfers) for j in plan.stores],
             flush=list(plan.flush),
+            cancelled=self.cancelled,
         )
+        self.cancelled = []
         self.pending.update(j for j, _, _ in meta.loads)
         self.pending.update(j for j, _ in meta.stores)
         d = self.stats.data
@@ -620,13 +645,21 @@ class _SchedulerSide:
         return out
 
     def reset_cache(self) -> bool:
-        if self.loading:
+        if self.loading and not self.recompute:
+            # A cancelled load is reported to vLLM as failed: under the "fail" policy that
+            # would fail the request.
             logger.warning(
-                "kvoffload: not resetting the CPU tier while %d load(s) are in flight",
+                "kvoffload: not resetting the CPU tier while %d load(s) are in flight "
+                "(kv_load_failure_policy 'recompute' allows it)",
                 len(self.loading),
             )
             return False
-        self.sched.reset()  # the flushed jobs join the next plan's flush set
+        res = self.sched.reset()  # the flushed jobs join the next plan's flush set
+        # The workers still run the cancelled loads (they are in the flush set) but report
+        # them as failed: vLLM frees those requests' blocks and asks for them again.
+        self.cancelled.extend(job for _, job in res.cancelled_loads)
+        for rid, _ in res.cancelled_loads:
+            self.loading.pop(rid, None)
         self.pending.clear()
         return True
 
@@ -657,6 +690,10 @@ class _WorkerSide:
         self.before_done: KvOffloadMetadata | None = None
         self.meta = KvOffloadWorkerMetadata()
         self.invalid: set[int] = set()
+        self.cancelled: set[int] = set()
+        # vLLM refuses block-level load errors with several KV groups (block ids are per
+        # group); failed_recving alone then reports the failed request.
+        self.report_blocks = len(kv_cache_config.kv_cache_groups) == 1
         self.engine_kwargs: dict[str, Any] = {}  # tests: TransferEngine hooks (copy delays)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -692,6 +729,7 @@ class _WorkerSide:
         self.before_done = meta
         x = self.xfer
         assert x is not None
+        self.cancelled.update(j for j in meta.cancelled if j in self.load_req)
         x.submit_queued()
         self.queued.clear()
         if meta.flush:
@@ -725,16 +763,19 @@ class _WorkerSide:
             return out
         m = self.meta
         for r in x.poll():
-            (m.done if r.ok else m.failed)[r.job_id] = 1
+            ok = r.ok and r.job_id not in self.cancelled
+            self.cancelled.discard(r.job_id)
+            (m.done if ok else m.failed)[r.job_id] = 1
             if r.kind == "load":
                 m.bytes_loaded += r.bytes
                 m.load_seconds += r.seconds
                 rid, blocks = self.load_req.pop(r.job_id, ("", []))
                 if rid:
                     out.finished_recving.add(rid)
-                    if not r.ok:
+                    if not ok:
                         out.failed_recving.add(rid)
-                        self.invalid.update(blocks)
+                        if self.report_blocks:
+                            self.invalid.update(blocks)
             else:
                 m.bytes_stored += r.bytes
                 m.store_seconds += r.seconds
@@ -780,7 +821,9 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: _SchedulerSide | None = None
         self.worker_side: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = _SchedulerSide(cfg, exact)
+            ktc = vllm_config.kv_transfer_config
+            policy = getattr(ktc, "kv_load_failure_policy", "fail")
+            self.scheduler_side = _SchedulerSide(cfg, exact, recompute=policy == "recompute")
         else:
             self.worker_side = _WorkerSide(cfg, kv_cache_config)
 
@@ -911,5 +954,7 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return KvOffloadStats(data=dict(data)) if data is not None else KvOffloadStats()
 
     def reset_cache(self) -> bool | None:
-        """Empties the CPU tier (refused while loads are in flight)."""
+        """Empties the CPU tier. Loads in flight are reported to vLLM as failed (it
+        recomputes them) under ``kv_load_failure_policy="recompute"``; under ``"fail"`` the
+        reset is refused while loads are in flight."""
         return self._s().reset_cache() if self.scheduler_side is not None else None
