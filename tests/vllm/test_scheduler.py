@@ -449,9 +449,13 @@ def _assert_clean(h: Harness) -> None:
     assert core.pending_jobs() == []
     assert core.armed_pairs == 0
     assert core.num_requests == 0
-    assert not s.running and not s.known and not s.loading and not s.pending
+    assert not s.running
+    assert not s.known
+    assert not s.loading
+    assert not s.pending
     assert h.worker.worker_side is not None
-    assert not h.worker.worker_side.load_req and not h.worker.worker_side.cancelled
+    assert not h.worker.worker_side.load_req
+    assert not h.worker.worker_side.cancelled
 
 
 def _load_jobs(h: Harness, rid: str) -> list[int]:
@@ -478,7 +482,8 @@ def test_failed_load_recompute_policy_readmits_and_reloads(async_sched: bool) ->
     h.drain()
     assert [rid for _, rid in h.failed_jobs] == ["b"]
     jobs = _load_jobs(h, "b")
-    assert len(jobs) == 2 and jobs[0] == h.failed_jobs[0][0]  # re-admitted, loaded again
+    assert len(jobs) == 2
+    assert jobs[0] == h.failed_jobs[0][0]
     # Admitted once, after the second load, with every loaded token verified.
     assert [c for r, c in h.admitted if r == "b"] == [96]
     assert h.reqs["b"].status == RequestStatus.FINISHED_LENGTH_CAPPED

@@ -36,6 +36,14 @@ backend (the KV cache in CPU memory).
   :class:`~kvoffload.scheduler.StepPlan` (loads, stores, flush) to the workers.
 * ``request_finished`` returns ``(False, None)``: vLLM frees the blocks at once; the fence
   flushes a pending store before any of its blocks is written again.
+* **Failed loads** are reported as ``failed_recving`` (and, with one KV group, as
+  ``get_block_ids_with_load_errors``; vLLM refuses block ids with several groups). Under
+  ``kv_load_failure_policy="fail"`` (vLLM's default) vLLM finishes the request with an error.
+  Under ``"recompute"`` it either keeps the blocks and recomputes from the first invalid block
+  (block-level report with a valid prefix: the recomputed blocks count as written again), or
+  frees them and asks ``get_num_new_matched_tokens`` again: the adapter then calls
+  ``OffloadScheduler.preempt`` and forgets the old block table. ``reset_cache`` with loads in
+  flight reports those loads as failed (``"recompute"`` only; refused under ``"fail"``).
 
 **How job ids travel back.** Each worker reports the ids of the jobs it finished (or failed)
 in a :class:`KvOffloadWorkerMetadata`, vLLM's worker-to-scheduler side channel

@@ -555,6 +555,12 @@ class Simulator:
         self._sched_t = 0.0
         self.step_no += 1
         self._collect(block=cfg.completion == "step")
+        if not self.running and not self.ready and self.loading and self.inflight_ids:
+            # Nothing can run until a load lands; a real step lasts long enough for it, so do
+            # not spin empty steps (they would skew arrivals and the per-step figures).
+            assert self.xfer is not None
+            self.xfer.wait(list(self.inflight_ids))
+            self._collect(block=False)
         self._arrive()
         if (
             not self.running
