@@ -152,6 +152,8 @@ pub struct PoolStats {
     pub misses: u64,
     /// Entries evicted to make room.
     pub evictions: u64,
+    /// Ready entries dropped by [`Pool::discard`] (content no longer trusted).
+    pub discarded: u64,
     /// Stores completed successfully (keys that became readable).
     pub stores: u64,
     /// Stores completed as failed (keys dropped, never readable).
@@ -689,6 +691,35 @@ impl Pool {
             }
         }
         Ok(())
+    }
+
+    /// Drops ready, unpinned entries whose content can no longer be trusted (for example after
+    /// a load from them failed), freeing their slots without a ghost entry, and emits one
+    /// `removed` event. Absent, storing and pinned keys are left as they are. Returns the keys
+    /// dropped.
+    pub fn discard(&mut self, keys: &[Key]) -> Vec<Key> {
+        let mut dropped = Vec::new();
+        for &key in keys {
+            let Some(&slot) = self.index.get(&key) else {
+                continue;
+            };
+            if self.entries[slot.0 as usize] != Entry::Ready(0) {
+                continue;
+            }
+            self.policy.remove(slot);
+            self.index.remove(&key);
+            self.entries[slot.0 as usize] = Entry::Free;
+            self.free.release(slot.0);
+            dropped.push(key);
+        }
+        if !dropped.is_empty() {
+            self.stats.discarded += dropped.len() as u64;
+            self.events.push(PoolEvent {
+                kind: PoolEventKind::Removed,
+                keys: dropped.clone(),
+            });
+        }
+        dropped
     }
 
     /// Recency update, walking `keys` from last to first so that the earliest prefix chunk

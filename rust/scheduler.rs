@@ -1231,7 +1231,13 @@ impl Scheduler {
             }
             JobKind::Load => {
                 for t in &j.payload.transfers {
-                    let _ = self.pools[t.group as usize].complete_load(&t.keys);
+                    let pool = &mut self.pools[t.group as usize];
+                    let _ = pool.complete_load(&t.keys);
+                    if !ok {
+                        // A failed load leaves its chunks suspect: drop them (unless another
+                        // load still reads them), so a persistent fault cannot loop forever.
+                        pool.discard(&t.keys);
+                    }
                     for k in &t.keys {
                         if self.loading.get(&(t.group, *k)) == Some(&job) {
                             self.loading.remove(&(t.group, *k));

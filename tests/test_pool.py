@@ -341,3 +341,19 @@ def test_repr_and_store_plan() -> None:
     assert plan is not None
     assert repr(plan) == "StorePlan(keys=[5], slots=[0], evicted=[], filtered=[])"
     assert repr(pool) == "CpuPool(capacity=2, policy='lru', used=1, storing=1, pinned=0)"
+
+
+def test_discard_drops_only_ready_unpinned_keys():
+    pool = CpuPool(4)
+    plan = pool.prepare_store([1, 2, 3])
+    assert plan is not None
+    pool.complete_store([1, 2])  # 3 stays storing
+    pool.prepare_load([2])  # 2 is pinned
+    pool.take_events()
+    assert pool.discard([1, 2, 3, 99]) == [1]
+    assert pool.state(1) == "absent"
+    assert [pool.state(k) for k in (2, 3)] == ["ready", "storing"]
+    assert pool.take_events() == [("removed", [1], "cpu")]
+    assert pool.stats()["discarded"] == 1
+    # The freed slot is reusable, and nothing is left in a ghost list.
+    assert pool.prepare_store([5]) is not None

@@ -301,10 +301,11 @@ def test_failed_load_reports_its_destination_blocks():
     assert not done.ok
     assert done.invalid_blocks == [5, 6]
     assert s.stats()["failed_loads"] == 1
-    # The chunks stay readable (the CPU copy is intact) and unpinned.
+    # The chunks are no longer trusted: unpinned, dropped, reported removed.
     assert s.stats()["pools"][0]["pinned"] == 0
+    assert ("removed", 0, [1000, 1001], "cpu") in s.take_events()
     s.add_request("c", 9, hashes(2))
-    assert s.lookup("c", 0) == 8
+    assert s.lookup("c", 0) == 0
 
 
 def test_events_carry_group_and_keys():
@@ -354,7 +355,7 @@ def test_preempt_outside_a_step_after_a_failed_load():
     s.preempt("b")
     s.preempt("b")  # idempotent
     assert s.status("b") == "preempted"
-    assert s.lookup("b", 0) == 8
+    assert s.lookup("b", 0) == 0  # the failed load's chunks were dropped: recompute
     # Reporting the preemption in the next step as well is harmless.
     s.schedule(StepInput(preempted=["b"], written=[]))
     s.schedule(StepInput(aborted=["b"], written=[]))

@@ -208,6 +208,13 @@ impl CpuPool {
         Ok(())
     }
 
+    /// Drops ready, unpinned entries whose content is no longer trusted; returns the keys
+    /// dropped (absent, storing and pinned keys are left alone).
+    fn discard(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
+        let keys = convert::keys(keys, "keys")?;
+        Ok(ints(&self.lock().discard(&keys)))
+    }
+
     /// Drains the events: `(kind, keys, medium)` with kind `"stored"` or `"removed"`.
     fn take_events(&self) -> Vec<(&'static str, Vec<u128>, &'static str)> {
         self.lock()
@@ -234,6 +241,7 @@ impl CpuPool {
         d.set_item("hits", s.hits)?;
         d.set_item("misses", s.misses)?;
         d.set_item("evictions", s.evictions)?;
+        d.set_item("discarded", s.discarded)?;
         d.set_item("stores", s.stores)?;
         d.set_item("failed_stores", s.failed_stores)?;
         d.set_item("loads", s.loads)?;

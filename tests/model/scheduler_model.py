@@ -420,6 +420,8 @@ class ModelScheduler:
         else:
             for g, gpu, _, keys in j.transfers:
                 self.pools[g].complete_load(keys)
+                if not ok:
+                    self.pools[g].discard(keys)
                 for k in keys:
                     if self.loading.get((g, k)) == job_id:
                         del self.loading[(g, k)]
