@@ -16,6 +16,7 @@
 //! `python` feature, so `cargo test` and `cargo bench` build plain Rust.
 
 pub mod config;
+pub mod copy;
 pub mod error;
 pub mod fence;
 pub mod ids;

@@ -350,7 +350,8 @@ def test_copy_count_matches_reference_run_count(pairs: list[tuple[int, int]]) ->
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
 def test_large_jobs_split_over_copy_threads(threads: int, pattern: str) -> None:
-    """Jobs of >= 2 MiB are split over cpu_copy_threads; bytes and copy counts are unchanged."""
+    """Jobs of >= 2 MiB are split over cpu_copy_threads (threads inside the core's copy call);
+    bytes and copy counts are unchanged."""
     gen = torch.Generator().manual_seed(17)
     rng = np.random.default_rng(17)
     cache = make_cache("split", torch.float16, gen, num_blocks=112, block_shape=(16, 8, 64))
@@ -371,9 +372,6 @@ def test_large_jobs_split_over_copy_threads(threads: int, pattern: str) -> None:
         eng.submit_load(2, [(0, dst, cpos)])
         assert run_one(eng, 2).ok
         cache.assert_bytes(cache.expected_after_copy(snap, src, dst))
-        helpers = [t for t in threading.enumerate() if t.name.startswith("kvoffload-copy")]
-        assert bool(helpers) == (threads > 1)
-    assert not any(t.name.startswith("kvoffload-copy") for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("threads", [1, 2])

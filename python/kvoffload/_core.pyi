@@ -27,9 +27,15 @@ __all__ = [
     "UnknownKeyError",
     "UnknownRequestError",
     "__version__",
+    "copy_rows",
 ]
 
 __version__: str
+
+def copy_rows(
+    plans: list[tuple[int, int, int, int, int, list[int], list[int], list[int]]],
+    threads: int = 1,
+) -> int: ...
 
 class KvOffloadError(Exception): ...
 class ConfigError(KvOffloadError): ...

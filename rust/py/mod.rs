@@ -5,6 +5,7 @@
 //! the exceptions of `kvoffload.errors`.
 
 mod convert;
+mod copy;
 mod errors;
 mod pool;
 mod scheduler;
@@ -15,6 +16,8 @@ use pyo3::prelude::*;
 /// The extension module `kvoffload._core`.
 #[pymodule]
 mod _core {
+    #[pymodule_export]
+    use super::copy::copy_rows;
     #[pymodule_export]
     use super::errors::{
         CompletionError, ConfigError, InvalidBlockError, InvalidKeyError, InvalidRequestError,
