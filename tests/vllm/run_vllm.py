@@ -2,14 +2,33 @@
 
 Used by ``test_e2e.py`` in a subprocess (vLLM wants its engine built under ``__main__``)::
 
-    python tests/vllm/run_vllm.py --connector on|off [--async-scheduling] --out result.json
+    python tests/vllm/run_vllm.py --connector on|off [--async-scheduling] --out result.json \
+        [--model tiny-llama|tiny-llama-sw|tiny-llama-bench] [--workload mixed|bench] \
+        [--fail-loads N]
 
-Scenarios, all in one engine with a GPU cache small enough to force evictions and preemptions:
+Models (``config.json`` only, ``load_format="dummy"`` then seeded random weights):
+
+* ``tiny-llama``: 2 full-attention layers, one KV group;
+* ``tiny-llama-sw``: 4 layers alternating sliding-window (64 tokens) and full attention: vLLM's
+  hybrid allocator makes two KV groups (``SlidingWindowSpec`` and ``FullAttentionSpec``);
+* ``tiny-llama-bench``: 6 layers, hidden 512, where prefill compute dominates (``bench``).
+
+``--fail-loads N`` (connector on) fails the first, third, ... load job on the worker, N in all,
+through the ``TransferEngine``'s ``_fault_injector`` hook, under
+``kv_load_failure_policy="recompute"``.
+
+Workload ``mixed``, all in one engine with a GPU cache small enough to force evictions and
+preemptions:
 
 * ``batch``: prompts of various lengths, some sharing prefixes, in one ``generate`` call;
 * ``reload``: a long prompt, ``reset_prefix_cache()``, the same prompt again;
 * ``chat``: multi-turn conversations, each turn's prompt is the last prompt, its answer and
   new user tokens, all conversations batched per turn.
+
+Workload ``bench``: long documents (``--doc-tokens``) computed once, ``reset_prefix_cache()``,
+then each document plus a new question, one request at a time: time to first token and total
+time per request (the connector serves the documents from the CPU tier; without it vLLM
+recomputes them).
 """
 
 from __future__ import annotations
@@ -45,64 +64,32 @@ def _randomize(model) -> None:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std * 2.0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--connector", choices=("on", "off"), required=True)
-    ap.add_argument("--async-scheduling", action="store_true")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--gpu-blocks", type=int, default=40)
-    args = ap.parse_args()
+def _inject_load_faults(count: int, failed: list[int]) -> None:
+    """Fails the 1st, 3rd, ... load job submitted on the worker, ``count`` in all."""
+    from kvoffload.integrations import vllm as kv
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm.config import KVTransferConfig
+    loads: list[int] = []
+    init, start = kv._WorkerSide.__init__, kv._WorkerSide.start_load
 
-    from vllm import LLM, SamplingParams
+    def fault(job: int) -> None:
+        if job in loads and loads.index(job) % 2 == 0 and len(failed) < count:
+            failed.append(job)
+            raise RuntimeError(f"injected failure of load job {job}")
 
-    kw: dict = {}
-    if args.connector == "on":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvOffloadConnector",
-            kv_connector_module_path="kvoffload.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes": 64 << 20, "blocks_per_chunk": 1},
-        )
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=str(HERE / "tiny-llama"),
-        tokenizer=None,
-        skip_tokenizer_init=True,
-        load_format="dummy",
-        dtype="float32",
-        enforce_eager=True,
-        block_size=BLOCK,
-        max_model_len=1024,
-        max_num_seqs=8,
-        max_num_batched_tokens=1024,
-        num_gpu_blocks_override=args.gpu_blocks,
-        enable_prefix_caching=True,
-        async_scheduling=args.async_scheduling,
-        disable_log_stats=False,
-        seed=0,
-        **kw,
-    )
-    llm.apply_model(_randomize)
-    t_init = time.perf_counter() - t0
-    rng = random.Random(7)
+    def patched_init(self, *a, **k) -> None:  # type: ignore[no-untyped-def]
+        init(self, *a, **k)
+        self.engine_kwargs = {"_fault_injector": fault}
 
-    def tok(n: int) -> list[int]:
-        return [rng.randrange(3, 2000) for _ in range(n)]
+    def patched_start(self, meta) -> None:  # type: ignore[no-untyped-def]
+        # Recorded before submission: the injector runs on the copy thread.
+        loads.extend(j for j, _, _ in meta.loads if j not in loads)
+        start(self, meta)
 
-    def gen(prompts: list[list[int]], max_tokens: int = 12):
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
-        )
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+    kv._WorkerSide.__init__ = patched_init  # type: ignore[method-assign]
+    kv._WorkerSide.start_load = patched_start  # type: ignore[method-assign]
 
-    result: dict = {"init_seconds": t_init}
-    t1 = time.perf_counter()
 
+def _mixed(llm, rng, tok, gen, result: dict) -> None:  # type: ignore[no-untyped-def]
     # batch: shared prefixes and independent prompts.
     shared = tok(200)
     batch = [shared + tok(40), tok(120), shared + tok(90), tok(33), shared[:100] + tok(60)]
@@ -124,7 +111,129 @@ def main() -> None:
             chat[i].append(o)
             convs[i] = convs[i] + o + tok(rng.randrange(20, 90))
     result["chat"] = chat
+
+
+def _bench(llm, args, tok, gen, result: dict) -> None:  # type: ignore[no-untyped-def]
+    """Documents computed once, the prefix cache reset, then re-read one request at a time."""
+    docs = [tok(args.doc_tokens) for _ in range(args.docs)]
+    t = time.perf_counter()
+    gen(docs, max_tokens=1)
+    result["bench_first_pass_seconds"] = time.perf_counter() - t
+    # The connector's stores complete in the engine steps of the first pass; a reset now
+    # empties vLLM's prefix cache only.
+    llm.reset_prefix_cache()
+    outputs, ttft, total, cached = [], [], [], []
+    t = time.perf_counter()
+    for d in docs:
+        prompt = d + tok(32)
+        # Time to first token: a one-token request (prefill, or a load and the question).
+        t_req = time.perf_counter()
+        first, _ = gen([prompt], max_tokens=1)
+        ttft.append(time.perf_counter() - t_req)
+        llm.reset_prefix_cache()
+        t_req = time.perf_counter()
+        outs, hit = gen([prompt], max_tokens=16)
+        total.append(time.perf_counter() - t_req)
+        outputs.append(outs[0])
+        assert first[0] == outs[0][:1]
+        cached.append(hit[0])
+        llm.reset_prefix_cache()
+    result["bench"] = {
+        "docs": args.docs,
+        "doc_tokens": args.doc_tokens,
+        "outputs": outputs,
+        "cached_tokens": cached,
+        "ttft_seconds": ttft,
+        "total_seconds": total,
+        "second_pass_seconds": time.perf_counter() - t,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--connector", choices=("on", "off"), required=True)
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--workload", choices=("mixed", "bench"), default="mixed")
+    ap.add_argument("--gpu-blocks", type=int, default=40)
+    ap.add_argument("--fail-loads", type=int, default=0)
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--doc-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    bench = args.workload == "bench"
+    failed: list[int] = []
+    if args.fail_loads:
+        _inject_load_faults(args.fail_loads, failed)
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm.config import KVTransferConfig
+
+    from vllm import LLM, SamplingParams
+
+    kw: dict = {}
+    if args.connector == "on":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvOffloadConnector",
+            kv_connector_module_path="kvoffload.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "cpu_bytes": (256 if bench else 64) << 20,
+                "blocks_per_chunk": 1,
+            },
+            kv_load_failure_policy="recompute" if args.fail_loads else "fail",
+        )
+    max_len = args.doc_tokens + 256 if bench else 1024
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(HERE / args.model),
+        tokenizer=None,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype="float32",
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=max_len,
+        max_num_seqs=8,
+        max_num_batched_tokens=max_len if bench else 1024,
+        num_gpu_blocks_override=None if bench else args.gpu_blocks,
+        enable_prefix_caching=True,
+        async_scheduling=args.async_scheduling,
+        disable_log_stats=False,
+        seed=0,
+        **kw,
+    )
+    llm.apply_model(_randomize)
+    t_init = time.perf_counter() - t0
+    rng = random.Random(7)
+
+    def tok(n: int) -> list[int]:
+        return [rng.randrange(3, 2000) for _ in range(n)]
+
+    def gen(prompts: list[list[int]], max_tokens: int = 12):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    result: dict = {
+        "init_seconds": t_init,
+        "model": args.model,
+        "kv_groups": [
+            type(g.kv_cache_spec).__name__ for g in core.scheduler.kv_cache_config.kv_cache_groups
+        ],
+    }
+    t1 = time.perf_counter()
+    if bench:
+        _bench(llm, args, tok, gen, result)
+    else:
+        _mixed(llm, rng, tok, gen, result)
     result["workload_seconds"] = time.perf_counter() - t1
+    result["failed_load_jobs"] = failed
 
     if args.connector == "on":
         conn = _connector(llm)

@@ -2,14 +2,27 @@
 
 Each engine runs ``run_vllm.py`` in a subprocess (vLLM builds its engine under ``__main__``).
 The GPU cache is small enough that the chat scenario evicts prefix-cache blocks and preempts
-requests. Wall times and the connector's scheduler-side time per step are written to
-``.venv-vllm/e2e-report.json`` (``make test-vllm`` prints it).
+requests. Runs, each compared token for token with the same model and workload without the
+connector:
+
+* ``on`` / ``on_async``: the 2-layer full-attention Llama (one KV group);
+* ``on_failload``: the same, ``kv_load_failure_policy="recompute"``, two load jobs failed on
+  the worker (their chunks are dropped from the CPU tier; vLLM recomputes those requests);
+* ``sw_on`` / ``sw_on_failload``: a hybrid Llama, sliding-window and full-attention layers
+  alternating, which vLLM's hybrid allocator splits into two KV groups;
+* ``bench_on``: a bigger Llama (6 layers, hidden 512) where prefill dominates, long documents
+  re-read after ``reset_prefix_cache()``: time to first token and total time, on and off.
+
+Wall times, the bench's speedups and the connector's scheduler-side time per step are written to
+``.venv-vllm/e2e-report.json`` (``make test-vllm`` prints it). Only correctness is asserted,
+never wall-clock times.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -45,21 +58,59 @@ def _run(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
     return result
 
 
+SW = ("--model", "tiny-llama-sw", "--gpu-blocks", "80")
+BENCH = ("--model", "tiny-llama-bench", "--workload", "bench")
+RUNS: dict[str, tuple[str, ...]] = {
+    "off": ("--connector", "off"),
+    "on": ("--connector", "on"),
+    "on_async": ("--connector", "on", "--async-scheduling"),
+    "on_failload": ("--connector", "on", "--fail-loads", "2"),
+    "sw_off": ("--connector", "off", *SW),
+    "sw_on": ("--connector", "on", *SW),
+    "sw_on_failload": ("--connector", "on", "--fail-loads", "2", *SW),
+    "bench_off": ("--connector", "off", *BENCH),
+    "bench_on": ("--connector", "on", *BENCH),
+}
+# Each run against the run without the connector, same model and workload.
+BASELINE = {name: ("sw_off" if name.startswith("sw_") else "off") for name in RUNS}
+BASELINE["bench_on"] = "bench_off"
+
+
+def _bench_report(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """Median time to first token and total time per request, on and off, and speedups."""
+    out: dict[str, Any] = {
+        "docs": on["bench"]["docs"],
+        "doc_tokens": on["bench"]["doc_tokens"],
+        "cached_tokens_on": on["bench"]["cached_tokens"],
+    }
+    for key in ("ttft_seconds", "total_seconds"):
+        a = statistics.median(off["bench"][key])
+        b = statistics.median(on["bench"][key])
+        out[f"median_{key}_off"] = a
+        out[f"median_{key}_on"] = b
+        out[f"{key.removesuffix('_seconds')}_speedup"] = a / b if b else None
+        out[f"{key}_off"] = off["bench"][key]
+        out[f"{key}_on"] = on["bench"][key]
+    out["second_pass_seconds_off"] = off["bench"]["second_pass_seconds"]
+    out["second_pass_seconds_on"] = on["bench"]["second_pass_seconds"]
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm")
     t = time.perf_counter()
-    res = {
-        "off": _run(tmp, "off", "--connector", "off"),
-        "on": _run(tmp, "on", "--connector", "on"),
-        "on_async": _run(tmp, "on_async", "--connector", "on", "--async-scheduling"),
-    }
+    res = {name: _run(tmp, name, *args) for name, args in RUNS.items()}
     report = {
         "e2e_wall_seconds": time.perf_counter() - t,
+        "bench": _bench_report(res["bench_off"], res["bench_on"]),
         **{
             name: {
+                "model": r["model"],
+                "kv_groups": r["kv_groups"],
                 "wall_seconds": r["wall_seconds"],
                 "workload_seconds": r["workload_seconds"],
+                "failed_load_jobs": r["failed_load_jobs"],
                 "connector": r.get("connector", {}),
                 "vllm_metrics": r.get("kv_stats", {}),
             }
@@ -71,12 +122,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     return res
 
 
-@pytest.mark.parametrize("mode", ["on", "on_async"])
+@pytest.mark.parametrize("mode", ["on", "on_async", "on_failload", "sw_on", "sw_on_failload"])
 def test_greedy_outputs_equal_without_connector(runs: dict, mode: str) -> None:
-    off, on = runs["off"], runs[mode]
+    off, on = runs[BASELINE[mode]], runs[mode]
+    assert on["kv_groups"] == off["kv_groups"]
     assert on["batch"] == off["batch"]
     assert on["chat"] == off["chat"]
     assert on["reload"]["first"] == off["reload"]["first"]
+    assert on["reload"]["second"] == off["reload"]["second"] == off["reload"]["first"]
 
 
 @pytest.mark.parametrize("mode", ["on", "on_async"])
@@ -103,3 +156,57 @@ def test_chat_scenario_really_evicts_and_preempts(runs: dict, mode: str) -> None
     assert on["connector"]["core_stats"]["load_jobs"] >= 3
     assert on["connector"]["core_stats"]["pending_jobs"] == 0
     assert on["connector"]["core_stats"]["armed_pairs"] == 0
+
+
+# ----------------------------------------------------------------------- hybrid model
+
+
+def test_hybrid_model_has_a_sliding_window_group(runs: dict) -> None:
+    assert runs["on"]["kv_groups"] == ["FullAttentionSpec"]
+    assert sorted(runs["sw_on"]["kv_groups"]) == ["FullAttentionSpec", "SlidingWindowSpec"]
+
+
+def test_hybrid_model_served_from_cpu_after_reset(runs: dict) -> None:
+    off, on = runs["sw_off"], runs["sw_on"]
+    assert off["reload"]["cached_tokens"] == 0
+    # Every full block but the last token's: the full-attention group's whole prefix and the
+    # sliding-window group's blocks in the window come back from the CPU tier.
+    assert on["reload"]["cached_tokens"] >= 640
+    core = on["connector"]["core_stats"]
+    assert core["load_tokens"] > 0
+    assert core["load_jobs"] >= 3
+    assert core["failed_loads"] == core["failed_stores"] == 0
+    assert core["pending_jobs"] == core["armed_pairs"] == 0
+    assert on["kv_stats"]["vllm:external_prefix_cache_hits"] >= on["reload"]["cached_tokens"]
+
+
+# ----------------------------------------------------------------------- failed loads
+
+
+@pytest.mark.parametrize("mode", ["on_failload", "sw_on_failload"])
+def test_failed_loads_are_recomputed(runs: dict, mode: str) -> None:
+    on = runs[mode]
+    # Two load jobs failed on the worker (the first and third); the outputs are those of the
+    # engine without the connector (test above), other loads still succeeded.
+    assert len(on["failed_load_jobs"]) == 2
+    core = on["connector"]["core_stats"]
+    assert core["failed_loads"] == 2
+    assert core["load_jobs"] > 2
+    assert core["load_tokens"] > 0
+    assert on["kv_stats"]["vllm:external_prefix_cache_hits"] > 0
+    assert core["pending_jobs"] == core["armed_pairs"] == 0
+    assert core["loading_requests"] == 0
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def test_bench_outputs_equal_and_served_from_cpu(runs: dict) -> None:
+    off, on = runs["bench_off"], runs["bench_on"]
+    assert on["bench"]["outputs"] == off["bench"]["outputs"]
+    assert off["bench"]["cached_tokens"] == [0] * off["bench"]["docs"]
+    # Every document (and its question's full block) loaded from the CPU tier.
+    assert min(on["bench"]["cached_tokens"]) >= on["bench"]["doc_tokens"]
+    core = on["connector"]["core_stats"]
+    assert core["load_tokens"] >= 2 * on["bench"]["docs"] * on["bench"]["doc_tokens"]
+    assert core["failed_loads"] == core["failed_stores"] == 0

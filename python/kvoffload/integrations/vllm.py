@@ -530,27 +530,43 @@ class _SchedulerSide:
             scheduled.append((rid, nr.num_computed_tokens + nst.get(rid, 0)))
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
-        for i, rid in enumerate(cached.req_ids):
-            if rid not in self.running:
+        running = self.running
+        reqs, sent = self.reqs, self.sent
+        for i in [i for i, ids in enumerate(cached.new_block_ids) if ids]:
+            rid = cached.req_ids[i]
+            if rid not in running:
                 continue
-            ids_by_group = cached.new_block_ids[i]
-            if ids_by_group is not None:
-                known = self.known[rid]
-                for g, ids in enumerate(ids_by_group):
-                    if rid in resumed:
-                        if len(ids) <= known[g]:
-                            continue
-                        ids = ids[known[g] :]
-                    if ids:
-                        tail = list(ids)
-                        new_blocks.append((rid, g, tail))
-                        written.extend(tail)
-                        known[g] += len(tail)
-            scheduled.append((rid, cached.num_computed_tokens[i] + nst.get(rid, 0)))
-        for rid, _ in scheduled:
-            req = self.reqs.get(rid)
-            if req is not None:
+            known = self.known[rid]
+            for g, ids in enumerate(cached.new_block_ids[i]):
+                if rid in resumed:
+                    if len(ids) <= known[g]:
+                        continue
+                    ids = ids[known[g] :]
+                if ids:
+                    tail = list(ids)
+                    new_blocks.append((rid, g, tail))
+                    written.extend(tail)
+                    known[g] += len(tail)
+        # Steady decode is the hot path: one pass over the scheduled requests, no tuples.
+        ids = [rid for rid in cached.req_ids if rid in running]
+        if len(ids) == len(cached.req_ids):
+            computed = [c + nst[r] for r, c in zip(ids, cached.num_computed_tokens, strict=True)]
+        else:
+            computed = [
+                c + nst[r]
+                for r, c in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+                if r in running
+            ]
+        # Hashes matter once computed tokens cross a block boundary (a store may need them);
+        # _sync_hashes then sends every hash vLLM made since the last sync.
+        bs = self.block_size
+        crossing = [r for r, c in zip(ids, computed, strict=True) if c % bs < nst[r]]
+        for rid in [rid for rid, _ in scheduled] + crossing:
+            req = reqs.get(rid)
+            if req is not None and len(req.block_hashes) > sent.get(rid, 0):
                 self._sync_hashes(rid, req)
+        ids = [rid for rid, _ in scheduled] + ids
+        computed = [c for _, c in scheduled] + computed
         preempted = [r for r in (so.preempted_req_ids or ()) if r in self.running]
         for rid in preempted:
             self.running.discard(rid)
@@ -569,7 +585,8 @@ class _SchedulerSide:
         exact = self.exact_fence and not self.conservative
         plan = self.sched.schedule(
             StepInput(
-                scheduled=scheduled,
+                request_ids=ids,
+                computed_tokens=computed,
                 new_blocks=new_blocks,
                 finished=finished,
                 aborted=aborted,
