@@ -103,7 +103,57 @@ def token_value(prefix_digest: bytes) -> float:
     return float(int.from_bytes(prefix_digest[:3], "big"))
 
 
-class Harness:
+class Stepping:
+    """Stepping helpers shared by the harnesses: ``self.sched``, ``self.conn``, ``self.prev`` and
+    ``self.step()`` come from the subclass."""
+
+    sched: Any
+    conn: Any
+    prev: Any
+
+    def step(self) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def _start(so: Any, rid: str) -> int:
+        """Tokens computed before this step for a scheduled request."""
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id == rid:
+                return nr.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        return cached.num_computed_tokens[cached.req_ids.index(rid)]
+
+    def flush_outputs(self) -> None:
+        """Asynchronous scheduling: deliver the outputs held back one step."""
+        if self.prev is not None:
+            prev, self.prev = self.prev, None
+            self.sched.update_from_output(*prev)
+
+    def run_until_done(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.sched.has_requests():
+                self.flush_outputs()
+                if not self.sched.has_requests():
+                    return
+            self.step()
+            time.sleep(0.001)
+        raise AssertionError("requests did not finish")
+
+    def drain(self) -> None:
+        """Steps until every job completed (the engine keeps stepping for pending work)."""
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            if not self.conn.has_pending_push_work() and not self.sched.has_requests():
+                self.flush_outputs()
+                if not self.conn.has_pending_push_work():
+                    return
+            self.step()
+            time.sleep(0.002)
+        raise AssertionError("jobs did not complete")
+
+
+class Harness(Stepping):
     """vLLM's Scheduler + our worker side over CPU tensors, with a KV oracle."""
 
     def __init__(
@@ -254,18 +304,6 @@ class Harness:
     def idle(self) -> bool:
         return not self.sched.has_requests() and self.prev is None
 
-    def flush_outputs(self) -> None:
-        if self.prev is not None:
-            prev, self.prev = self.prev, None
-            self.sched.update_from_output(*prev)
-
-    def _start(self, so: Any, rid: str) -> int:
-        for nr in so.scheduled_new_reqs:
-            if nr.req_id == rid:
-                return nr.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        return cached.num_computed_tokens[cached.req_ids.index(rid)]
-
     def verify_prefix(self, req: Request, upto: int) -> None:
         table = self.tables[req.request_id]
         for pos in range(upto):
@@ -273,27 +311,6 @@ class Harness:
             got = self.kv["layer0"][0, b, pos % BS, 0, 0].item()
             assert got == self.expected(req, pos), (req.request_id, pos, b)
         self.loads_checked += 1
-
-    def run_until_done(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.sched.has_requests():
-                self.flush_outputs()
-                if not self.sched.has_requests():
-                    return
-            self.step()
-            time.sleep(0.001)
-        raise AssertionError("requests did not finish")
-
-    def drain(self) -> None:
-        """Steps until every job completed (the engine keeps stepping for pending work)."""
-        deadline = time.monotonic() + 60.0
-        while time.monotonic() < deadline:
-            if not self.conn.has_pending_push_work() and not self.sched.has_requests():
-                return
-            self.step()
-            time.sleep(0.002)
-        raise AssertionError("jobs did not complete")
 
     def free_blocks(self) -> int:
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()

@@ -47,7 +47,7 @@ from kvoffload.integrations.vllm import (
     KvOffloadMetadata,
     KvOffloadWorkerMetadata,
 )
-from tests.vllm.test_scheduler import BS, LAYERS, MODEL, prompt, token_value
+from tests.vllm.test_scheduler import BS, LAYERS, MODEL, Stepping, prompt, token_value
 from vllm import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -91,7 +91,7 @@ def make_tp_config(num_blocks: int, async_scheduling: bool) -> tuple[VllmConfig,
     return vc, kcc
 
 
-class TpHarness:
+class TpHarness(Stepping):
     """vLLM's Scheduler (TP=2) + two worker-side connectors, outputs merged by vLLM."""
 
     def __init__(self, num_blocks: int, async_scheduling: bool = False) -> None:
@@ -251,13 +251,6 @@ class TpHarness:
             self.sched.update_from_output(so, out)
         return so
 
-    def _start(self, so: Any, rid: str) -> int:
-        for nr in so.scheduled_new_reqs:
-            if nr.req_id == rid:
-                return nr.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        return cached.num_computed_tokens[cached.req_ids.index(rid)]
-
     def verify_prefix(self, rid: str, upto: int, rank: int) -> None:
         table = self.tables[rid]
         for pos in range(upto):
@@ -267,33 +260,6 @@ class TpHarness:
                 got = t[:, b, pos % BS]
                 assert bool((got == want).all()), (rank, name, rid, pos, b)
         self.loads_checked += 1
-
-    def flush_outputs(self) -> None:
-        if self.prev is not None:
-            prev, self.prev = self.prev, None
-            self.sched.update_from_output(*prev)
-
-    def run_until_done(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.sched.has_requests():
-                self.flush_outputs()
-                if not self.sched.has_requests():
-                    return
-            self.step()
-            time.sleep(0.001)
-        raise AssertionError("requests did not finish")
-
-    def drain(self) -> None:
-        deadline = time.monotonic() + 60.0
-        while time.monotonic() < deadline:
-            if not self.conn.has_pending_push_work() and not self.sched.has_requests():
-                self.flush_outputs()
-                if not self.conn.has_pending_push_work():
-                    return
-            self.step()
-            time.sleep(0.002)
-        raise AssertionError("jobs did not complete")
 
     def step_until(self, cond: Any, what: str, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
