@@ -686,3 +686,25 @@ class TrackerMachine(RuleBasedStateMachine):
 
 TrackerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 test_tracker_state_machine = TrackerMachine.TestCase
+
+
+@pytest.mark.parametrize(
+    ("job", "count", "exc", "match"),
+    [
+        ("0", 1, "UnknownJobError", "'0' \\(str\\)"),
+        (0.0, 1, "UnknownJobError", "0.0 \\(float\\)"),
+        (None, 1, "UnknownJobError", "None"),
+        (0, "1", "CompletionError", "'1' \\(str\\)"),
+        (0, 1.0, "CompletionError", "1.0 \\(float\\)"),
+    ],
+)
+def test_complete_with_wrong_types_names_the_value(job, count, exc, match):
+    import kvoffload.errors as errors
+
+    t = JobTracker(num_blocks=8)
+    j = t.create_store(owner=1, deferred=[1])
+    before = (t.stats(), t.pending_jobs())
+    with pytest.raises(getattr(errors, exc), match=match):
+        t.complete(job, count)
+    assert (t.stats(), t.pending_jobs()) == before
+    assert t.complete(j) == "done"

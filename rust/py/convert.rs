@@ -8,8 +8,12 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-use super::errors::{ConfigError, InvalidBlockError, InvalidKeyError, InvalidRequestError};
-use crate::ids::{BlockId, Key, OwnerId};
+use super::errors::{
+    to_py, CompletionError, ConfigError, InvalidBlockError, InvalidKeyError, InvalidRequestError,
+    UnknownJobError,
+};
+use crate::error::Error;
+use crate::ids::{BlockId, JobId, Key, OwnerId};
 
 fn describe(item: &Bound<'_, PyAny>) -> String {
     let ty = item
@@ -152,4 +156,50 @@ pub fn keys(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Key>> {
 /// Extracts a configuration size (an integer in `0..2**32`; zero is checked by the core).
 pub fn config_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
     extract_index(obj, what, 1 << 32, ConfigError::new_err).map(|v| v as u32)
+}
+
+/// Extracts an integer argument; anything else raises `err` naming the value and its type.
+fn int_arg(obj: &Bound<'_, PyAny>, what: &str, err: fn(String) -> PyErr) -> PyResult<i128> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(err(format!(
+            "{what} must be an integer, got {}",
+            describe(obj)
+        )));
+    }
+    obj.extract::<i128>()
+        .map_err(|_| err(format!("{what} must be an integer, got {}", describe(obj))))
+}
+
+/// A completion report from Python: the job id, and the count (default 1) clamped into `u32` so that the
+/// core checks the report in its usual order (late, unknown, already completed, zero, over);
+/// [`completion_error`] then names the count the caller passed.
+pub fn completion(
+    job: &Bound<'_, PyAny>,
+    count: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(JobId, u32, i128)> {
+    let id = int_arg(job, "job id", UnknownJobError::new_err)?;
+    let id = u64::try_from(id).map(JobId).map_err(|_| {
+        UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative"))
+    })?;
+    let count = match count {
+        Some(c) => int_arg(c, "completion count", CompletionError::new_err)?,
+        None => 1,
+    };
+    let clamped = u32::try_from(count.clamp(0, i128::from(u32::MAX))).expect("clamped");
+    Ok((id, clamped, count))
+}
+
+/// Maps a core error of a completion, naming the count the caller passed.
+pub fn completion_error(e: Error, id: JobId, count: i128, clamped: u32) -> PyErr {
+    match e {
+        Error::ZeroCompletion(_) if count != 0 => CompletionError::new_err(format!(
+            "job {id}: completion count must be at least 1, got {count}"
+        )),
+        Error::OverCompleted { remaining, .. } if count != i128::from(clamped) => {
+            CompletionError::new_err(format!(
+                "job {id} over-completed: {count} worker reports but only {remaining} pending"
+            ))
+        }
+        e => to_py(e),
+    }
 }

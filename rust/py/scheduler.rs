@@ -9,9 +9,8 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert;
-use super::errors::{to_py, UnknownJobError};
+use super::errors::to_py;
 use crate::config::{GroupConfig, SchedulerConfig};
-use crate::ids::JobId;
 use crate::jobs::JobKind;
 use crate::policy::PolicyKind;
 use crate::pool::PoolEventKind;
@@ -383,20 +382,18 @@ impl Scheduler {
 
     /// Records `count` worker reports for `job`. Returns the completed job when the last
     /// worker reported, else `None` (also for reports of jobs from before a reset).
-    #[pyo3(signature = (job, count = 1, ok = true))]
-    fn complete(&self, job: i128, count: i64, ok: bool) -> PyResult<Option<CompletedJob>> {
-        let id = u64::try_from(job)
-            .map(JobId)
-            .map_err(|_| UnknownJobError::new_err(format!("unknown job {job}")))?;
-        let count = u32::try_from(count).map_err(|_| {
-            super::errors::CompletionError::new_err(format!(
-                "job {job}: completion count must be >= 1, got {count}"
-            ))
-        })?;
+    #[pyo3(signature = (job, count = None, ok = true))]
+    fn complete(
+        &self,
+        job: &Bound<'_, PyAny>,
+        count: Option<&Bound<'_, PyAny>>,
+        ok: bool,
+    ) -> PyResult<Option<CompletedJob>> {
+        let (id, clamped, count) = convert::completion(job, count)?;
         Ok(self
             .lock()
-            .complete(id, count, ok)
-            .map_err(to_py)?
+            .complete(id, clamped, ok)
+            .map_err(|e| convert::completion_error(e, id, count, clamped))?
             .map(CompletedJob::from))
     }
 

@@ -7,8 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::convert;
-use super::errors::{to_py, CompletionError, UnknownJobError};
-use crate::error::Error;
+use super::errors::{to_py, UnknownJobError};
 use crate::ids::JobId;
 use crate::jobs::{Completion, JobKind};
 use crate::tracker::Tracker;
@@ -114,24 +113,18 @@ impl JobTracker {
 
     /// Records `count` worker reports for `job`. Returns `"pending"`, `"done"`, `"failed"`
     /// (done, with a failed report) or `"late"` (created before a reset, ignored).
-    #[pyo3(signature = (job, count = 1, ok = true))]
-    fn complete(&self, job: i128, count: i128, ok: bool) -> PyResult<&'static str> {
-        let id = job_id(job)?;
-        // A count outside u32 is clamped, so the core checks the report in its usual order
-        // (late, unknown, already completed, zero, over); its message then names the count
-        // the caller passed, not the clamped one.
-        let clamped = u32::try_from(count.clamp(0, i128::from(u32::MAX))).expect("clamped");
-        let outcome = self.lock().complete(id, clamped, ok).map_err(|e| match e {
-            Error::ZeroCompletion(_) if count != 0 => CompletionError::new_err(format!(
-                "job {id}: completion count must be at least 1, got {count}"
-            )),
-            Error::OverCompleted { remaining, .. } if count != i128::from(clamped) => {
-                CompletionError::new_err(format!(
-                    "job {id} over-completed: {count} worker reports but only {remaining} pending"
-                ))
-            }
-            e => to_py(e),
-        })?;
+    #[pyo3(signature = (job, count = None, ok = true))]
+    fn complete(
+        &self,
+        job: &Bound<'_, PyAny>,
+        count: Option<&Bound<'_, PyAny>>,
+        ok: bool,
+    ) -> PyResult<&'static str> {
+        let (id, clamped, count) = convert::completion(job, count)?;
+        let outcome = self
+            .lock()
+            .complete(id, clamped, ok)
+            .map_err(|e| convert::completion_error(e, id, count, clamped))?;
         Ok(match outcome {
             Completion::Pending { .. } => "pending",
             Completion::Done(j) if j.failed => "failed",
