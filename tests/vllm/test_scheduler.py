@@ -26,6 +26,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -63,6 +64,7 @@ def make_config(
     extra: dict[str, Any] | None = None,
     async_scheduling: bool = False,
     failure_policy: str = "fail",
+    tensor_parallel_size: int = 1,
 ) -> tuple[VllmConfig, KVCacheConfig]:
     model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32", seed=0)
     sched = SchedulerConfig(
@@ -88,6 +90,7 @@ def make_config(
         cache_config=cache,
         kv_transfer_config=ktc,
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32)
     names = [f"layer{i}" for i in range(LAYERS)]

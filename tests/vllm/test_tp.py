@@ -22,22 +22,12 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -47,7 +37,7 @@ from kvoffload.integrations.vllm import (
     KvOffloadMetadata,
     KvOffloadWorkerMetadata,
 )
-from tests.vllm.test_scheduler import BS, LAYERS, MODEL, Stepping, prompt, token_value
+from tests.vllm.test_scheduler import BS, LAYERS, Stepping, make_config, prompt, token_value
 from vllm import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -55,47 +45,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 TP = 2
 
 
-def make_tp_config(num_blocks: int, async_scheduling: bool) -> tuple[VllmConfig, KVCacheConfig]:
-    model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32", seed=0)
-    sched = SchedulerConfig(
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        max_model_len=1024,
-        enable_chunked_prefill=True,
-        async_scheduling=async_scheduling,
-        is_encoder_decoder=False,
-    )
-    cache = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True)
-    cache.num_gpu_blocks = num_blocks
-    ktc = KVTransferConfig(
-        kv_connector="KvOffloadConnector",
-        kv_connector_module_path="kvoffload.integrations.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"cpu_chunks": 256},
-    )
-    vc = VllmConfig(
-        model_config=model,
-        scheduler_config=sched,
-        cache_config=cache,
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=TP),
-    )
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32)
-    names = [f"layer{i}" for i in range(LAYERS)]
-    kcc = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
-    return vc, kcc
-
-
 class TpHarness(Stepping):
     """vLLM's Scheduler (TP=2) + two worker-side connectors, outputs merged by vLLM."""
 
     def __init__(self, num_blocks: int, async_scheduling: bool = False) -> None:
-        vc, kcc = make_tp_config(num_blocks, async_scheduling)
+        vc, kcc = make_config(num_blocks, None, async_scheduling, tensor_parallel_size=TP)
         assert vc.parallel_config.world_size == TP
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
