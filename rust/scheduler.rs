@@ -778,7 +778,8 @@ impl Scheduler {
                 }
                 Err(e) => {
                     for done in &out {
-                        let _ = self.pools[done.group as usize].complete_load(&done.keys);
+                        let undone = self.pools[done.group as usize].complete_load(&done.keys);
+                        debug_assert!(undone.is_ok(), "{undone:?}");
                     }
                     return Err(e);
                 }
@@ -1225,14 +1226,16 @@ impl Scheduler {
             JobKind::Store => {
                 for t in &j.payload.transfers {
                     // The pool holds exactly these keys as storing: cannot fail.
-                    let _ = self.pools[t.group as usize].complete_store(&t.keys, ok);
+                    let done = self.pools[t.group as usize].complete_store(&t.keys, ok);
+                    debug_assert!(done.is_ok(), "{done:?}");
                 }
                 self.stats.failed_stores += u64::from(!ok);
             }
             JobKind::Load => {
                 for t in &j.payload.transfers {
                     let pool = &mut self.pools[t.group as usize];
-                    let _ = pool.complete_load(&t.keys);
+                    let done = pool.complete_load(&t.keys);
+                    debug_assert!(done.is_ok(), "{done:?}");
                     if !ok {
                         // A failed load leaves its chunks suspect: drop them (unless another
                         // load still reads them), so a persistent fault cannot loop forever.
