@@ -102,6 +102,25 @@ def make_config(
     return vc, kcc
 
 
+def build_scheduler(
+    vc: VllmConfig, kcc: KVCacheConfig, async_scheduling: bool
+) -> tuple[Any, Any, KvOffloadConnector]:
+    """vLLM's real (async) scheduler with our connector, and the request block hasher."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BS, sha256)
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    sched = cls(
+        vllm_config=vc,
+        kv_cache_config=kcc,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=BS,
+        log_stats=True,
+    )
+    conn = sched.get_kv_connector()
+    assert isinstance(conn, KvOffloadConnector)
+    return hasher, sched, conn
+
+
 def token_value(prefix_digest: bytes) -> float:
     return float(int.from_bytes(prefix_digest[:3], "big"))
 
@@ -171,18 +190,7 @@ class Harness(Stepping):
         ex = {"cpu_chunks": 256, **extra}
         vc, kcc = make_config(num_blocks, ex, async_scheduling, failure_policy)
         self.vc = vc
-        init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(BS, sha256)
-        cls = AsyncScheduler if async_scheduling else Scheduler
-        self.sched = cls(
-            vllm_config=vc,
-            kv_cache_config=kcc,
-            structured_output_manager=StructuredOutputManager(vc),
-            block_size=BS,
-            log_stats=True,
-        )
-        self.conn = self.sched.get_kv_connector()
-        assert isinstance(self.conn, KvOffloadConnector)
+        self.hasher, self.sched, self.conn = build_scheduler(vc, kcc, async_scheduling)
         self.worker = KvOffloadConnector(vc, KVConnectorRole.WORKER, kcc)
         # [2, num_blocks, block_size, heads, head] per layer, like vLLM's CPU backend.
         self.kv = {f"layer{i}": torch.zeros(2, num_blocks, BS, 1, 4) for i in range(LAYERS)}

@@ -24,20 +24,23 @@ pytest.importorskip("vllm")
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 from kvoffload.integrations.vllm import (
     KvOffloadConnector,
     KvOffloadMetadata,
     KvOffloadWorkerMetadata,
 )
-from tests.vllm.test_scheduler import BS, LAYERS, Stepping, make_config, prompt, token_value
+from tests.vllm.test_scheduler import (
+    BS,
+    LAYERS,
+    Stepping,
+    build_scheduler,
+    make_config,
+    prompt,
+    token_value,
+)
 from vllm import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -51,18 +54,7 @@ class TpHarness(Stepping):
     def __init__(self, num_blocks: int, async_scheduling: bool = False) -> None:
         vc, kcc = make_config(num_blocks, None, async_scheduling, tensor_parallel_size=TP)
         assert vc.parallel_config.world_size == TP
-        init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(BS, sha256)
-        cls = AsyncScheduler if async_scheduling else Scheduler
-        self.sched = cls(
-            vllm_config=vc,
-            kv_cache_config=kcc,
-            structured_output_manager=StructuredOutputManager(vc),
-            block_size=BS,
-            log_stats=True,
-        )
-        self.conn = self.sched.get_kv_connector()
-        assert isinstance(self.conn, KvOffloadConnector)
+        self.hasher, self.sched, self.conn = build_scheduler(vc, kcc, async_scheduling)
         assert self.conn.scheduler_side is not None
         # What EngineCore does: executor.init_kv_output_aggregator(scheduler.connector).
         self.aggregator = KVOutputAggregator.from_connector(
