@@ -1,74 +1,426 @@
-//! Batched strided byte copies for the CPU data plane.
+//! Bounded byte copies between registered KV tensors and the CPU pool (the CPU data plane).
 //!
-//! The Python data plane plans a job as a few strided copies (runs of rows between a KV
-//! tensor and its CPU region) and hands them over in one call, so the copy thread takes the
-//! GIL once per job instead of once per run: an engine loop that holds the GIL can no longer
-//! stall a load. Rows are split into contiguous pieces of at most [`PIECE`] bytes (large
-//! `memcpy` calls were measured slower on the reference machine) and the pieces are spread
-//! over a few threads by bytes (rayon's pool).
+//! The data plane registers, once, every buffer it copies between (each KV tensor's storage and
+//! the CPU pool) and, per KV group, where each tensor's rows sit in those buffers. A job then
+//! names rows only by `(group, region, row)` indices: [`Copier::copy`] checks every run against
+//! the group's row counts before a byte moves (all or nothing) and turns the runs into raw
+//! pieces itself, so no caller can read or write outside registered memory. The GPU-side rows
+//! of every region are checked at registration to be disjoint from the CPU-side rows, so a copy
+//! never overlaps its own source.
 //!
-//! This is the only module with `unsafe` code: it writes through raw addresses. Its caller
-//! (the data plane, which owns every tensor involved) guarantees that they are valid.
+//! Rows are split into contiguous pieces of at most [`PIECE`] bytes (large `memcpy` calls were
+//! measured slower on the reference machine) and a large job is spread over a few threads by
+//! bytes (rayon's warm pool).
+//!
+//! This is the only module with `unsafe` code. [`Copier::new`] is `unsafe`: its caller
+//! guarantees that the registered buffers stay allocated for the copier's lifetime (the
+//! bindings hold the Python buffer objects); everything after that is checked here.
 
 /// Largest contiguous piece copied by one `memcpy`.
 pub const PIECE: usize = 256 << 10;
 
-/// `count` rows of `row_bytes` from `src` to `dst`, row `i` at `base + i * stride`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rows {
-    /// Address of the first destination row.
-    pub dst: usize,
-    /// Bytes between destination rows.
-    pub dst_stride: usize,
-    /// Address of the first source row.
-    pub src: usize,
-    /// Bytes between source rows.
-    pub src_stride: usize,
-    /// Bytes per row.
-    pub row_bytes: usize,
-    /// Number of rows.
-    pub count: usize,
+/// A contiguous piece: `(dst, src, len)` addresses.
+type Piece = (usize, usize, usize);
+
+/// What went wrong with a registration or a copy. Nothing was copied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CopyError {
+    /// A region's rows do not fit the registration.
+    #[error("group {group} region {region}: {reason}")]
+    Region {
+        /// KV group index.
+        group: usize,
+        /// Region index within the group.
+        region: usize,
+        /// What does not fit.
+        reason: String,
+    },
+    /// GPU-side and CPU-side rows share bytes: a copy could overlap its own source.
+    #[error(
+        "group {group} region {region}: its {side}-side rows overlap the other side's rows of \
+         group {other_group} region {other_region}"
+    )]
+    Overlap {
+        /// KV group index.
+        group: usize,
+        /// Region index within the group.
+        region: usize,
+        /// `"GPU"` or `"CPU"`.
+        side: &'static str,
+        /// KV group of the other region.
+        other_group: usize,
+        /// Region index of the other region.
+        other_region: usize,
+    },
+    /// A run names a group that is not registered.
+    #[error("run {run}: group {group} is not registered ({groups} groups)")]
+    UnknownGroup {
+        /// Index of the run in the call.
+        run: usize,
+        /// The group named.
+        group: usize,
+        /// Groups registered.
+        groups: usize,
+    },
+    /// A run names a region its group does not have.
+    #[error("run {run}: group {group} has {regions} regions, not region {region}")]
+    UnknownRegion {
+        /// Index of the run in the call.
+        run: usize,
+        /// The group.
+        group: usize,
+        /// The region named.
+        region: usize,
+        /// Regions of the group.
+        regions: usize,
+    },
+    /// A run's rows leave the registered rows.
+    #[error(
+        "run {run} (group {group}): {side} rows {start}..{start}+{count} are outside the \
+         {rows} registered rows"
+    )]
+    RowsOutOfRange {
+        /// Index of the run in the call.
+        run: usize,
+        /// The group.
+        group: usize,
+        /// `"GPU"` or `"CPU"`.
+        side: &'static str,
+        /// First row, as given.
+        start: i64,
+        /// Row count, as given.
+        count: i64,
+        /// Rows registered on that side.
+        rows: usize,
+    },
+    /// A run's three row lists differ in length.
+    #[error("run {run}: {gpu} GPU starts, {cpu} CPU starts and {counts} counts")]
+    Lengths {
+        /// Index of the run in the call.
+        run: usize,
+        /// GPU starts given.
+        gpu: usize,
+        /// CPU starts given.
+        cpu: usize,
+        /// Counts given.
+        counts: usize,
+    },
 }
 
-/// A contiguous piece: `(dst, src, len)`.
-pub type Piece = (usize, usize, usize);
+/// A registered buffer: `len` bytes at address `base`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// Address of the first byte.
+    pub base: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
 
-/// Splits strided copies into contiguous pieces of at most [`PIECE`] bytes. Rows that follow
-/// each other on both sides are merged first. `None` if an address overflows.
-pub fn pieces(rows: &[Rows]) -> Option<Vec<Piece>> {
-    let mut out = Vec::new();
-    let mut push = |dst: usize, src: usize, len: usize| -> Option<()> {
-        let mut off = 0;
-        while off < len {
-            let n = PIECE.min(len - off);
-            out.push((dst.checked_add(off)?, src.checked_add(off)?, n));
-            off += n;
-        }
-        Some(())
+/// Where one tensor's rows sit: row `i` starts `offset + i * stride` bytes into a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowSpace {
+    /// Index of the buffer in the registration.
+    pub buffer: usize,
+    /// Byte offset of row 0 in the buffer.
+    pub offset: usize,
+    /// Bytes between rows.
+    pub stride: usize,
+}
+
+/// One registered tensor of a group: its rows on the GPU side and in the CPU pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// The KV tensor's rows (one row per GPU block).
+    pub gpu: RowSpace,
+    /// The CPU pool's rows (one row per CPU position).
+    pub cpu: RowSpace,
+    /// Bytes per row (one block of this tensor).
+    pub row_bytes: usize,
+}
+
+/// A KV group: its row counts and regions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    /// GPU blocks (rows of every GPU-side row space).
+    pub gpu_rows: usize,
+    /// CPU positions (rows of every CPU-side row space).
+    pub cpu_rows: usize,
+    /// The group's tensors.
+    pub regions: Vec<Region>,
+}
+
+/// Direction of a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// GPU rows → CPU rows.
+    Store,
+    /// CPU rows → GPU rows.
+    Load,
+}
+
+/// Runs of one transfer: run `i` copies `counts[i]` rows from/to GPU row `gpu[i]` and CPU row
+/// `cpu[i]`, for every region of `group` (or only `region`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Runs {
+    /// KV group.
+    pub group: usize,
+    /// One region of the group, or `None` for all of them.
+    pub region: Option<usize>,
+    /// First GPU row of each run.
+    pub gpu: Vec<i64>,
+    /// First CPU row of each run.
+    pub cpu: Vec<i64>,
+    /// Rows of each run.
+    pub counts: Vec<i64>,
+}
+
+/// Registered buffers and groups; copies between them, bounds-checked.
+#[derive(Debug)]
+pub struct Copier {
+    buffers: Vec<Span>,
+    groups: Vec<Group>,
+}
+
+/// Byte interval `[start, end)` of `rows` rows of a row space, or why it does not fit.
+fn extent(
+    buffers: &[Span],
+    space: RowSpace,
+    rows: usize,
+    row_bytes: usize,
+) -> Result<(usize, usize), String> {
+    let Some(buf) = buffers.get(space.buffer) else {
+        return Err(format!(
+            "buffer {} is not registered ({} buffers)",
+            space.buffer,
+            buffers.len()
+        ));
     };
-    for r in rows {
-        let total = r.row_bytes.checked_mul(r.count)?;
-        if r.dst_stride == r.row_bytes && r.src_stride == r.row_bytes {
-            push(r.dst, r.src, total)?;
-        } else {
-            for i in 0..r.count {
-                let d = r.dst.checked_add(i.checked_mul(r.dst_stride)?)?;
-                let s = r.src.checked_add(i.checked_mul(r.src_stride)?)?;
-                push(d, s, r.row_bytes)?;
+    if rows > 1 && space.stride < row_bytes {
+        return Err(format!(
+            "rows overlap: stride {} < {row_bytes} bytes per row",
+            space.stride
+        ));
+    }
+    let end = if rows == 0 {
+        Some(space.offset)
+    } else {
+        (rows - 1)
+            .checked_mul(space.stride)
+            .and_then(|b| b.checked_add(space.offset))
+            .and_then(|b| b.checked_add(row_bytes))
+    };
+    match end {
+        Some(end) if end <= buf.len && buf.base.checked_add(end).is_some() => {
+            Ok((buf.base + space.offset, buf.base + end))
+        }
+        _ => Err(format!(
+            "{rows} rows of {row_bytes} bytes (stride {}, offset {}) do not fit buffer {} of \
+             {} bytes",
+            space.stride, space.offset, space.buffer, buf.len
+        )),
+    }
+}
+
+impl Copier {
+    /// Registers `buffers` and the `groups` of rows inside them.
+    ///
+    /// # Errors
+    /// A region whose rows leave their buffer, rows that overlap each other, or GPU-side rows
+    /// that share bytes with CPU-side rows.
+    ///
+    /// # Safety
+    /// Every span must be memory that stays allocated, readable and writable for the whole
+    /// lifetime of the copier. Bytes a copy touches may be accessed concurrently only by
+    /// callers that accept torn bytes (the fence's business, not memory safety's).
+    #[allow(unsafe_code)]
+    pub unsafe fn new(buffers: Vec<Span>, groups: Vec<Group>) -> Result<Self, CopyError> {
+        let mut gpu = Vec::new();
+        let mut cpu = Vec::new();
+        for (g, grp) in groups.iter().enumerate() {
+            for (r, reg) in grp.regions.iter().enumerate() {
+                let err = |reason: String| CopyError::Region {
+                    group: g,
+                    region: r,
+                    reason,
+                };
+                if reg.row_bytes == 0 {
+                    return Err(err("rows of 0 bytes".into()));
+                }
+                let gx = extent(&buffers, reg.gpu, grp.gpu_rows, reg.row_bytes)
+                    .map_err(|e| err(format!("GPU side: {e}")))?;
+                let cx = extent(&buffers, reg.cpu, grp.cpu_rows, reg.row_bytes)
+                    .map_err(|e| err(format!("CPU side: {e}")))?;
+                gpu.push((gx, g, r));
+                cpu.push((cx, g, r));
             }
         }
+        // No GPU-side interval may intersect a CPU-side one: sweep both sorted lists.
+        gpu.sort_unstable();
+        cpu.sort_unstable();
+        let (mut i, mut j) = (0, 0);
+        while i < gpu.len() && j < cpu.len() {
+            let ((gs, ge), gg, gr) = gpu[i];
+            let ((cs, ce), cg, cr) = cpu[j];
+            if gs < ce && cs < ge {
+                return Err(CopyError::Overlap {
+                    group: gg,
+                    region: gr,
+                    side: "GPU",
+                    other_group: cg,
+                    other_region: cr,
+                });
+            }
+            if ge <= ce {
+                i += 1;
+            } else {
+                j += 1;
+            }
+        }
+        Ok(Self { buffers, groups })
     }
-    Some(out)
+
+    /// Registered groups.
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// Checks every run and returns the raw pieces; nothing is copied.
+    fn pieces(&self, dir: Direction, runs: &[Runs]) -> Result<Vec<Piece>, CopyError> {
+        // Check everything first: a bad run copies nothing, even after good ones.
+        for (k, t) in runs.iter().enumerate() {
+            let grp = self.groups.get(t.group).ok_or(CopyError::UnknownGroup {
+                run: k,
+                group: t.group,
+                groups: self.groups.len(),
+            })?;
+            if let Some(region) = t.region {
+                if region >= grp.regions.len() {
+                    return Err(CopyError::UnknownRegion {
+                        run: k,
+                        group: t.group,
+                        region,
+                        regions: grp.regions.len(),
+                    });
+                }
+            }
+            if t.gpu.len() != t.counts.len() || t.cpu.len() != t.counts.len() {
+                return Err(CopyError::Lengths {
+                    run: k,
+                    gpu: t.gpu.len(),
+                    cpu: t.cpu.len(),
+                    counts: t.counts.len(),
+                });
+            }
+            for ((&g0, &c0), &n) in t.gpu.iter().zip(&t.cpu).zip(&t.counts) {
+                for (side, start, rows) in [("GPU", g0, grp.gpu_rows), ("CPU", c0, grp.cpu_rows)] {
+                    let fits = start >= 0
+                        && n >= 0
+                        && start
+                            .checked_add(n)
+                            .is_some_and(|end| usize::try_from(end).is_ok_and(|e| e <= rows));
+                    if !fits {
+                        return Err(CopyError::RowsOutOfRange {
+                            run: k,
+                            group: t.group,
+                            side,
+                            start,
+                            count: n,
+                            rows,
+                        });
+                    }
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for t in runs {
+            let grp = &self.groups[t.group];
+            let regions = match t.region {
+                Some(r) => &grp.regions[r..=r],
+                None => &grp.regions[..],
+            };
+            for reg in regions {
+                let (dst, src) = match dir {
+                    Direction::Store => (reg.cpu, reg.gpu),
+                    Direction::Load => (reg.gpu, reg.cpu),
+                };
+                let (dst_rows, src_rows) = match dir {
+                    Direction::Store => (&t.cpu, &t.gpu),
+                    Direction::Load => (&t.gpu, &t.cpu),
+                };
+                let dbase = self.buffers[dst.buffer].base + dst.offset;
+                let sbase = self.buffers[src.buffer].base + src.offset;
+                for ((&d0, &s0), &n) in dst_rows.iter().zip(src_rows).zip(&t.counts) {
+                    // In range (checked above): row * stride + row_bytes <= buffer length.
+                    let (d0, s0, n) = (d0 as usize, s0 as usize, n as usize);
+                    let d = dbase + d0 * dst.stride;
+                    let s = sbase + s0 * src.stride;
+                    if dst.stride == reg.row_bytes && src.stride == reg.row_bytes {
+                        push(&mut out, d, s, n * reg.row_bytes);
+                    } else {
+                        for i in 0..n {
+                            push(
+                                &mut out,
+                                d + i * dst.stride,
+                                s + i * src.stride,
+                                reg.row_bytes,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Copies the rows of every run in direction `dir`, over up to `threads` threads. Returns
+    /// the bytes copied.
+    ///
+    /// # Errors
+    /// A run that names an unknown group or region, or rows outside the registered rows.
+    /// Nothing is copied then.
+    pub fn copy(&self, dir: Direction, runs: &[Runs], threads: usize) -> Result<usize, CopyError> {
+        let pieces = self.pieces(dir, runs)?;
+        let threads = if threads > 1 && !disjoint_destinations(&pieces) {
+            1 // the same bytes written twice: in order, never by two threads at once
+        } else {
+            threads
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: every piece lies inside registered spans (checked by `pieces` against extents
+        // checked by `new`), which the caller of `new` keeps allocated; a destination is always
+        // on the other side of its source, and the sides are disjoint (checked by `new`);
+        // pieces given to different threads write disjoint bytes (checked just above).
+        let copied = unsafe { copy_pieces(&pieces, threads) };
+        Ok(copied)
+    }
+}
+
+/// Appends `len` bytes from `src` to `dst` as pieces of at most [`PIECE`] bytes.
+fn push(out: &mut Vec<Piece>, dst: usize, src: usize, len: usize) {
+    let mut off = 0;
+    while off < len {
+        let n = PIECE.min(len - off);
+        out.push((dst + off, src + off, n));
+        off += n;
+    }
+}
+
+/// Whether no two pieces write the same byte.
+fn disjoint_destinations(pieces: &[Piece]) -> bool {
+    let mut d: Vec<(usize, usize)> = pieces.iter().map(|p| (p.0, p.0 + p.2)).collect();
+    d.sort_unstable();
+    d.windows(2).all(|w| w[0].1 <= w[1].0)
 }
 
 /// Copies every piece, over up to `threads` threads (each takes a contiguous share of the
 /// bytes). Returns the bytes copied.
 ///
 /// # Safety
-/// Every `(dst, src, len)` must describe valid, live, non-overlapping memory: `len` readable
-/// bytes at `src` and `len` writable bytes at `dst` that nothing else accesses during the call.
+/// Every `(dst, src, len)` must describe valid, live memory: `len` readable bytes at `src` and
+/// `len` writable bytes at `dst`, with no destination overlapping any source, and pieces run on
+/// different threads writing disjoint bytes.
 #[allow(unsafe_code)]
-pub unsafe fn copy_pieces(pieces: &[Piece], threads: usize) -> usize {
+unsafe fn copy_pieces(pieces: &[Piece], threads: usize) -> usize {
     fn run(pieces: &[Piece]) {
         for &(dst, src, len) in pieces {
             // SAFETY: guaranteed by the caller of `copy_pieces`.
@@ -107,47 +459,191 @@ pub unsafe fn copy_pieces(pieces: &[Piece], threads: usize) -> usize {
 mod tests {
     use super::*;
 
-    #[test]
-    #[allow(unsafe_code)]
-    fn strided_rows_round_trip_in_pieces_over_threads() {
-        let src: Vec<u8> = (0..3 * 1000).map(|i| (i % 251) as u8).collect();
-        let mut dst = vec![0u8; 5 * 600];
-        // Rows of 500 bytes: source stride 1000, destination stride 600.
-        let rows = [Rows {
-            dst: dst.as_mut_ptr() as usize,
-            dst_stride: 600,
-            src: src.as_ptr() as usize,
-            src_stride: 1000,
-            row_bytes: 500,
-            count: 3,
-        }];
-        let ps = pieces(&rows).unwrap();
-        assert_eq!(ps.len(), 3);
-        // SAFETY: both buffers live for the call and the rows stay inside them.
-        assert_eq!(unsafe { copy_pieces(&ps, 2) }, 1500);
-        for r in 0..3 {
-            assert_eq!(&dst[r * 600..r * 600 + 500], &src[r * 1000..r * 1000 + 500]);
-            assert!(dst[r * 600 + 500..r * 600 + 600].iter().all(|b| *b == 0));
+    /// A "GPU" buffer of `g` bytes and a "CPU" buffer of `c` bytes.
+    struct Bufs {
+        gpu: Vec<u8>,
+        cpu: Vec<u8>,
+    }
+
+    impl Bufs {
+        fn new(g: usize, c: usize) -> Self {
+            Self {
+                gpu: (0..g).map(|i| (i % 251) as u8 + 1).collect(),
+                cpu: vec![0; c],
+            }
+        }
+
+        fn spans(&mut self) -> Vec<Span> {
+            vec![
+                Span {
+                    base: self.gpu.as_mut_ptr() as usize,
+                    len: self.gpu.len(),
+                },
+                Span {
+                    base: self.cpu.as_mut_ptr() as usize,
+                    len: self.cpu.len(),
+                },
+            ]
+        }
+    }
+
+    fn space(buffer: usize, offset: usize, stride: usize) -> RowSpace {
+        RowSpace {
+            buffer,
+            offset,
+            stride,
+        }
+    }
+
+    fn runs(group: usize, gpu: &[i64], cpu: &[i64], counts: &[i64]) -> Runs {
+        Runs {
+            group,
+            region: None,
+            gpu: gpu.to_vec(),
+            cpu: cpu.to_vec(),
+            counts: counts.to_vec(),
+        }
+    }
+
+    /// One group, one region: 3 GPU rows of 500 bytes at stride 1000, 5 CPU rows at 600.
+    fn strided(b: &mut Bufs) -> Copier {
+        let g = Group {
+            gpu_rows: 3,
+            cpu_rows: 5,
+            regions: vec![Region {
+                gpu: space(0, 0, 1000),
+                cpu: space(1, 0, 600),
+                row_bytes: 500,
+            }],
+        };
+        // SAFETY: the buffers outlive the copier in every test.
+        #[allow(unsafe_code)]
+        unsafe {
+            Copier::new(b.spans(), vec![g]).unwrap()
         }
     }
 
     #[test]
+    fn strided_rows_round_trip_over_threads() {
+        let mut b = Bufs::new(3000, 3000);
+        let c = strided(&mut b);
+        let n = c
+            .copy(Direction::Store, &[runs(0, &[0, 2], &[4, 1], &[1, 1])], 2)
+            .unwrap();
+        assert_eq!(n, 1000);
+        assert_eq!(&b.cpu[2400..2900], &b.gpu[0..500]);
+        assert_eq!(&b.cpu[600..1100], &b.gpu[2000..2500]);
+        assert!(b.cpu[..600].iter().all(|x| *x == 0));
+        assert!(b.cpu[2900..].iter().all(|x| *x == 0));
+        b.gpu.fill(0);
+        c.copy(Direction::Load, &[runs(0, &[1], &[4], &[1])], 1)
+            .unwrap();
+        assert_eq!(&b.gpu[1000..1500], &b.cpu[2400..2900]);
+        assert!(b.gpu[1500..].iter().all(|x| *x == 0));
+    }
+
+    #[test]
+    fn rows_outside_the_registration_copy_nothing() {
+        let mut b = Bufs::new(3000, 3000);
+        let c = strided(&mut b);
+        for (g0, c0, n) in [(2, 0, 2), (0, 4, 2), (-1, 0, 1), (0, -1, 1), (0, 0, -1)] {
+            let bad = [runs(0, &[0], &[0], &[1]), runs(0, &[g0], &[c0], &[n])];
+            let e = c.copy(Direction::Store, &bad, 1).unwrap_err();
+            assert!(matches!(e, CopyError::RowsOutOfRange { run: 1, .. }), "{e}");
+        }
+        let e = c
+            .copy(
+                Direction::Store,
+                &[runs(0, &[i64::MAX], &[0], &[i64::MAX])],
+                1,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains(&i64::MAX.to_string()), "{e}");
+        let e = c
+            .copy(Direction::Load, &[runs(1, &[0], &[0], &[1])], 1)
+            .unwrap_err();
+        assert_eq!(e.to_string(), "run 0: group 1 is not registered (1 groups)");
+        let e = c
+            .copy(Direction::Load, &[runs(0, &[0, 1], &[0], &[1])], 1)
+            .unwrap_err();
+        assert!(matches!(e, CopyError::Lengths { .. }));
+        let mut one = runs(0, &[0], &[0], &[1]);
+        one.region = Some(1);
+        assert!(matches!(
+            c.copy(Direction::Load, &[one], 1),
+            Err(CopyError::UnknownRegion { .. })
+        ));
+        assert!(
+            b.cpu.iter().all(|x| *x == 0),
+            "a rejected call copied bytes"
+        );
+    }
+
+    #[test]
+    fn registration_rejects_rows_past_their_buffer_and_overlapping_sides() {
+        let mut b = Bufs::new(3000, 3000);
+        let spans = b.spans();
+        let mk = |gpu: RowSpace, cpu: RowSpace, row_bytes: usize| Group {
+            gpu_rows: 3,
+            cpu_rows: 5,
+            regions: vec![Region {
+                gpu,
+                cpu,
+                row_bytes,
+            }],
+        };
+        let cases = [
+            mk(space(0, 1, 1000), space(1, 0, 600), 500), // GPU end 2501 ok, CPU ok
+            mk(space(0, 0, 1000), space(1, 1, 600), 500), // CPU ends at 2901: ok
+            mk(space(0, 0, 1000), space(1, 401, 600), 500), // CPU ends at 3001 > 3000
+            mk(space(0, 0, 400), space(1, 0, 600), 500),  // GPU rows overlap
+            mk(space(0, 0, 1000), space(2, 0, 600), 500), // unknown buffer
+            mk(space(0, 0, 1000), space(0, 1500, 100), 100), // CPU rows among the GPU rows
+            mk(space(0, 0, usize::MAX), space(1, 0, 600), 500), // overflow
+        ];
+        let ok: Vec<bool> = cases
+            .iter()
+            .map(|g| {
+                // SAFETY: the buffers outlive the (dropped at once) copier.
+                #[allow(unsafe_code)]
+                unsafe {
+                    Copier::new(spans.clone(), vec![g.clone()]).is_ok()
+                }
+            })
+            .collect();
+        assert_eq!(ok, [true, true, false, false, false, false, false]);
+    }
+
+    #[test]
     fn contiguous_rows_merge_and_split_at_piece_size() {
-        let rows = [Rows {
-            dst: 0,
-            dst_stride: 1 << 10,
-            src: 1 << 30,
-            src_stride: 1 << 10,
-            row_bytes: 1 << 10,
-            count: 600,
-        }];
-        let ps = pieces(&rows).unwrap();
-        assert_eq!(ps.iter().map(|p| p.2).sum::<usize>(), 600 << 10);
-        assert_eq!(ps.len(), (600usize << 10).div_ceil(PIECE));
-        assert!(pieces(&[Rows {
-            count: usize::MAX,
-            ..rows[0]
-        }])
-        .is_none());
+        let rows = 600;
+        let mut b = Bufs::new(rows << 10, rows << 10);
+        let g = Group {
+            gpu_rows: rows,
+            cpu_rows: rows,
+            regions: vec![Region {
+                gpu: space(0, 0, 1 << 10),
+                cpu: space(1, 0, 1 << 10),
+                row_bytes: 1 << 10,
+            }],
+        };
+        // SAFETY: the buffers outlive the copier.
+        #[allow(unsafe_code)]
+        let c = unsafe { Copier::new(b.spans(), vec![g]).unwrap() };
+        let t = [runs(0, &[0], &[0], &[rows as i64])];
+        let ps = c.pieces(Direction::Store, &t).unwrap();
+        assert_eq!(ps.len(), (rows << 10).div_ceil(PIECE));
+        assert_eq!(c.copy(Direction::Store, &t, 3).unwrap(), rows << 10);
+        assert_eq!(b.cpu, b.gpu);
+    }
+
+    #[test]
+    fn a_destination_written_twice_is_copied_in_order() {
+        let mut b = Bufs::new(3000, 3000);
+        let c = strided(&mut b);
+        // CPU row 0 is written from GPU row 0, then from GPU row 2: the last one wins.
+        let t = [runs(0, &[0, 2], &[0, 0], &[1, 1])];
+        c.copy(Direction::Store, &t, 4).unwrap();
+        assert_eq!(&b.cpu[..500], &b.gpu[2000..2500]);
     }
 }

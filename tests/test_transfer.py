@@ -25,6 +25,7 @@ from kvoffload.errors import (
     KvOffloadError,
     RegistrationError,
     TransferError,
+    UnknownJobError,
 )
 from kvoffload.transfer import TransferEngine, TransferResult
 
@@ -517,7 +518,10 @@ def test_queued_store_starts_only_when_submitted_or_flushed(device: str, flush: 
         assert eng.poll() == []
         assert calls == []  # accepted, not started
         if flush == "wait":
-            eng.wait([5, 99])  # 99: unknown ids are fine
+            with pytest.raises(UnknownJobError, match="job 99 was never"):
+                eng.wait([5, 99])  # 99: unknown, so nothing is submitted or waited for
+            assert eng.stats["queued"] == 2
+            eng.wait([5])
         elif flush == "fence":
             eng.fence([5])
         else:
@@ -734,7 +738,8 @@ def test_bad_jobs_raise_and_change_nothing(
         getattr(eng, method)(3, transfers)
     assert issubclass(error, KvOffloadError)
     assert eng.stats == stats
-    eng.wait([3], timeout=WAIT_S)
+    with pytest.raises(UnknownJobError, match="job 3 was never queued or submitted"):
+        eng.wait([3], timeout=WAIT_S)  # the rejected job left no trace
     assert eng.poll() == []
     cache.assert_bytes(snap)
     for i in range(2):

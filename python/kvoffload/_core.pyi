@@ -11,6 +11,7 @@ __all__ = [
     "CompletedJob",
     "CompletionError",
     "ConfigError",
+    "Copier",
     "CpuPool",
     "InvalidBlockError",
     "InvalidKeyError",
@@ -27,15 +28,26 @@ __all__ = [
     "UnknownKeyError",
     "UnknownRequestError",
     "__version__",
-    "copy_rows",
 ]
 
 __version__: str
 
-def copy_rows(
-    plans: list[tuple[int, int, int, int, int, list[int], list[int], list[int]]],
-    threads: int = 1,
-) -> int: ...
+@final
+class Copier:
+    """Bounded copies between registered KV-tensor storages and CPU-pool regions."""
+
+    def __new__(
+        cls,
+        buffers: list[Any],
+        groups: list[tuple[int, int, list[tuple[int, int, int, int, int, int, int]]]],
+    ) -> Copier: ...
+    def copy(
+        self,
+        store: bool,
+        runs: list[tuple[int, int | None, list[int], list[int], list[int]]],
+        threads: int = 1,
+    ) -> int: ...
+    def layout(self) -> list[tuple[int, int, int]]: ...
 
 class KvOffloadError(Exception): ...
 class ConfigError(KvOffloadError): ...

@@ -42,33 +42,48 @@ copy per run per tensor; :attr:`TransferResult.copies` reports how many were iss
   power of two, which would nearly double a large pool). Each copy costs a few µs of host time,
   so many scattered small blocks are bound by that (``benches/gpu_transfer.py`` measures it).
 * On CPU: copies run on one background thread per direction, so they really overlap with the
-  caller, with the same API and guarantees. A job's copies are handed to the Rust core in one
-  call (:func:`kvoffload._core.copy_rows`: addresses and row strides of memory this engine
-  owns), which copies with the GIL released, in 256 KiB pieces, and splits a large job
-  (>= 2 MiB) over ``cpu_copy_threads`` threads. The lane takes the GIL once per job: a caller
-  that holds the GIL (an engine loop spinning while it waits for a load) cannot stall the
-  copies, which it did when every run was a separate Python-level copy. With a per-copy test
-  hook set, copies go run by run through numpy views instead.
-  ``benches/bench_transfer.py`` compares the result with a plain ``copy_``.
+  caller, with the same API and guarantees. Copies go through the Rust core's
+  :class:`kvoffload._core.Copier`, built once from the storages of the registered tensors and
+  the pool (it holds them, so the memory outlives it): a job names rows by group, region and
+  row index, and the core checks every row against the registration before a byte moves, so
+  no call can read or write outside registered memory. A job is one call, which copies with
+  the GIL released, in 256 KiB pieces, and splits a large job (>= 2 MiB) over
+  ``cpu_copy_threads`` threads. The lane takes the GIL once per job: a caller that holds the
+  GIL (an engine loop spinning while it waits for a load) cannot stall the copies. With a
+  per-copy test hook set, the same core copy runs once per run per tensor, the hook before
+  each. ``benches/bench_transfer.py`` compares the result with a plain ``copy_``.
 
 **Failures.** A copy that raises marks its job failed (``ok=False`` from :meth:`poll`); the job
 never hangs. Nothing becomes visible on failure because visibility is the scheduler's decision:
 it does not publish a failed store, and it recomputes the blocks of a failed load. A failed
 job is reported only once nothing of it is still running.
 
+**The worker step.** :meth:`TransferEngine.step` takes one step plan's stores, flush set and
+loads and does them in the one correct order (DESIGN.md §3, step 4). It is the only call an
+engine adapter needs besides :meth:`~TransferEngine.poll`; an id the engine never saw in a
+flush set or in :meth:`~TransferEngine.wait` / :meth:`~TransferEngine.fence` raises
+:class:`~kvoffload.errors.UnknownJobError` instead of being skipped.
+
 **Several workers.** Under tensor parallelism each worker holds its shard of the KV cache and
 its own :class:`TransferEngine`; all state is per instance, completions are per worker, and the
 scheduler counts them (a job is done when every worker reported it).
 
-An engine is driven from one thread (the worker's); it is not itself thread-safe.
+**Threads and lifetime.** Every method may be called from any thread: one lock guards the job
+tables, and no method blocks while holding it (a host wait does not stop another thread's
+poll); each result is returned exactly once. The copy threads hold the engine's tensors only
+while a job runs and never the engine itself, so an engine dropped without :meth:`shutdown`
+(even in a reference cycle, even collected on its own copy thread) stops its threads and frees
+its pool.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import mmap
 import operator
+import os
 import queue
 import threading
 import time
@@ -81,13 +96,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvoffload._core import copy_rows
+from kvoffload._core import Copier
 from kvoffload.errors import (
     ConfigError,
     EngineClosedError,
     InvalidBlockError,
     RegistrationError,
     TransferError,
+    UnknownJobError,
 )
 
 __all__ = [
@@ -114,15 +130,14 @@ Transfer: TypeAlias = tuple[SupportsIndex, BlockIds, BlockIds]
 JobKind: TypeAlias = Literal["store", "load"]
 """``"store"`` copies GPU blocks to the CPU pool, ``"load"`` copies them back."""
 
-_NP_PIECE_BYTES = 256 << 10
-"""CPU engines copy long runs in pieces of about this size: on the 2-core AMD EPYC this was
-tuned on, glibc's memcpy moves 256-512 KiB pieces ~10-15% faster than multi-MiB ones."""
 _PARALLEL_MIN_BYTES = 2 << 20
 """CPU engines split a job of at least this many bytes over their copy threads (a hand-off to a
 helper thread costs tens of µs, one 2 MiB memcpy ~100 µs)."""
 _GROUP_ALIGN = 4096
 """Each group's regions start on this byte boundary in the pool allocation."""
 _CANCELLED = "cancelled by shutdown"
+_MAX_ID_RANGES = 4096
+"""Ranges of job ids an engine remembers exactly (see :class:`_IdRanges`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +172,7 @@ class _Region:
     name: str
     gpu: torch.Tensor
     cpu: torch.Tensor
-    gpu_np: npt.NDArray[np.uint8] | None
-    cpu_np: npt.NDArray[np.uint8] | None
     bytes_per_block: int
-    rows: tuple[int, int, int, int] | None = None
-    """CPU engines: ``(gpu address, gpu row stride, cpu address, cpu row stride)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,137 +251,95 @@ class _Hooks:
     before_copy: Callable[[int, int], None] | None
     fault_injector: Callable[[int], None] | None
 
+    @property
+    def per_copy(self) -> bool:
+        """Whether a hook runs before every copy (so copies are issued one by one)."""
+        return self.copy_delay_s > 0.0 or self.before_copy is not None
+
+
+class _Runtime:
+    """What executing a job needs: the groups, the core copier (CPU engines) and the hooks.
+
+    Only the engine holds it strongly; copy threads hold a weak reference between jobs, so a
+    hook that refers back to the engine's owner cannot keep the engine alive.
+    """
+
+    __slots__ = ("__weakref__", "copier", "groups", "hooks", "parts")
+
+    def __init__(
+        self, groups: tuple[_Group, ...], copier: Copier | None, hooks: _Hooks, parts: int
+    ) -> None:
+        self.groups = groups
+        self.copier = copier
+        self.hooks = hooks
+        self.parts = parts
+
 
 class _CancelledError(Exception):
     """Raised inside a copy loop when shutdown(wait=False) cancels the job."""
 
 
-def _np_copy(
-    dst: npt.NDArray[np.uint8],
-    d0: int,
-    src: npt.NDArray[np.uint8],
-    s0: int,
-    n: int,
-    bytes_per_block: int,
-) -> None:
-    """``dst[d0:d0+n] = src[s0:s0+n]`` in pieces of about ``_NP_PIECE_BYTES``."""
-    if bytes_per_block > _NP_PIECE_BYTES:  # big blocks: pieces of each row
-        piece = _NP_PIECE_BYTES
-        for k in range(n):
-            drow, srow = dst[d0 + k], src[s0 + k]
-            for a in range(0, bytes_per_block, piece):
-                drow[a : a + piece] = srow[a : a + piece]
-        return
-    step = _NP_PIECE_BYTES // bytes_per_block
-    if n <= step:
-        dst[d0 : d0 + n] = src[s0 : s0 + n]
-        return
-    for k in range(0, n, step):
-        m = min(step, n - k)
-        dst[d0 + k : d0 + k + m] = src[s0 + k : s0 + k + m]
-
-
-def _row_addresses(
-    gpu: npt.NDArray[np.uint8] | None, cpu: npt.NDArray[np.uint8] | None
-) -> tuple[int, int, int, int] | None:
-    """Addresses and row strides of two ``[n, bytes]`` host views with contiguous rows."""
-    if gpu is None or cpu is None or gpu.strides[1] != 1 or cpu.strides[1] != 1:
-        return None
-    return (
-        gpu.__array_interface__["data"][0],
-        gpu.strides[0],
-        cpu.__array_interface__["data"][0],
-        cpu.strides[0],
-    )
-
-
-def _rows_ready(job: _Job, groups: Sequence[_Group]) -> bool:
-    """Whether every region of the job's groups has host addresses (a CPU engine)."""
-    return all(r.rows is not None for g, *_ in job.runs for r in groups[g].regions)
-
-
-def _execute_rows(job: _Job, groups: Sequence[_Group], parts: int) -> None:
-    """A CPU job's copies in one call into the core, which copies with the GIL released.
-
-    The lane thread takes the GIL once per job, not once per run: an engine loop that holds
-    the GIL cannot stall the copies (measured inside vLLM: a 12.8 MB load took 160-280 ms when
-    copied run by run from Python under a busy engine loop, against a few ms of memcpy).
-    """
-    store = job.kind == "store"
-    plans = []
-    copies = 0
-    for group, g_starts, c_starts, lengths in job.runs:
-        g_rows, c_rows, counts = g_starts.tolist(), c_starts.tolist(), lengths.tolist()
-        for r in groups[group].regions:
-            assert r.rows is not None
-            g_addr, g_stride, c_addr, c_stride = r.rows
-            if store:
-                plans.append(
-                    (c_addr, c_stride, g_addr, g_stride, r.bytes_per_block, c_rows, g_rows, counts)
-                )
-            else:
-                plans.append(
-                    (g_addr, g_stride, c_addr, c_stride, r.bytes_per_block, g_rows, c_rows, counts)
-                )
-            copies += len(counts)
-    threads = parts if job.planned_bytes >= _PARALLEL_MIN_BYTES else 1
-    job.bytes = copy_rows(plans, threads)
-    job.copies = copies
+def _core_runs(job: _Job) -> list[tuple[int, None, list[int], list[int], list[int]]]:
+    """A job's runs in the form :meth:`Copier.copy` takes (every region of each group)."""
+    return [(g, None, gs.tolist(), cs.tolist(), ns.tolist()) for g, gs, cs, ns in job.runs]
 
 
 def _execute(
     job: _Job,
-    groups: Sequence[_Group],
-    hooks: _Hooks,
+    rt: _Runtime,
     cancel: threading.Event | None,
     *,
     non_blocking: bool,
-    parts: int = 1,
 ) -> None:
     """Issue every copy of ``job``; record progress and the first error on the job. Never raises.
 
+    CPU engines copy through the core (:class:`kvoffload._core.Copier`, bounds-checked, GIL
+    released): the whole job in one call, or, while a per-copy test hook is set, one call per
+    run per tensor so the hook runs before each. CUDA engines issue one ``copy_`` per run per
+    tensor on the current (copy) stream.
+
     Args:
         job: The job to run.
-        groups: The engine's groups.
-        hooks: Test hooks.
+        rt: The engine's runtime.
         cancel: When set, the job stops before its next copy and is reported cancelled.
         non_blocking: Pass ``non_blocking`` to ``copy_`` (CUDA copies from/to pinned memory).
-        parts: CPU engines: threads a large job (>= 2 MiB) is split over.
     """
     store = job.kind == "store"
+    hooks = rt.hooks
+    copier = rt.copier
     try:
         if cancel is not None and cancel.is_set():
             raise _CancelledError
         if hooks.fault_injector is not None:
             hooks.fault_injector(job.job_id)
-        if hooks.copy_delay_s <= 0.0 and hooks.before_copy is None and _rows_ready(job, groups):
-            _execute_rows(job, groups, parts)
+        if copier is not None and not hooks.per_copy:
+            # One call per job: the lane takes the GIL once per job, not once per run, so an
+            # engine loop that holds the GIL cannot stall the copies (measured inside vLLM: a
+            # 12.8 MB load took 160-280 ms when copied run by run under a busy engine loop).
+            threads = rt.parts if job.planned_bytes >= _PARALLEL_MIN_BYTES else 1
+            job.bytes = copier.copy(store, _core_runs(job), threads)
+            job.copies = job.planned_copies
             return
         for group, g_starts, c_starts, lengths in job.runs:
-            regions = groups[group].regions
+            regions = rt.groups[group].regions
             spans = zip(g_starts.tolist(), c_starts.tolist(), lengths.tolist(), strict=True)
             for g0, c0, n in spans:
-                g1 = g0 + n
-                c1 = c0 + n
-                for r in regions:
+                for ri, r in enumerate(regions):
                     if cancel is not None and cancel.is_set():
                         raise _CancelledError
                     if hooks.copy_delay_s > 0.0:
                         time.sleep(hooks.copy_delay_s)
                     if hooks.before_copy is not None:
                         hooks.before_copy(job.job_id, job.copies)
-                    nbytes = n * r.bytes_per_block
-                    if r.gpu_np is not None and r.cpu_np is not None:
-                        if store:
-                            _np_copy(r.cpu_np, c0, r.gpu_np, g0, n, r.bytes_per_block)
-                        else:
-                            _np_copy(r.gpu_np, g0, r.cpu_np, c0, n, r.bytes_per_block)
+                    if copier is not None:
+                        job.bytes += copier.copy(store, [(group, ri, [g0], [c0], [n])], 1)
                     elif store:
-                        r.cpu[c0:c1].copy_(r.gpu[g0:g1], non_blocking=non_blocking)
+                        r.cpu[c0 : c0 + n].copy_(r.gpu[g0 : g0 + n], non_blocking=non_blocking)
+                        job.bytes += n * r.bytes_per_block
                     else:
-                        r.gpu[g0:g1].copy_(r.cpu[c0:c1], non_blocking=non_blocking)
+                        r.gpu[g0 : g0 + n].copy_(r.cpu[c0 : c0 + n], non_blocking=non_blocking)
+                        job.bytes += n * r.bytes_per_block
                     job.copies += 1
-                    job.bytes += nbytes
     except _CancelledError:
         job.error = _CANCELLED
     except Exception as exc:  # a failed copy fails its job, never the engine
@@ -378,7 +347,7 @@ def _execute(
 
 
 class _Completions:
-    """Thread-safe list of jobs finished by the CPU lanes, drained by ``poll``."""
+    """Thread-safe list of finished jobs, drained by ``poll``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -388,63 +357,74 @@ class _Completions:
         with self._lock:
             self._jobs.append(job)
 
+    def push_back(self, jobs: list[_Job]) -> None:
+        """Return drained jobs that could not be handed out (they come first next time)."""
+        with self._lock:
+            self._jobs[:0] = jobs
+
     def drain(self) -> list[_Job]:
         with self._lock:
             jobs, self._jobs = self._jobs, []
         return jobs
 
 
+def _lane_main(
+    jobs: queue.SimpleQueue[_Job | None],
+    runtime: weakref.ReferenceType[_Runtime],
+    sink: _Completions,
+    cancel: threading.Event,
+) -> None:
+    """A copy thread: runs one direction's jobs in submission order until it gets ``None``.
+
+    Holds the runtime only while a job runs, so the engine can be collected (and its finalizer
+    stop this thread) while the thread waits for work.
+    """
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        rt = runtime()
+        try:
+            if rt is None:
+                job.error = f"{_CANCELLED} (the engine was collected)"
+            else:
+                _execute(job, rt, cancel, non_blocking=False)
+        except BaseException as exc:  # pragma: no cover - _execute catches Exception
+            job.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            rt = None
+            job.t_done = time.perf_counter()
+            sink.push(job)
+            job.done.set()
+
+
 class _Lane:
     """A background thread that runs one direction's jobs in submission order (CPU engines)."""
 
-    def __init__(
-        self,
-        name: str,
-        groups: Sequence[_Group],
-        hooks: _Hooks,
-        sink: _Completions,
-        parts: int,
-    ) -> None:
+    def __init__(self, name: str, runtime: _Runtime, sink: _Completions) -> None:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._parts = parts
-        self._groups = groups
-        self._hooks = hooks
-        self._sink = sink
         self.cancel = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=_lane_main,
+            args=(self._queue, weakref.ref(runtime), sink, self.cancel),
+            name=name,
+            daemon=True,
+        )
         self._thread.start()
 
     def put(self, job: _Job) -> None:
         self._queue.put(job)
 
-    def close(self, *, cancel: bool) -> None:
-        """Stop the thread after the jobs already put (cancelling them if ``cancel``); join it."""
+    def stop(self, *, cancel: bool) -> None:
+        """Ask the thread to end after the jobs already put (cancelling them if ``cancel``)."""
         if cancel:
             self.cancel.set()
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        self._queue.put(None)
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                _execute(
-                    job,
-                    self._groups,
-                    self._hooks,
-                    self.cancel,
-                    non_blocking=False,
-                    parts=self._parts,
-                )
-            except BaseException as exc:  # pragma: no cover - _execute catches Exception
-                job.error = f"{type(exc).__name__}: {exc}"
-            finally:
-                job.t_done = time.perf_counter()
-                self._sink.push(job)
-                job.done.set()
+    def join(self) -> None:
+        """Wait for the thread to end, unless this is that thread (it ends after this job)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class _Resources:
@@ -455,22 +435,128 @@ class _Resources:
         self.streams: dict[JobKind, torch.cuda.Stream] = {}
         self.registered_ptr: int | None = None
         self.released = False
+        self._lock = threading.Lock()
 
-    def release(self, *, cancel: bool) -> None:
-        """Join the lanes, synchronise the streams, unregister the pool.
+    def release(self, *, cancel: bool, join: bool) -> None:
+        """Stop the lanes (joining them if ``join``), synchronise the streams, unregister the
+        pool. Idempotent.
 
-        Idempotent.
+        The engine's finalizer passes ``join=False``: it may run on any thread, one of the lanes
+        included, during a garbage collection; a lane holds what it copies alive until its job
+        ends, so nothing needs to wait for it.
         """
-        if self.released:
-            return
-        self.released = True
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
         for lane in self.lanes.values():
-            lane.close(cancel=cancel)
+            lane.stop(cancel=cancel)
+        if join:
+            for lane in self.lanes.values():
+                lane.join()
         for stream in self.streams.values():
             stream.synchronize()  # GPU copies cannot be cancelled; they must end before unpinning
         if self.registered_ptr is not None:
             torch.cuda.cudart().cudaHostUnregister(self.registered_ptr)
             self.registered_ptr = None
+
+
+class _IdRanges:
+    """The job ids an engine has accepted, as sorted disjoint ranges ``[lo, hi)``.
+
+    The scheduler's ids grow by one, so this is one range in practice. Past ``limit`` ranges the
+    two lowest merge: an id in a gap that old then counts as known (finished), never the
+    reverse, so a live job is never reported unknown and memory stays bounded.
+    """
+
+    def __init__(self, limit: int = _MAX_ID_RANGES) -> None:
+        self._lo: list[int] = []
+        self._hi: list[int] = []
+        self._limit = limit
+
+    def __contains__(self, x: int) -> bool:
+        i = bisect.bisect_right(self._lo, x) - 1
+        return i >= 0 and x < self._hi[i]
+
+    def __len__(self) -> int:
+        return len(self._lo)
+
+    def add(self, x: int) -> None:
+        lo, hi = self._lo, self._hi
+        i = bisect.bisect_right(lo, x) - 1  # the range starting at or before x
+        if i >= 0 and x < hi[i]:
+            return
+        if i >= 0 and hi[i] == x:
+            hi[i] = x + 1
+            if i + 1 < len(lo) and lo[i + 1] == x + 1:  # joins the next range
+                hi[i] = hi[i + 1]
+                del lo[i + 1], hi[i + 1]
+        elif i + 1 < len(lo) and lo[i + 1] == x + 1:
+            lo[i + 1] = x
+        else:
+            lo.insert(i + 1, x)
+            hi.insert(i + 1, x + 1)
+            if len(lo) > self._limit:
+                hi[0] = hi[1]
+                del lo[1], hi[1]
+
+
+def _job_id(x: object, where: str) -> int:
+    """A job id: an integer (not a bool); raises UnknownJobError naming ``x``."""
+    if isinstance(x, bool):
+        raise UnknownJobError(f"{where}: job id must be an integer, got {x!r}")
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        raise UnknownJobError(
+            f"{where}: job id must be an integer, got {x!r} ({type(x).__name__})"
+        ) from None
+
+
+def _id_list(xs: object, where: str) -> list[int]:
+    """Job ids from an iterable; raises UnknownJobError naming the bad value."""
+    if isinstance(xs, (str, bytes)) or not isinstance(xs, Iterable):
+        raise UnknownJobError(
+            f"{where}: job ids must be an iterable of integers, got {xs!r} ({type(xs).__name__})"
+        )
+    return [_job_id(x, where) for x in xs]
+
+
+def _size(x: object, name: str, *, minimum: int = 1) -> int:
+    """A size argument: an integer (not a bool) >= ``minimum``; raises ConfigError naming it."""
+    if isinstance(x, bool):
+        raise ConfigError(f"{name} must be an integer, got {x!r}")
+    try:
+        v = operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be an integer, got {x!r} ({type(x).__name__})") from None
+    if v < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _memory_bytes() -> int | None:
+    """Physical memory of this machine, if the OS tells."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+
+
+def _storage_bytes(x: torch.Tensor) -> npt.NDArray[np.uint8]:
+    """All bytes of a CPU tensor's storage, as a 1-D uint8 numpy array sharing its memory."""
+    flat = torch.empty(0, dtype=torch.uint8).set_(x.untyped_storage())
+    return flat.numpy()
+
+
+def _index(x: object, name: str, exc: type[Exception]) -> int:
+    """An integer argument (not a bool); raises ``exc`` naming ``name`` and the value."""
+    if isinstance(x, bool):
+        raise exc(f"{name} must be an integer, got {x!r}")
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        raise exc(f"{name} must be an integer, got {x!r} ({type(x).__name__})") from None
 
 
 def _cuda_ok(err: object) -> bool:
@@ -668,11 +754,14 @@ class TransferEngine:
     Example:
         >>> kv = [{"layer0": (k0, v0), "layer1": (k1, v1)}]  # one KV group, K/V separate
         >>> with TransferEngine(kv, blocks_per_chunk=4, num_slots=256) as eng:
-        ...     eng.submit_store(1, [(0, gpu_blocks, cpu_positions)])
+        ...     eng.step(stores=[(1, [(0, gpu_blocks, cpu_positions)])])  # queued
+        ...     eng.step()  # next step: submitted
         ...     eng.wait([1])
         ...     [r] = eng.poll()
 
-    Job ids are the scheduler's; an id may be reused once its result has been polled.
+    An engine adapter calls :meth:`step` once per engine step with the step plan; the other
+    job methods are the pieces :meth:`step` is made of. Job ids are the scheduler's; an id may
+    be reused once its result has been polled. Every method may be called from any thread.
     """
 
     def __init__(
@@ -712,12 +801,11 @@ class TransferEngine:
                 raising fails the job.
 
         Raises:
-            ConfigError: A bad ``blocks_per_chunk``, capacity or ``layout`` argument.
+            ConfigError: A bad ``blocks_per_chunk``, capacity, ``layout``, ``pin_memory``,
+                ``cpu_copy_threads`` or hook argument; a pool this machine cannot hold.
             RegistrationError: Unusable tensors; the message names group, layer and tensor.
         """
-        bpc = operator.index(blocks_per_chunk)
-        if bpc < 1:
-            raise ConfigError(f"blocks_per_chunk must be >= 1, got {bpc}")
+        bpc = _size(blocks_per_chunk, "blocks_per_chunk")
         if (num_slots is None) == (cpu_bytes is None):
             raise ConfigError("give exactly one of num_slots and cpu_bytes")
         if isinstance(kv_caches, (torch.Tensor, Mapping)) or not isinstance(kv_caches, Sequence):
@@ -727,47 +815,71 @@ class TransferEngine:
             )
         if len(kv_caches) == 0:
             raise RegistrationError("kv_caches is empty: register at least one KV group")
-        parts = torch.get_num_threads() if cpu_copy_threads is None else cpu_copy_threads
-        parts = operator.index(parts)
-        if parts < 1:
-            raise ConfigError(f"cpu_copy_threads must be >= 1, got {parts}")
-        layouts = [layout] * len(kv_caches) if isinstance(layout, str) else list(layout)
+        parts = _size(
+            torch.get_num_threads() if cpu_copy_threads is None else cpu_copy_threads,
+            "cpu_copy_threads",
+        )
+        if isinstance(layout, str):
+            layouts: list[object] = [layout] * len(kv_caches)
+        elif isinstance(layout, Sequence):
+            layouts = list(layout)
+        else:
+            raise ConfigError(f"layout must be a string or a sequence of them, got {layout!r}")
         if len(layouts) != len(kv_caches):
             raise ConfigError(f"{len(layouts)} layouts given for {len(kv_caches)} KV groups")
         for lay in layouts:
             if lay not in ("blocks_first", "kv_first"):
                 raise ConfigError(f"layout must be 'blocks_first' or 'kv_first', got {lay!r}")
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise ConfigError(f"pin_memory must be None, True or False, got {pin_memory!r}")
+        delay = _copy_delay_s
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)):
+            raise ConfigError(f"_copy_delay_s must be a number of seconds, got {delay!r}")
+        if not 0.0 <= delay <= 3600.0:  # also rejects nan and inf
+            raise ConfigError(f"_copy_delay_s must be in [0, 3600] seconds, got {delay!r}")
+        for name, hook in (("_before_copy", _before_copy), ("_fault_injector", _fault_injector)):
+            if hook is not None and not callable(hook):
+                raise ConfigError(f"{name} must be callable or None, got {hook!r}")
 
-        device, parsed = _parse_kv_caches(kv_caches, layouts)
+        device, parsed = _parse_kv_caches(kv_caches, layouts)  # type: ignore[arg-type]
 
         slot_bytes = [bpc * sum(r.size(1) for _, r in rows) for rows, _, _ in parsed]
         if num_slots is not None:
-            slots = operator.index(num_slots)
-            if slots < 1:
-                raise ConfigError(f"num_slots must be >= 1, got {slots}")
+            slots = _size(num_slots, "num_slots")
+            what = f"num_slots={slots}"
         else:
-            assert cpu_bytes is not None
-            budget = operator.index(cpu_bytes)
+            budget = _size(cpu_bytes, "cpu_bytes")
             slots = budget // sum(slot_bytes)
+            what = f"cpu_bytes={budget}"
             if slots < 1:
                 raise ConfigError(
                     f"cpu_bytes={budget} is less than one slot in every group "
                     f"({sum(slot_bytes)} bytes)"
                 )
-        pin = device.type == "cuda" if pin_memory is None else bool(pin_memory)
+        pin = device.type == "cuda" if pin_memory is None else pin_memory
         if pin and not torch.cuda.is_available():
             raise ConfigError("pin_memory=True needs CUDA, which is not available")
 
         # One allocation; per group its regions back to back, each group aligned.
         offsets: list[int] = []
         total = 0
-        for rows, _, _ in parsed:
+        for sb in slot_bytes:
             total = -(-total // _GROUP_ALIGN) * _GROUP_ALIGN
             offsets.append(total)
-            total += slots * bpc * sum(r.size(1) for _, r in rows)
+            total += slots * sb
+        memory = _memory_bytes()
+        if memory is not None and total > memory:
+            raise ConfigError(
+                f"{what}: the CPU pool would take {total} bytes, more than this machine's "
+                f"{memory} bytes of memory"
+            )
         self._resources = _Resources()
-        pool, pinned = self._allocate(total, pin)
-        on_cpu = device.type == "cpu"
+        try:
+            pool, pinned = self._allocate(total, pin)
+        except (RuntimeError, MemoryError, OverflowError) as exc:
+            raise ConfigError(
+                f"{what}: cannot allocate a CPU pool of {total} bytes: {exc}"
+            ) from None
         groups: list[_Group] = []
         for (rows, nb, dtype), start in zip(parsed, offsets, strict=True):
             regions: list[_Region] = []
@@ -777,19 +889,7 @@ class TransferEngine:
                 bpb = gpu.size(1)
                 cpu = pool[pos : pos + n_cpu * bpb].view(n_cpu, bpb)
                 pos += n_cpu * bpb
-                gpu_np = gpu.numpy() if on_cpu else None
-                cpu_np = cpu.numpy() if on_cpu else None
-                regions.append(
-                    _Region(
-                        name=where,
-                        gpu=gpu,
-                        cpu=cpu,
-                        gpu_np=gpu_np,
-                        cpu_np=cpu_np,
-                        bytes_per_block=bpb,
-                        rows=_row_addresses(gpu_np, cpu_np),
-                    )
-                )
+                regions.append(_Region(name=where, gpu=gpu, cpu=cpu, bytes_per_block=bpb))
             groups.append(
                 _Group(
                     regions=tuple(regions),
@@ -799,6 +899,7 @@ class TransferEngine:
                     dtype=dtype,
                 )
             )
+        copier = self._copier(groups, pool) if device.type == "cpu" else None
 
         self._device = device
         self._groups: tuple[_Group, ...] = tuple(groups)
@@ -806,9 +907,13 @@ class TransferEngine:
         self._num_slots = slots
         self._pool = pool
         self._pinned = pinned
-        self._hooks = _Hooks(float(_copy_delay_s), _before_copy, _fault_injector)
+        self._runtime = _Runtime(
+            self._groups, copier, _Hooks(float(delay), _before_copy, _fault_injector), parts
+        )
+        self._lock = threading.RLock()
         self._queued: dict[int, _Job] = {}
         self._inflight: dict[int, _Job] = {}
+        self._seen = _IdRanges()
         self._sink = _Completions()
         self._closed = False
         self._stats = {
@@ -821,17 +926,48 @@ class TransferEngine:
         }
         kinds: tuple[JobKind, ...] = ("store", "load")
         for kind in kinds:
-            if on_cpu:
-                self._resources.lanes[kind] = _Lane(
-                    f"kvoffload-{kind}",
-                    self._groups,
-                    self._hooks,
-                    self._sink,
-                    parts,
-                )
+            if copier is not None:
+                self._resources.lanes[kind] = _Lane(f"kvoffload-{kind}", self._runtime, self._sink)
             else:
                 self._resources.streams[kind] = torch.cuda.Stream(device=device)
-        self._finalizer = weakref.finalize(self, self._resources.release, cancel=True)
+        self._finalizer = weakref.finalize(self, self._resources.release, cancel=True, join=False)
+
+    @staticmethod
+    def _copier(groups: Sequence[_Group], pool: torch.Tensor) -> Copier:
+        """The core copier of a CPU engine: every KV tensor's storage and the pool, registered.
+
+        The copier holds numpy views of those storages (so the memory outlives it) and checks
+        every copied row against them.
+        """
+        buffers: list[npt.NDArray[np.uint8]] = []
+        index: dict[tuple[int, int], int] = {}
+
+        def buffer_of(t: torch.Tensor) -> int:
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in index:
+                index[key] = len(buffers)
+                buffers.append(_storage_bytes(t))
+            return index[key]
+
+        layout = []
+        for g in groups:
+            regions = []
+            for r in g.regions:
+                regions.append(
+                    (
+                        buffer_of(r.gpu),
+                        r.gpu.storage_offset(),
+                        r.gpu.stride(0),
+                        buffer_of(r.cpu),
+                        r.cpu.storage_offset(),
+                        r.cpu.stride(0),
+                        r.bytes_per_block,
+                    )
+                )
+            layout.append((g.num_blocks, g.num_cpu_blocks, regions))
+        del pool  # registered through the regions' views
+        return Copier(buffers, layout)
 
     def _allocate(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
         """Allocate the pool; pin it with cudaHostRegister when ``pin`` (no power-of-2 growth).
@@ -916,15 +1052,103 @@ class TransferEngine:
         Position ``slot * bpc + offset`` holds the bytes of one block. The view aliases the pool.
         """
         regions = self._group(group).regions
-        if not 0 <= tensor < len(regions):
-            raise TransferError(f"group {group} has {len(regions)} tensors, not {tensor + 1}")
-        return regions[tensor].cpu
+        t = _index(tensor, "tensor", TransferError)
+        if not 0 <= t < len(regions):
+            raise TransferError(f"group {group} has {len(regions)} tensors, not tensor {t}")
+        return regions[t].cpu
 
     @property
     def stats(self) -> dict[str, int]:
         """Counters: jobs submitted; over polled jobs, ok/failed jobs, copies and bytes; plus
         the number of queued jobs and of submitted jobs not yet polled."""
-        return {**self._stats, "queued": len(self._queued), "in_flight": len(self._inflight)}
+        with self._lock:
+            return {**self._stats, "queued": len(self._queued), "in_flight": len(self._inflight)}
+
+    # ----------------------------------------------------------------- the worker step
+
+    def step(
+        self,
+        stores: Iterable[tuple[SupportsIndex, Iterable[Transfer]]] = (),
+        flush: Iterable[SupportsIndex] = (),
+        loads: Iterable[tuple[SupportsIndex, Iterable[Transfer]]] = (),
+    ) -> None:
+        """One engine step's data-plane work, in the one correct order (DESIGN.md §3, step 4).
+
+        1. Submit the stores queued by the previous step: the compute that wrote their blocks
+           is enqueued by now (on CUDA the copy stream waits for it).
+        2. Of this plan's ``stores``, submit the flushed ones now (a store of a request released
+           this step can be in its own step's flush set) and queue the others for the next
+           :meth:`step`.
+        3. Complete the flush set: on CPU the host waits for the jobs, on CUDA the current
+           (compute) stream waits for them.
+        4. Submit ``loads``.
+
+        Call it before the step's forward pass. Everything is checked before anything starts:
+        on error nothing is queued, submitted or waited for.
+
+        Args:
+            stores: The plan's store jobs, ``(job_id, transfers)`` each.
+            flush: Jobs that must complete before this step writes its blocks. Each must be
+                known to this engine (queued, running, finished) or a store of this call.
+            loads: The plan's load jobs, ``(job_id, transfers)`` each.
+
+        Raises:
+            TransferError: A malformed job, or a job id given twice or already in use.
+            InvalidBlockError: A block id or CPU position out of range.
+            UnknownJobError: A flushed id this engine never saw, a load of this same call (a
+                load writes its own blocks; it is never in its own step's flush set), or an id
+                that is not an integer.
+            EngineClosedError: After shutdown.
+        """
+        new_stores = self._plan_many(stores, "store", "step stores")
+        new_loads = self._plan_many(loads, "load", "step loads")
+        flush_ids = _id_list(flush, "step flush")
+        with self._lock:
+            self._check_open()
+            mine: set[int] = set()
+            for job in (*new_stores, *new_loads):
+                self._check_free(job.job_id)
+                if job.job_id in mine:
+                    raise TransferError(f"step: job {job.job_id} is given twice")
+                mine.add(job.job_id)
+            store_ids = {j.job_id for j in new_stores}
+            load_ids = {j.job_id for j in new_loads}
+            flushed = set(flush_ids)
+            for jid in flush_ids:
+                if jid in load_ids:
+                    raise UnknownJobError(
+                        f"step flush: job {jid} is a load of this same step; a load writes its "
+                        "own blocks and is never in its own step's flush set"
+                    )
+                if jid not in store_ids:
+                    self._check_known(jid, "step flush")
+            # 1. The previous step's stores.
+            for jid in list(self._queued):
+                self._submit(self._queued.pop(jid))
+            # 2. This plan's stores: flushed ones now, the others at the next step.
+            for job in new_stores:
+                self._seen.add(job.job_id)
+                if job.job_id in flushed:
+                    self._submit(job)
+                else:
+                    self._queued[job.job_id] = job
+            waiting = self._unfinished(flush_ids)
+            if self._device.type == "cuda":
+                stream = torch.cuda.current_stream(self._device)
+                for job in waiting:
+                    if job.end_event is not None:
+                        stream.wait_event(job.end_event)
+        # 3. Complete the flush set (the host waits without the lock: polls go on meanwhile).
+        if self._device.type != "cuda":
+            self._block(waiting, None)
+        # 4. The loads.
+        with self._lock:
+            self._check_open()
+            for job in new_loads:
+                self._check_free(job.job_id)
+            for job in new_loads:
+                self._seen.add(job.job_id)
+                self._submit(job)
 
     # ----------------------------------------------------------------- jobs
 
@@ -932,24 +1156,28 @@ class TransferEngine:
         """Accept a store without starting it; :meth:`submit_queued` or a flush starts it.
 
         The engine's step-N stores are started at the start of step N+1, after the compute that
-        wrote their blocks has been enqueued.
+        wrote their blocks has been enqueued. Adapters use :meth:`step`, which does this.
 
         Raises:
             TransferError: Malformed job or duplicate id. Nothing is queued.
             InvalidBlockError: A block id or CPU position out of range. Nothing is queued.
             EngineClosedError: After shutdown.
         """
-        self._check_open()
         job = self._plan(job_id, transfers, "store")
-        self._queued[job.job_id] = job
+        with self._lock:
+            self._check_open()
+            self._check_free(job.job_id)
+            self._seen.add(job.job_id)
+            self._queued[job.job_id] = job
 
     def submit_queued(self) -> list[int]:
         """Start every queued store, in queue order; return their ids."""
-        self._check_open()
-        ids = list(self._queued)
-        for jid in ids:
-            self._submit(self._queued.pop(jid))
-        return ids
+        with self._lock:
+            self._check_open()
+            ids = list(self._queued)
+            for jid in ids:
+                self._submit(self._queued.pop(jid))
+            return ids
 
     def submit_store(self, job_id: SupportsIndex, transfers: Iterable[Transfer]) -> None:
         """Start a store (GPU blocks → CPU positions) now.
@@ -964,8 +1192,7 @@ class TransferEngine:
             InvalidBlockError: A block id or CPU position out of range. Nothing is submitted.
             EngineClosedError: After shutdown.
         """
-        self._check_open()
-        self._submit(self._plan(job_id, transfers, "store"))
+        self._start(self._plan(job_id, transfers, "store"))
 
     def submit_load(self, job_id: SupportsIndex, transfers: Iterable[Transfer]) -> None:
         """Start a load (CPU positions → GPU blocks) now. Same arguments as :meth:`submit_store`.
@@ -975,63 +1202,66 @@ class TransferEngine:
             InvalidBlockError: A block id or CPU position out of range. Nothing is submitted.
             EngineClosedError: After shutdown.
         """
-        self._check_open()
-        self._submit(self._plan(job_id, transfers, "load"))
+        self._start(self._plan(job_id, transfers, "load"))
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs finished since the last poll, each returned exactly once."""
-        self._check_open()
-        return self._collect()
+        with self._lock:
+            self._check_open()
+            return self._collect()
 
     def wait(self, job_ids: Iterable[SupportsIndex], timeout: float | None = None) -> None:
         """Block the host until the jobs are done; their results still come from :meth:`poll`.
 
-        A queued job is submitted first, so a flush is never a no-op. Unknown and already
-        finished ids are ignored.
+        A queued job is submitted first, so a flush is never a no-op. Ids of jobs that already
+        finished (polled or not) are fine.
 
         Args:
             job_ids: The jobs to wait for.
             timeout: Give up after this many seconds (``None``: wait as long as it takes).
 
         Raises:
-            TransferError: The timeout passed with jobs still running (the jobs keep running).
+            UnknownJobError: An id this engine never saw, or one that is not an integer.
+                Nothing is submitted or waited for.
+            TransferError: A bad timeout, or the timeout passed with jobs still running (the
+                jobs keep running).
             EngineClosedError: After shutdown.
         """
-        self._check_open()
-        jobs = self._flush(job_ids)
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        for job in jobs:
-            if job.end_event is None:
-                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                if not job.done.wait(left):
-                    raise self._timeout_error(jobs)
-            elif deadline is None:
-                job.end_event.synchronize()
-                self._mark_cuda_done(job)
-            else:
-                while not job.end_event.query():
-                    if time.perf_counter() > deadline:
-                        raise self._timeout_error(jobs)
-                    time.sleep(1e-4)
-                self._mark_cuda_done(job)
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TransferError(f"wait: timeout must be None or seconds, got {timeout!r}")
+            if not timeout >= 0:  # also nan
+                raise TransferError(f"wait: timeout must be >= 0, got {timeout!r}")
+        ids = _id_list(job_ids, "wait")
+        with self._lock:
+            self._check_open()
+            for jid in ids:
+                self._check_known(jid, "wait")
+            jobs = self._flush(ids)
+        self._block(jobs, timeout)
 
     def fence(self, job_ids: Iterable[SupportsIndex]) -> None:
         """Order the current compute stream after the jobs, without blocking the host.
 
         On CUDA the current stream waits on each job's end event; on CPU this is :meth:`wait`.
-        A queued job is submitted first. Unknown and already finished ids are ignored.
+        A queued job is submitted first. Ids of jobs that already finished are fine.
 
         Raises:
+            UnknownJobError: An id this engine never saw, or one that is not an integer.
             EngineClosedError: After shutdown.
         """
-        self._check_open()
         if self._device.type != "cuda":
             self.wait(job_ids)
             return
-        stream = torch.cuda.current_stream(self._device)
-        for job in self._flush(job_ids):
-            if job.end_event is not None:
-                stream.wait_event(job.end_event)
+        ids = _id_list(job_ids, "fence")
+        with self._lock:
+            self._check_open()
+            for jid in ids:
+                self._check_known(jid, "fence")
+            stream = torch.cuda.current_stream(self._device)
+            for job in self._flush(ids):
+                if job.end_event is not None:
+                    stream.wait_event(job.end_event)
 
     def shutdown(self, wait: bool = True) -> list[TransferResult]:
         """Stop the engine and return every result not yet polled.
@@ -1045,20 +1275,24 @@ class TransferEngine:
             The results :meth:`poll` would have returned, cancelled jobs included. A second
             call returns ``[]``. Every other method raises :class:`EngineClosedError` after.
         """
-        if self._closed:
-            return []
         cancelled: list[TransferResult] = []
-        if wait:
-            self.submit_queued()
-        else:
-            for job in self._queued.values():
-                job.error = f"{_CANCELLED} (never submitted)"
-                cancelled.append(job.result())
-            self._queued.clear()
-        self._resources.release(cancel=not wait)
-        results = cancelled + self._collect(drain=True)
-        self._stats["jobs_failed"] += len(cancelled)
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return []
+            self._closed = True
+            if wait:
+                for jid in list(self._queued):
+                    self._submit(self._queued.pop(jid))
+            else:
+                for job in self._queued.values():
+                    job.error = f"{_CANCELLED} (never submitted)"
+                    cancelled.append(job.result())
+                self._queued.clear()
+        # Join the copy threads without the lock: a finalizer on one of them may call in.
+        self._resources.release(cancel=not wait, join=True)
+        with self._lock:
+            results = cancelled + self._collect(drain=True)
+            self._stats["jobs_failed"] += len(cancelled)
         return results
 
     def __enter__(self) -> TransferEngine:
@@ -1073,36 +1307,69 @@ class TransferEngine:
         if self._closed:
             raise EngineClosedError("the TransferEngine was shut down; create a new one")
 
-    def _group(self, group: int) -> _Group:
-        if not 0 <= group < len(self._groups):
-            raise TransferError(f"unknown group {group}: {len(self._groups)} groups registered")
-        return self._groups[group]
+    def _check_free(self, jid: int) -> None:
+        if jid in self._queued or jid in self._inflight:
+            raise TransferError(f"job {jid} is already queued or not yet polled")
+
+    def _check_known(self, jid: int, where: str) -> None:
+        if jid not in self._queued and jid not in self._inflight and jid not in self._seen:
+            raise UnknownJobError(f"{where}: job {jid} was never queued or submitted here")
+
+    def _group(self, group: object) -> _Group:
+        g = _index(group, "group", TransferError)
+        if not 0 <= g < len(self._groups):
+            raise TransferError(f"unknown group {g}: {len(self._groups)} groups registered")
+        return self._groups[g]
+
+    def _start(self, job: _Job) -> None:
+        with self._lock:
+            self._check_open()
+            self._check_free(job.job_id)
+            self._seen.add(job.job_id)
+            self._submit(job)
+
+    def _plan_many(
+        self, jobs: Iterable[tuple[SupportsIndex, Iterable[Transfer]]], kind: JobKind, what: str
+    ) -> list[_Job]:
+        if isinstance(jobs, (str, bytes)) or not isinstance(jobs, Iterable):
+            raise TransferError(
+                f"{what} must be an iterable of (job_id, transfers) pairs, got {jobs!r}"
+            )
+        out = []
+        for i, item in enumerate(jobs):
+            if not isinstance(item, Sequence) or isinstance(item, (str, bytes)) or len(item) != 2:
+                raise TransferError(f"{what}[{i}] is not a (job_id, transfers) pair: {item!r}")
+            out.append(self._plan(item[0], item[1], kind))
+        return out
 
     def _plan(self, job_id: SupportsIndex, transfers: Iterable[Transfer], kind: JobKind) -> _Job:
-        """Validate a job and compute its runs; changes no state."""
+        """Validate a job and compute its runs; reads only immutable state, changes none."""
+        if isinstance(job_id, bool):
+            raise TransferError(f"job id must be an integer, got {job_id!r}")
         try:
             jid = operator.index(job_id)
         except TypeError:
             raise TransferError(f"job id must be an integer, got {job_id!r}") from None
-        if jid in self._queued or jid in self._inflight:
-            raise TransferError(f"job {jid} is already queued or not yet polled")
         runs: list[_Run] = []
         dests: dict[int, list[npt.NDArray[np.int64]]] = {}
         planned_bytes = 0
         planned_copies = 0
-        try:
-            items = list(transfers)
-        except TypeError:
+        if isinstance(transfers, (str, bytes)) or not isinstance(transfers, Iterable):
             raise TransferError(
-                f"job {jid}: transfers must be an iterable of (group, gpu_blocks, cpu_blocks)"
-            ) from None
+                f"job {jid}: transfers must be an iterable of (group, gpu_blocks, cpu_blocks), "
+                f"got {transfers!r}"
+            )
+        items = list(transfers)
         for i, transfer in enumerate(items):
             try:
                 group_arg, gpu_arg, cpu_arg = transfer
+                if isinstance(group_arg, bool):
+                    raise TypeError
                 group = operator.index(group_arg)
             except (TypeError, ValueError):
                 raise TransferError(
-                    f"job {jid}: transfer {i} is not a (group, gpu_blocks, cpu_blocks) triple"
+                    f"job {jid}: transfer {i} is not a (group, gpu_blocks, cpu_blocks) triple: "
+                    f"{transfer!r}"
                 ) from None
             if not 0 <= group < len(self._groups):
                 raise TransferError(
@@ -1142,7 +1409,7 @@ class TransferEngine:
         return _Job(jid, kind, runs, planned_bytes, planned_copies)
 
     def _submit(self, job: _Job) -> None:
-        """Start a validated job on its lane (CPU) or stream (CUDA)."""
+        """Start a validated job on its lane (CPU) or stream (CUDA). Call with the lock held."""
         job.t_submit = time.perf_counter()
         self._inflight[job.job_id] = job
         self._stats["jobs_submitted"] += 1
@@ -1156,7 +1423,7 @@ class TransferEngine:
             ready.record(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                _execute(job, self._groups, self._hooks, None, non_blocking=True)
+                _execute(job, self._runtime, None, non_blocking=True)
                 end = torch.cuda.Event()
                 end.record(stream)
             job.end_event = end
@@ -1169,14 +1436,34 @@ class TransferEngine:
             job.done.set()
             self._sink.push(job)
 
-    def _flush(self, job_ids: Iterable[SupportsIndex]) -> list[_Job]:
-        """Submit the queued ones among ``job_ids``; return the known unfinished jobs."""
-        ids = [operator.index(j) for j in job_ids]
+    def _flush(self, ids: list[int]) -> list[_Job]:
+        """Submit the queued ones among ``ids``; return the unfinished jobs. Lock held."""
         for jid in ids:
             job = self._queued.pop(jid, None)
             if job is not None:
                 self._submit(job)
+        return self._unfinished(ids)
+
+    def _unfinished(self, ids: list[int]) -> list[_Job]:
         return [job for jid in ids if (job := self._inflight.get(jid)) is not None]
+
+    def _block(self, jobs: list[_Job], timeout: float | None) -> None:
+        """Wait on the host for ``jobs`` (without the lock)."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for job in jobs:
+            if job.end_event is None:
+                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                if not job.done.wait(left):
+                    raise self._timeout_error(jobs)
+            elif deadline is None:
+                job.end_event.synchronize()
+                self._mark_cuda_done(job)
+            else:
+                while not job.end_event.query():
+                    if time.perf_counter() > deadline:
+                        raise self._timeout_error(jobs)
+                    time.sleep(1e-4)
+                self._mark_cuda_done(job)
 
     def _mark_cuda_done(self, job: _Job) -> None:
         if job.t_done is None:
@@ -1192,19 +1479,35 @@ class TransferEngine:
         return job.done.is_set()
 
     def _collect(self, *, drain: bool = False) -> list[TransferResult]:
-        """Remove finished jobs from the in-flight table and turn them into results."""
+        """Remove finished jobs from the in-flight table and turn them into results. Lock held.
+
+        All or nothing: if anything interrupts it (an exception from a signal handler), every
+        job it took is put back, so a result is never lost.
+        """
         finished = self._sink.drain()
-        for job in self._inflight.values():
-            if job.end_event is not None and (drain or job.end_event.query()):
-                self._mark_cuda_done(job)
-                finished.append(job)
-        results = []
-        for job in finished:
-            if self._inflight.pop(job.job_id, None) is None:
-                continue
-            result = job.result()
-            self._stats["copies"] += result.copies
-            self._stats["jobs_ok" if result.ok else "jobs_failed"] += 1
-            self._stats["bytes_stored" if job.kind == "store" else "bytes_loaded"] += result.bytes
-            results.append(result)
+        taken: list[_Job] = []
+        try:
+            for job in self._inflight.values():
+                if job.end_event is not None and (drain or job.end_event.query()):
+                    self._mark_cuda_done(job)
+                    finished.append(job)
+            results = []
+            stats = dict(self._stats)
+            for job in finished:
+                if self._inflight.get(job.job_id) is not job:
+                    continue
+                result = job.result()
+                stats["copies"] += result.copies
+                stats["jobs_ok" if result.ok else "jobs_failed"] += 1
+                stats["bytes_stored" if job.kind == "store" else "bytes_loaded"] += result.bytes
+                results.append(result)
+                taken.append(job)
+            for job in taken:
+                del self._inflight[job.job_id]
+            self._stats = stats
+        except BaseException:
+            for job in taken:
+                self._inflight[job.job_id] = job
+            self._sink.push_back([j for j in finished if j.end_event is None])
+            raise
         return results

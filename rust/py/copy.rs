@@ -1,66 +1,136 @@
-//! `kvoffload._core.copy_rows`: one job's copies in one call, with the GIL released.
+//! `kvoffload._core.Copier`: the CPU data plane's copies, bounded by registered buffers.
+//!
+//! The data plane registers each KV tensor's storage and the CPU pool as Python buffer objects
+//! (1-D, C-contiguous, writable `uint8`, e.g. numpy views of the tensors): the copier holds
+//! them, so the memory stays alive as long as the copier, and every row of every copy is
+//! checked against them ([`crate::copy`]). There is no call that takes a raw address.
 
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use super::errors::KvOffloadError;
-use crate::copy::{copy_pieces, pieces, Rows};
+use super::errors::{ConfigError, InvalidBlockError, KvOffloadError};
+use crate::copy::{self, CopyError, Direction, Group, Region, RowSpace, Runs, Span};
 
-/// One region's copies: `(dst_base, dst_stride, src_base, src_stride, row_bytes, dst_rows,
-/// src_rows, counts)`; run `i` copies `counts[i]` rows from row `src_rows[i]` to row
-/// `dst_rows[i]`.
-type Plan = (
-    usize,
-    usize,
-    usize,
-    usize,
-    usize,
-    Vec<usize>,
-    Vec<usize>,
-    Vec<usize>,
-);
+/// One region as given: `(gpu_buffer, gpu_offset, gpu_stride, cpu_buffer, cpu_offset,
+/// cpu_stride, row_bytes)`.
+type RegionArg = (usize, usize, usize, usize, usize, usize, usize);
+/// One run list as given: `(group, region or None, gpu_starts, cpu_starts, counts)`.
+type RunsArg = (usize, Option<usize>, Vec<i64>, Vec<i64>, Vec<i64>);
 
-/// Copies the rows of every plan (addresses of memory the caller owns and keeps alive),
-/// releasing the GIL, over up to `threads` threads. Returns the bytes copied. Private to the
-/// data plane: addresses are trusted.
-#[pyfunction]
-#[pyo3(signature = (plans, threads = 1))]
-pub fn copy_rows(py: Python<'_>, plans: Vec<Plan>, threads: usize) -> PyResult<usize> {
-    let mut rows = Vec::new();
-    for (i, (dst, dst_stride, src, src_stride, row_bytes, d, s, n)) in plans.into_iter().enumerate()
-    {
-        if d.len() != s.len() || d.len() != n.len() {
-            return Err(KvOffloadError::new_err(format!(
-                "copy plan {i}: {} destination rows, {} source rows, {} counts",
-                d.len(),
-                s.len(),
-                n.len()
-            )));
-        }
-        for ((&dr, &sr), &count) in d.iter().zip(&s).zip(&n) {
-            let at = |base: usize, stride: usize, row: usize| {
-                row.checked_mul(stride).and_then(|o| base.checked_add(o))
-            };
-            let (Some(dst), Some(src)) = (at(dst, dst_stride, dr), at(src, src_stride, sr)) else {
-                return Err(KvOffloadError::new_err(format!(
-                    "copy plan {i}: row address overflows"
-                )));
-            };
-            rows.push(Rows {
-                dst,
-                dst_stride,
-                src,
-                src_stride,
-                row_bytes,
-                count,
-            });
-        }
+// By value so that call sites read `.map_err(to_py)`.
+#[allow(clippy::needless_pass_by_value)]
+fn to_py(e: CopyError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        CopyError::Region { .. } | CopyError::Overlap { .. } => ConfigError::new_err(msg),
+        CopyError::RowsOutOfRange { .. } => InvalidBlockError::new_err(msg),
+        CopyError::UnknownGroup { .. }
+        | CopyError::UnknownRegion { .. }
+        | CopyError::Lengths { .. } => KvOffloadError::new_err(msg),
     }
-    let pieces =
-        pieces(&rows).ok_or_else(|| KvOffloadError::new_err("copy plan: address overflows"))?;
-    #[allow(unsafe_code)]
-    // SAFETY: the data plane passes addresses of tensors it owns and keeps alive for the
-    // call, with rows inside their bounds; destination and source never overlap (a CPU region
-    // and a KV tensor are distinct allocations).
-    let copied = py.detach(|| unsafe { copy_pieces(&pieces, threads) });
-    Ok(copied)
+}
+
+/// Copies rows between registered KV tensors and CPU-pool regions, with the GIL released.
+#[pyclass(frozen, module = "kvoffload._core")]
+pub struct Copier {
+    inner: copy::Copier,
+    /// Keeps every registered buffer (and the object exporting it) alive and unresizable.
+    _buffers: Vec<PyBuffer<u8>>,
+}
+
+#[pymethods]
+impl Copier {
+    /// Registers `buffers` and, per group `(gpu_rows, cpu_rows, regions)`, where each region's
+    /// rows sit in them.
+    #[new]
+    #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
+    fn new(
+        buffers: Vec<Bound<'_, PyAny>>,
+        groups: Vec<(usize, usize, Vec<RegionArg>)>,
+    ) -> PyResult<Self> {
+        let mut held = Vec::with_capacity(buffers.len());
+        let mut spans = Vec::with_capacity(buffers.len());
+        for (i, obj) in buffers.iter().enumerate() {
+            let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
+                ConfigError::new_err(format!("buffer {i} is not a uint8 buffer: {e}"))
+            })?;
+            if buf.readonly() || buf.dimensions() != 1 || !buf.is_c_contiguous() {
+                return Err(ConfigError::new_err(format!(
+                    "buffer {i} must be one-dimensional, contiguous and writable"
+                )));
+            }
+            spans.push(Span {
+                base: buf.buf_ptr() as usize,
+                len: buf.len_bytes(),
+            });
+            held.push(buf);
+        }
+        let space = |buffer, offset, stride| RowSpace {
+            buffer,
+            offset,
+            stride,
+        };
+        let groups = groups
+            .into_iter()
+            .map(|(gpu_rows, cpu_rows, regions)| Group {
+                gpu_rows,
+                cpu_rows,
+                regions: regions
+                    .into_iter()
+                    .map(|(gb, go, gs, cb, co, cs, row_bytes)| Region {
+                        gpu: space(gb, go, gs),
+                        cpu: space(cb, co, cs),
+                        row_bytes,
+                    })
+                    .collect(),
+            })
+            .collect();
+        #[allow(unsafe_code)]
+        // SAFETY: each span is the memory of a buffer held in `_buffers` for the copier's whole
+        // lifetime; a held buffer export keeps its exporter from freeing or resizing it.
+        let inner = unsafe { copy::Copier::new(spans, groups) }.map_err(to_py)?;
+        Ok(Self {
+            inner,
+            _buffers: held,
+        })
+    }
+
+    /// Copies the rows of `runs` (GPU → CPU if `store`, else CPU → GPU) over up to `threads`
+    /// threads, with the GIL released. Every row is checked first: out of range, nothing is
+    /// copied. Returns the bytes copied.
+    #[pyo3(signature = (store, runs, threads = 1))]
+    fn copy(
+        &self,
+        py: Python<'_>,
+        store: bool,
+        runs: Vec<RunsArg>,
+        threads: usize,
+    ) -> PyResult<usize> {
+        let runs: Vec<Runs> = runs
+            .into_iter()
+            .map(|(group, region, gpu, cpu, counts)| Runs {
+                group,
+                region,
+                gpu,
+                cpu,
+                counts,
+            })
+            .collect();
+        let dir = if store {
+            Direction::Store
+        } else {
+            Direction::Load
+        };
+        py.detach(|| self.inner.copy(dir, &runs, threads))
+            .map_err(to_py)
+    }
+
+    /// Registered groups: `(gpu_rows, cpu_rows, regions)` each.
+    fn layout(&self) -> Vec<(usize, usize, usize)> {
+        self.inner
+            .groups()
+            .iter()
+            .map(|g| (g.gpu_rows, g.cpu_rows, g.regions.len()))
+            .collect()
+    }
 }

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 #[pymodule]
 mod _core {
     #[pymodule_export]
-    use super::copy::copy_rows;
+    use super::copy::Copier;
     #[pymodule_export]
     use super::errors::{
         CompletionError, ConfigError, InvalidBlockError, InvalidKeyError, InvalidRequestError,
