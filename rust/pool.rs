@@ -18,7 +18,10 @@
 //!
 //! Every operation checks its input before it changes anything: an `Err` (or a `None` from
 //! [`Pool::prepare_store`]) means nothing changed. Changes visible to other caches are queued
-//! as [`PoolEvent`]s (medium [`MEDIUM`]) and drained with [`Pool::take_events`].
+//! as [`PoolEvent`]s (medium [`MEDIUM`]) and drained with [`Pool::take_events`]. The queue is
+//! bounded ([`Pool::set_event_limit`], by default [`default_event_limit`] keys): an event that
+//! does not fit is dropped whole and counted in [`PoolStats::events_dropped`], so a caller that
+//! never drains costs bounded memory and one that does can tell when its index went stale.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -33,6 +36,11 @@ pub const MEDIUM: &str = "cpu";
 
 /// The largest capacity a pool accepts (2^28 slots, about 10 GiB of bookkeeping).
 pub const MAX_CAPACITY: u32 = 1 << 28;
+
+/// The default bound of the event queue, in keys: twice the capacity, at least 65536.
+pub fn default_event_limit(capacity: u32) -> usize {
+    (2 * capacity as usize).max(1 << 16)
+}
 
 /// Keys below this many per call are deduplicated by a linear scan, above it with a hash set.
 const LINEAR_DEDUP: usize = 32;
@@ -180,6 +188,11 @@ pub struct PoolStats {
     pub target: Option<u32>,
     /// Keys the admission filter currently tracks (bounded by twice the capacity, min 2048).
     pub admission_tracked: u32,
+    /// Events not queued because the queue was full or recording was off
+    /// ([`Pool::set_event_limit`]).
+    pub events_dropped: u64,
+    /// Keys in the events queued now (at most the event limit).
+    pub event_keys_queued: u64,
 }
 
 impl PoolStats {
@@ -360,6 +373,8 @@ pub struct Pool {
     policy: Box<dyn EvictionPolicy>,
     admission: Admission,
     events: Vec<PoolEvent>,
+    event_keys: usize,
+    event_limit: usize,
     storing: u32,
     pinned: u32,
     stats: PoolStats,
@@ -386,6 +401,8 @@ impl Pool {
             policy: config.policy.build(c),
             admission: Admission::new(config.store_threshold, c),
             events: Vec::new(),
+            event_keys: 0,
+            event_limit: default_event_limit(c),
             storing: 0,
             pinned: 0,
             stats: PoolStats::default(),
@@ -555,10 +572,7 @@ impl Pool {
         }
         if !plan.evicted.is_empty() {
             self.stats.evictions += plan.evicted.len() as u64;
-            self.events.push(PoolEvent {
-                kind: PoolEventKind::Removed,
-                keys: plan.evicted.clone(),
-            });
+            self.emit(PoolEventKind::Removed, plan.evicted.clone());
         }
         if need > 0 {
             plan.slots.reserve(need as usize);
@@ -627,10 +641,7 @@ impl Pool {
         }
         if !stored.is_empty() {
             self.stats.stores += stored.len() as u64;
-            self.events.push(PoolEvent {
-                kind: PoolEventKind::Stored,
-                keys: stored,
-            });
+            self.emit(PoolEventKind::Stored, stored);
         }
         Ok(())
     }
@@ -714,10 +725,7 @@ impl Pool {
         }
         if !dropped.is_empty() {
             self.stats.discarded += dropped.len() as u64;
-            self.events.push(PoolEvent {
-                kind: PoolEventKind::Removed,
-                keys: dropped.clone(),
-            });
+            self.emit(PoolEventKind::Removed, dropped.clone());
         }
         dropped
     }
@@ -739,7 +747,29 @@ impl Pool {
 
     /// Drains the queued events, oldest first.
     pub fn take_events(&mut self) -> Vec<PoolEvent> {
+        self.event_keys = 0;
         std::mem::take(&mut self.events)
+    }
+
+    /// Bounds the event queue to `limit` keys (0: record no events). Events already queued
+    /// stay until drained.
+    pub fn set_event_limit(&mut self, limit: usize) {
+        self.event_limit = limit;
+    }
+
+    /// The bound of the event queue, in keys (0: events are not recorded).
+    pub fn event_limit(&self) -> usize {
+        self.event_limit
+    }
+
+    /// Queues an event if it fits under the limit, else counts it as dropped.
+    fn emit(&mut self, kind: PoolEventKind, keys: Vec<Key>) {
+        if self.event_keys + keys.len() > self.event_limit {
+            self.stats.events_dropped += 1;
+            return;
+        }
+        self.event_keys += keys.len();
+        self.events.push(PoolEvent { kind, keys });
     }
 
     /// Empties the pool: every entry (pinned and storing ones included), the policy's order
@@ -754,10 +784,10 @@ impl Pool {
             .collect();
         removed.sort_unstable();
         if !removed.is_empty() {
-            self.events.push(PoolEvent {
-                kind: PoolEventKind::Removed,
-                keys: removed.into_iter().map(|(_, k)| k).collect(),
-            });
+            self.emit(
+                PoolEventKind::Removed,
+                removed.into_iter().map(|(_, k)| k).collect(),
+            );
         }
         self.index.clear();
         self.entries.fill(Entry::Free);
@@ -780,6 +810,7 @@ impl Pool {
             ghosts: self.policy.ghost_len() as u32,
             target: self.policy.target(),
             admission_tracked: self.admission.tracked() as u32,
+            event_keys_queued: self.event_keys as u64,
             ..self.stats
         }
     }
@@ -890,5 +921,43 @@ impl Pool {
             return Err(format!("{ghosts} ghosts over the bound"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(pool: &mut Pool, keys: &[u128]) {
+        let keys: Vec<Key> = keys.iter().map(|&k| Key(k)).collect();
+        pool.prepare_store(&keys).expect("room");
+        pool.complete_store(&keys, true).unwrap();
+    }
+
+    #[test]
+    fn the_event_queue_is_bounded_and_counts_what_it_dropped() {
+        let mut pool = Pool::new(PoolConfig::new(16)).unwrap();
+        assert_eq!(pool.event_limit(), 1 << 16);
+        pool.set_event_limit(3);
+        stored(&mut pool, &[1, 2]);
+        stored(&mut pool, &[3, 4]); // would make 4 keys: dropped whole
+        stored(&mut pool, &[5]);
+        let s = pool.stats();
+        assert_eq!((s.events_dropped, s.event_keys_queued), (1, 3));
+        let events = pool.take_events();
+        let keys: Vec<Vec<u128>> = events
+            .iter()
+            .map(|e| e.keys.iter().map(|k| k.0).collect())
+            .collect();
+        assert_eq!(keys, vec![vec![1, 2], vec![5]]);
+        assert_eq!(pool.stats().event_keys_queued, 0);
+        // Draining makes room again.
+        stored(&mut pool, &[6, 7, 8]);
+        assert_eq!(pool.take_events().len(), 1);
+        // Limit 0: nothing is recorded, everything is counted.
+        pool.set_event_limit(0);
+        stored(&mut pool, &[9]);
+        assert!(pool.take_events().is_empty());
+        assert_eq!(pool.stats().events_dropped, 2);
     }
 }
