@@ -22,20 +22,27 @@ pub enum Error {
     #[error("job {0} already completed: duplicate completion rejected")]
     JobAlreadyCompleted(JobId),
 
-    /// A completion that reports more workers than are still pending.
-    #[error("job {job} over-completed: {reported} worker reports but only {remaining} pending")]
-    OverCompleted {
+    /// A second report of one job from the same worker rank.
+    #[error("job {job}: worker {worker} already reported it; duplicate report rejected")]
+    DuplicateReport {
         /// The job.
         job: JobId,
-        /// Reports in this call.
-        reported: u32,
-        /// Reports still expected before this call.
-        remaining: u32,
+        /// The worker rank that reported twice.
+        worker: u32,
     },
 
-    /// A completion count of zero.
-    #[error("job {0}: completion count must be at least 1, got 0")]
-    ZeroCompletion(JobId),
+    /// A report from a worker rank the engine does not have.
+    #[error(
+        "job {job}: worker rank {worker} is out of range, the engine has {num_workers} workers"
+    )]
+    WorkerOutOfRange {
+        /// The job.
+        job: JobId,
+        /// The offending rank.
+        worker: u32,
+        /// Workers configured.
+        num_workers: u32,
+    },
 
     /// A block id outside the engine's block range.
     #[error("invalid block id {block}: the engine has {num_blocks} blocks")]

@@ -2,10 +2,12 @@
 //!
 //! Job ids are monotonic, so the table is a ring (`VecDeque`) indexed by `id - base`: creation
 //! pushes at the back, completion clears a slot and pops finished slots from the front. Jobs
-//! complete roughly in creation order, so the ring stays short. A job is done when all
-//! `num_workers` workers reported it. Ids below the last reset's floor are *late*: their
-//! completions are ignored and counted. A completion for a job that already completed, for an
-//! id never issued, or one that over-reports is an error and changes nothing.
+//! complete roughly in creation order, so the ring stays short. A job is done when every worker
+//! rank `0..num_workers` reported it once: each report names its rank, so a duplicated report
+//! can never stand in for another worker's (whose copy may still be running). Ids below the
+//! last reset's floor are *late*: their completions are ignored and counted. A completion for a
+//! job that already completed, for an id never issued, from a rank out of range or from a rank
+//! that already reported the job is an error and changes nothing.
 //!
 //! The table also enforces the per-request rule of DESIGN.md §4, invariant 7: a request has one
 //! pending load or any number of pending stores, never both.
@@ -45,6 +47,8 @@ pub struct Job<P> {
     pub failed: bool,
     /// Worker reports still expected.
     pub remaining: u32,
+    /// Ranks that reported (bit `r` for rank `r`).
+    pub reported: u128,
     /// Caller data carried with the job (keys, slots, ...).
     pub payload: P,
 }
@@ -91,6 +95,9 @@ pub struct JobStats {
     pub resets: u64,
 }
 
+/// Most worker ranks a job table serves (one bit each per job).
+pub const MAX_WORKERS: u32 = 128;
+
 /// The table of pending jobs.
 #[derive(Debug)]
 pub struct JobTable<P> {
@@ -107,10 +114,10 @@ pub struct JobTable<P> {
 impl<P> JobTable<P> {
     /// An empty table whose jobs complete after `num_workers` reports each.
     pub fn new(num_workers: u32) -> Result<Self> {
-        if num_workers == 0 {
-            return Err(Error::Config(
-                "num_workers must be at least 1, got 0".into(),
-            ));
+        if num_workers == 0 || num_workers > MAX_WORKERS {
+            return Err(Error::Config(format!(
+                "num_workers must be in 1..={MAX_WORKERS}, got {num_workers}"
+            )));
         }
         Ok(Self {
             num_workers,
@@ -187,6 +194,7 @@ impl<P> JobTable<P> {
             deferred_armed,
             failed: false,
             remaining: self.num_workers,
+            reported: 0,
             payload,
         }));
         self.live += 1;
@@ -205,37 +213,39 @@ impl<P> JobTable<P> {
         self.ring.get_mut(usize::try_from(i).ok()?)?.as_mut()
     }
 
-    /// Validates a report of `count` workers for `id` without changing anything.
-    pub fn validate(&self, id: JobId, count: u32) -> Result<bool> {
+    /// Validates a report of worker `worker` for `id` without changing anything: `Ok(false)`
+    /// for a late report (a job from before the last reset).
+    pub fn validate(&self, id: JobId, worker: u32) -> Result<bool> {
         if id.0 < self.floor {
             return Ok(false);
         }
         if id.0 >= self.next {
             return Err(Error::UnknownJob(id));
         }
-        let job = self.get(id).ok_or(Error::JobAlreadyCompleted(id))?;
-        if count == 0 {
-            return Err(Error::ZeroCompletion(id));
-        }
-        if count > job.remaining {
-            return Err(Error::OverCompleted {
+        if worker >= self.num_workers {
+            return Err(Error::WorkerOutOfRange {
                 job: id,
-                reported: count,
-                remaining: job.remaining,
+                worker,
+                num_workers: self.num_workers,
             });
+        }
+        let job = self.get(id).ok_or(Error::JobAlreadyCompleted(id))?;
+        if job.reported & (1u128 << worker) != 0 {
+            return Err(Error::DuplicateReport { job: id, worker });
         }
         Ok(true)
     }
 
-    /// Records `count` worker reports for `id`; `ok == false` marks the job failed.
-    pub fn complete(&mut self, id: JobId, count: u32, ok: bool) -> Result<Completion<P>> {
-        if !self.validate(id, count)? {
+    /// Records worker `worker`'s report for `id`; `ok == false` marks the job failed.
+    pub fn complete(&mut self, id: JobId, worker: u32, ok: bool) -> Result<Completion<P>> {
+        if !self.validate(id, worker)? {
             self.stats.late_reports += 1;
             return Ok(Completion::Late);
         }
         let idx = (id.0 - self.base) as usize;
         let job = self.ring[idx].as_mut().expect("validated");
-        job.remaining -= count;
+        job.reported |= 1u128 << worker;
+        job.remaining -= 1;
         job.failed |= !ok;
         if job.remaining > 0 {
             return Ok(Completion::Pending {

@@ -15,9 +15,22 @@
 //! the engine's chained prefix hashes as they are.
 //!
 //! Positions whose chunk is not stored yet are indexed by block (`pos_index`): when a block is
-//! written, every such position still holding it is dropped from its request's block table,
-//! so a store never reads a block that was re-allocated since it was filled (a sliding-window
-//! block that left the window, or a block of a released request).
+//! *re-allocated* (handed to a request at a position it will write: `allocate` beyond the
+//! engine's prefix hit, or `new_blocks`), every other position still holding it is dropped from
+//! its request's block table, so a store never reads a block whose content was replaced (a
+//! sliding-window block that left the window, or a block of a released request). Writes alone
+//! never drop anything: `written` only drives the fence check, so a superset of the truly
+//! written blocks costs flushes, never a chunk.
+//!
+//! The step applies its input in this order (DESIGN.md §4):
+//! 1. releases (finished, aborted, preempted): deferred fence pairs are armed;
+//! 2. stores of released requests, built from the blocks as they are *before* this step's
+//!    re-allocations take effect (a new owner writes them only after this step's flush);
+//! 3. this step's re-allocations drop the positions they replace;
+//! 4. stores of running requests (chunks completed by this step's forward pass);
+//! 5. the single fence check over `written`. A store of step 4 runs after this step's forward
+//!    pass and a load submitted with this plan writes its own blocks: neither is ever in the
+//!    flush set of the step that creates it.
 
 use rustc_hash::FxHashMap;
 
@@ -236,6 +249,9 @@ struct PosEntry {
 struct JobPayload {
     req: u32,
     transfers: Vec<GroupTransfer>,
+    /// For a load: per group, the first chunk it fills (a failed load rewinds the store
+    /// cursor there, so the recomputed chunks are stored again).
+    first_chunks: Vec<u32>,
 }
 
 /// The scheduler core. See the module documentation.
@@ -251,6 +267,11 @@ pub struct Scheduler {
     next_owner: u64,
     pos_index: Vec<Vec<PosEntry>>,
     pending_assign: Vec<(u32, u32, u32)>,
+    /// Blocks re-allocated by `allocate` since the previous step (applied in `schedule`).
+    reallocated: Vec<u32>,
+    /// Generation stamps per block, for duplicate checks without allocation.
+    stamps: Vec<u32>,
+    stamp: u32,
     loading: FxHashMap<(u32, Key), JobId>,
     loading_requests: u32,
     step: u64,
@@ -286,6 +307,9 @@ impl Scheduler {
             index: FxHashMap::default(),
             next_owner: 0,
             pending_assign: Vec::new(),
+            reallocated: Vec::new(),
+            stamps: vec![0; cfg.num_gpu_blocks as usize],
+            stamp: 0,
             loading: FxHashMap::default(),
             loading_requests: 0,
             step: 0,
@@ -440,7 +464,11 @@ impl Scheduler {
         }
         let (end, storing) = self.hit_end(r, hit);
         if end == 0 {
-            return if storing { None } else { Some(0) };
+            if storing {
+                return None;
+            }
+            self.touch_prefix(r, hit, hit);
+            return Some(0);
         }
         if first_ask {
             // Wait only for loads already in flight now, never for loads started later.
@@ -472,15 +500,33 @@ impl Scheduler {
             hit,
             end,
         });
-        for g in 0..self.cfg.groups.len() {
-            let keys = self.needed_keys(r, g, hit, end);
-            self.pools[g].touch(&keys);
-        }
+        self.touch_prefix(r, hit, end);
         Some(end - hit)
     }
 
+    /// Refreshes the recency of every chunk the request re-uses: the engine's own prefix hit
+    /// (chunks the GPU cache serves now may be evicted from it first) and the chunks it loads,
+    /// the earliest ending most recent.
+    fn touch_prefix(&mut self, r: &Request, hit: u32, end: u32) {
+        for g in 0..self.cfg.groups.len() {
+            let ct = self.cfg.chunk_tokens(g);
+            let first = match self.cfg.groups[g].sliding_window {
+                None => 0,
+                Some(w) => hit.saturating_sub(w) / ct,
+            };
+            let keys: Vec<Key> = (first..end.max(hit) / ct)
+                .filter_map(|c| self.key(r, g, c))
+                .collect();
+            if !keys.is_empty() {
+                self.pools[g].touch(&keys);
+            }
+        }
+    }
+
     /// Highest token end point `p > hit` (aligned) at which every group's needed chunks are
-    /// ready, or 0; and whether a chunk that could extend it is still being stored.
+    /// ready, or 0; and whether chunks still being stored could make it higher (ask again
+    /// later). The pools are not consulted when less than one aligned step of tokens lies
+    /// beyond the hit.
     fn hit_end(&mut self, r: &Request, hit: u32) -> (u32, bool) {
         let mut cap = r.prompt_len - u32::from(self.cfg.has_window());
         if r.status == Status::Preempted {
@@ -492,61 +538,65 @@ impl Scheduler {
             .min(u64::from(u32::MAX)) as u32;
         cap = cap.min(hashed);
         cap -= cap % self.align;
-        if cap <= hit {
+        if cap <= hit || cap - hit < self.align {
             return (0, false);
         }
-        let mut p_max = cap;
-        let mut storing = false;
-        // ready[g]: prefix counts of ready chunks from the hit chunk (sliding-window groups).
-        let mut windows: Vec<(usize, u32, Vec<u32>)> = Vec::new();
+        // Per group, prefix counts from the hit chunk of chunks that are ready, and of chunks
+        // that are ready or being stored.
+        let mut counts: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::with_capacity(self.pools.len());
+        // Full attention needs every chunk from the hit: its leading run bounds the answer.
+        let (mut bound_ready, mut bound_maybe) = (cap, cap);
         for g in 0..self.cfg.groups.len() {
             let ct = self.cfg.chunk_tokens(g);
             let (s, n) = (hit / ct, cap / ct);
             let keys: Vec<Key> = (s..n).filter_map(|c| self.key(r, g, c)).collect();
             self.pools[g].lookup(&keys);
-            match self.cfg.groups[g].sliding_window {
-                None => {
-                    let mut c = s;
-                    while c < n {
-                        match self.pools[g].state(keys[(c - s) as usize]) {
-                            KeyState::Ready { .. } => c += 1,
-                            KeyState::Storing => {
-                                storing = true;
-                                break;
-                            }
-                            KeyState::Absent => break,
-                        }
-                    }
-                    p_max = p_max.min(c * ct);
-                }
-                Some(w) => {
-                    let mut prefix = Vec::with_capacity(keys.len() + 1);
-                    prefix.push(0u32);
-                    for k in &keys {
-                        let st = self.pools[g].state(*k);
-                        storing |= st == KeyState::Storing;
-                        let ready = u32::from(matches!(st, KeyState::Ready { .. }));
-                        prefix.push(prefix.last().copied().unwrap_or(0) + ready);
-                    }
-                    windows.push((g, w, prefix));
-                }
+            let mut ready = Vec::with_capacity(keys.len() + 1);
+            let mut maybe = Vec::with_capacity(keys.len() + 1);
+            ready.push(0u32);
+            maybe.push(0u32);
+            for k in &keys {
+                let st = self.pools[g].state(*k);
+                let (r0, m0) = (
+                    *ready.last().expect("seeded"),
+                    *maybe.last().expect("seeded"),
+                );
+                ready.push(r0 + u32::from(matches!(st, KeyState::Ready { .. })));
+                maybe.push(m0 + u32::from(st != KeyState::Absent));
             }
-        }
-        let mut p = p_max - p_max % self.align;
-        while p > hit && p - hit >= self.align {
-            let ok = windows.iter().all(|(g, w, prefix)| {
-                let ct = self.cfg.chunk_tokens(*g);
-                let s = hit / ct;
-                let first = hit.max(p.saturating_sub(*w)) / ct;
-                let last = p / ct;
-                prefix[(last - s) as usize] - prefix[(first - s) as usize] == last - first
-            });
-            if ok {
-                return (p, storing);
+            if self.cfg.groups[g].sliding_window.is_none() {
+                let run = |c: &[u32]| {
+                    c.iter()
+                        .enumerate()
+                        .take_while(|(i, v)| **v as usize == *i)
+                        .count() as u32
+                        - 1
+                };
+                bound_ready = bound_ready.min((s + run(&ready)) * ct);
+                bound_maybe = bound_maybe.min((s + run(&maybe)) * ct);
             }
-            p -= self.align;
+            counts.push((g, ready, maybe));
         }
-        (0, storing)
+        let best = |use_maybe: bool| -> u32 {
+            let mut p = if use_maybe { bound_maybe } else { bound_ready };
+            p -= p % self.align;
+            while p > hit && p - hit >= self.align {
+                let ok = counts.iter().all(|(g, ready, maybe)| {
+                    let c = if use_maybe { maybe } else { ready };
+                    let s = hit / self.cfg.chunk_tokens(*g);
+                    let first = self.first_needed_chunk(*g, hit, p);
+                    let last = p / self.cfg.chunk_tokens(*g);
+                    c[(last - s) as usize] - c[(first - s) as usize] == last - first
+                });
+                if ok {
+                    return p;
+                }
+                p -= self.align;
+            }
+            0
+        };
+        let end = best(false);
+        (end, best(true) > end)
     }
 
     /// First chunk a group needs to load for an end point `end` beyond `hit`.
@@ -564,6 +614,26 @@ impl Scheduler {
         (self.first_needed_chunk(g, hit, end)..last)
             .filter_map(|c| self.key(r, g, c))
             .collect()
+    }
+
+    /// The first non-null block that occurs twice in `blocks`, if any.
+    fn first_repeated(&mut self, blocks: impl IntoIterator<Item = u32>) -> Option<u32> {
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.stamps.fill(0);
+            self.stamp = 1;
+        }
+        for b in blocks {
+            if b == NULL {
+                continue;
+            }
+            let seen = &mut self.stamps[b as usize];
+            if *seen == self.stamp {
+                return Some(b);
+            }
+            *seen = self.stamp;
+        }
+        None
     }
 
     fn engine_block(&self, b: u32) -> Result<u32> {
@@ -617,6 +687,13 @@ impl Scheduler {
             .iter()
             .map(|b| self.engine_blocks(b))
             .collect::<Result<Vec<_>>>()?;
+        if let Some(b) = self.first_repeated(tables.iter().flatten().copied()) {
+            return Err(Error::RequestState {
+                request: id.to_owned(),
+                reason: format!("was allocated block {b} twice; a block holds one position"),
+            });
+        }
+        let r = self.req(i);
         if self.tracker.jobs().owner(r.owner).is_some() {
             return Err(Self::state_err(
                 id,
@@ -639,7 +716,8 @@ impl Scheduler {
                 }
             }
             for (g, t) in tables.iter().enumerate() {
-                let need = end.div_ceil(self.cfg.groups[g].block_size) as usize;
+                let bs = self.cfg.groups[g].block_size;
+                let need = end.div_ceil(bs) as usize;
                 if t.len() < need {
                     return Err(Error::RequestState {
                         request: id.to_owned(),
@@ -649,14 +727,30 @@ impl Scheduler {
                         ),
                     });
                 }
+                if self.cfg.groups[g].sliding_window.is_none() {
+                    let from = (hit_tokens / bs) as usize;
+                    if let Some(pos) = (from..(end / bs) as usize).find(|p| t[*p] == NULL) {
+                        return Err(Error::RequestState {
+                            request: id.to_owned(),
+                            reason: format!(
+                                "group {g} has the null block at position {pos}, which the load \
+                                 of tokens {hit_tokens}..{end} must fill"
+                            ),
+                        });
+                    }
+                }
             }
         }
-        let owner = r.owner;
+        let owner = self.req(i).owner;
         let transfers = if load_tokens > 0 {
             self.pin_load(i, &tables, hit_tokens, end)?
         } else {
             Vec::new()
         };
+        let first_chunks = transfers
+            .iter()
+            .map(|t| self.first_needed_chunk(t.group as usize, hit_tokens, end))
+            .collect();
         // Validated and pinned: apply.
         if self.req(i).status == Status::Preempted {
             self.tracker.reacquire(owner);
@@ -665,6 +759,10 @@ impl Scheduler {
         for (g, t) in tables.into_iter().enumerate() {
             self.allocated
                 .extend(t.iter().filter(|b| **b != NULL).map(|b| BlockId(*b)));
+            // Beyond the engine's prefix hit the blocks get new content: re-allocations.
+            let reused = (hit_tokens / self.cfg.groups[g].block_size) as usize;
+            self.reallocated
+                .extend(t.iter().skip(reused).filter(|b| **b != NULL));
             let cursor = self.req(i).groups[g]
                 .cursor
                 .max(end / self.cfg.chunk_tokens(g));
@@ -701,6 +799,7 @@ impl Scheduler {
         let payload = JobPayload {
             req: i,
             transfers: transfers.clone(),
+            first_chunks,
         };
         let job = self
             .tracker
@@ -818,6 +917,20 @@ impl Scheduler {
                 ));
             }
         }
+        // A request is released at most once per step, and a released request is not
+        // scheduled in the same step.
+        let released: Vec<u32> = finished
+            .iter()
+            .chain(&aborted)
+            .chain(&preempted)
+            .copied()
+            .collect();
+        if let Some(i) = self.first_repeated(released.iter().copied()) {
+            return Err(Error::RequestState {
+                request: self.req(i).id.clone(),
+                reason: "is listed twice among finished, aborted and preempted in one step".into(),
+            });
+        }
         let live = |s: &Self, i: u32| s.req(i).status == Status::Running || resumed.contains(&i);
         let mut scheduled = Vec::with_capacity(input.scheduled.len());
         for (id, computed) in input.scheduled.iter().zip(&input.computed) {
@@ -832,6 +945,21 @@ impl Scheduler {
                 ));
             }
             scheduled.push((i, *computed));
+        }
+        let ids = scheduled
+            .iter()
+            .map(|(i, _)| *i)
+            .chain(released.iter().copied());
+        if let Some(i) = self.first_repeated(ids) {
+            let id = self.req(i).id.clone();
+            return Err(Error::RequestState {
+                reason: if released.contains(&i) {
+                    "is scheduled and released (finished, aborted or preempted) in one step".into()
+                } else {
+                    "is scheduled twice in one step".into()
+                },
+                request: id,
+            });
         }
         let mut new_blocks = Vec::with_capacity(input.new_blocks.len());
         for (id, g, blocks) in &input.new_blocks {
@@ -856,6 +984,19 @@ impl Scheduler {
             }
             new_blocks.push((i, *g as usize, self.engine_blocks(blocks)?));
         }
+        let fresh = new_blocks.iter().flat_map(|(_, _, b)| b.iter().copied());
+        if let Some(b) = self.first_repeated(fresh) {
+            let (i, _, _) = new_blocks
+                .iter()
+                .find(|(_, _, bl)| bl.contains(&b))
+                .expect("a repeated block was given");
+            return Err(Error::RequestState {
+                request: self.req(*i).id.clone(),
+                reason: format!(
+                    "got block {b}, which this step allocates twice; a block holds one position"
+                ),
+            });
+        }
         for &i in finished.iter().chain(&aborted) {
             let r = self.req(i);
             if matches!(r.status, Status::Finished | Status::Aborted) {
@@ -877,10 +1018,9 @@ impl Scheduler {
             None => None,
         };
 
-        // Apply.
+        // Apply. 1: releases arm their requests' deferred fence pairs.
         self.step += 1;
         self.stats.steps += 1;
-        let mut work: Vec<u32> = Vec::new();
         for (list, status) in [
             (&finished, Status::Finished),
             (&aborted, Status::Aborted),
@@ -891,7 +1031,6 @@ impl Scheduler {
                 r.status = status;
                 let owner = r.owner;
                 self.tracker.release(owner);
-                work.push(i);
             }
         }
         let written: Vec<BlockId> = if let Some(w) = explicit {
@@ -904,8 +1043,25 @@ impl Scheduler {
             w
         };
         self.allocated.clear();
-        for b in &written {
-            self.invalidate(b.0);
+        // 2: stores of released requests read their blocks as they are before this step's
+        // re-allocations; armed at creation, the fence check flushes them if need be.
+        let mut retry = std::mem::take(&mut self.retry);
+        let mut stores = Vec::new();
+        let mut work = released;
+        work.extend(retry.iter().copied().filter(|i| {
+            self.reqs[*i as usize]
+                .as_ref()
+                .is_some_and(|r| r.status != Status::Running)
+        }));
+        self.plan_all(&work, &mut stores);
+        // 3: re-allocations drop the positions whose content they replace.
+        for b in std::mem::take(&mut self.reallocated) {
+            self.invalidate(b);
+        }
+        for (_, _, blocks) in &new_blocks {
+            for b in blocks {
+                self.invalidate(*b);
+            }
         }
         for &i in &resumed {
             let owner = self.req(i).owner;
@@ -930,47 +1086,47 @@ impl Scheduler {
                 }
             }
         }
+        for (i, g, pos) in std::mem::take(&mut self.pending_assign) {
+            self.assign(i, g, pos);
+        }
+        // 4: stores of running requests, for chunks this step's forward pass completes.
+        let released_stores = stores.len();
+        work.clear();
         for (i, computed) in scheduled {
             self.req_mut(i).computed = computed;
             work.push(i);
         }
-        for (i, g, pos) in std::mem::take(&mut self.pending_assign) {
-            self.assign(i, g, pos);
-        }
-        work.append(&mut self.retry);
-        let mut stores = Vec::new();
-        for i in work {
-            let step = self.step;
-            let Some(r) = self.reqs[i as usize].as_mut() else {
-                continue;
-            };
-            if r.queued == step {
-                continue;
-            }
-            r.queued = step;
-            self.plan_stores(i, &mut stores);
-            self.maybe_drop(i);
-        }
-        // The single fence check, after this step's stores exist.
+        retry.retain(|i| {
+            self.reqs[*i as usize]
+                .as_ref()
+                .is_some_and(|r| r.status == Status::Running)
+        });
+        work.append(&mut retry);
+        self.plan_all(&work, &mut stores);
+        // 5: the single fence check, after this step's stores exist. Neither a store of step 4
+        // (it runs after this step's forward pass) nor a load of this plan (it writes its own
+        // blocks) is flushed by the step that creates it.
         let mut flush = Vec::new();
         self.tracker
             .check_into(&written, &mut flush)
             .expect("written blocks validated");
-        // A store created this step for a running request reads blocks that request still
-        // holds and writes in this very step (the chunk it just computed): it must run after
-        // the forward pass, never be flushed before it. Blocks of its that left a window and
-        // were re-allocated were dropped before the store was built.
-        let fresh: Vec<JobId> = stores
-            .iter()
-            .filter(|j: &&PlannedJob| {
-                self.index
-                    .get(&j.request)
-                    .is_some_and(|i| self.req(*i).status == Status::Running)
-            })
-            .map(|j| j.id)
-            .collect();
-        if !fresh.is_empty() {
-            flush.retain(|j| fresh.binary_search(j).is_err());
+        if !flush.is_empty() {
+            let first_running = stores.get(released_stores).map(|j| j.id);
+            // A load whose request released its blocks in this very step no longer writes
+            // blocks of its own: the fence decides for it as for any job.
+            let own_loads: Vec<JobId> = self
+                .new_loads
+                .iter()
+                .filter(|l| {
+                    self.tracker.jobs().get(l.id).is_some_and(|j| {
+                        self.reqs[j.payload.req as usize]
+                            .as_ref()
+                            .is_some_and(|r| r.status == Status::Running)
+                    })
+                })
+                .map(|l| l.id)
+                .collect();
+            flush.retain(|j| first_running.is_none_or(|f| *j < f) && !own_loads.contains(j));
         }
         let n = flush.len() as u64;
         if input.written.is_some() {
@@ -988,6 +1144,23 @@ impl Scheduler {
             stores,
             flush,
         })
+    }
+
+    /// Plans the stores of each request of `work` once per step and drops the finished ones
+    /// that have nothing left.
+    fn plan_all(&mut self, work: &[u32], stores: &mut Vec<PlannedJob>) {
+        let step = self.step;
+        for &i in work {
+            let Some(r) = self.reqs[i as usize].as_mut() else {
+                continue;
+            };
+            if r.queued == step {
+                continue;
+            }
+            r.queued = step;
+            self.plan_stores(i, stores);
+            self.maybe_drop(i);
+        }
     }
 
     /// The engine released a running request's blocks outside a step (for example after a
@@ -1179,6 +1352,7 @@ impl Scheduler {
                 JobPayload {
                     req: i,
                     transfers: transfers.clone(),
+                    first_chunks: Vec::new(),
                 },
             )
             .expect("blocks validated, no pending load");
@@ -1189,6 +1363,41 @@ impl Scheduler {
             request: self.req(i).id.clone(),
             transfers,
         });
+    }
+
+    /// Whether request `i` has full chunks below its watermark that no store covers yet.
+    fn has_stores_to_plan(&self, i: u32) -> bool {
+        let r = self.req(i);
+        let wm = self.watermark(r);
+        r.groups
+            .iter()
+            .enumerate()
+            .any(|(g, rg)| rg.cursor < wm / self.cfg.chunk_tokens(g))
+    }
+
+    /// Records one batch of worker reports `(job, worker, ok)`, all or nothing: every report is
+    /// validated (a duplicate within the batch included) before any is applied. Returns the
+    /// jobs that completed.
+    pub fn complete_many(&mut self, reports: &[(JobId, u32, bool)]) -> Result<Vec<CompletedJob>> {
+        let jobs = self.tracker.jobs();
+        for (k, &(job, worker, _)) in reports.iter().enumerate() {
+            if !jobs.validate(job, worker)? {
+                continue;
+            }
+            if reports[..k]
+                .iter()
+                .any(|(j, w, _)| *j == job && *w == worker)
+            {
+                return Err(Error::DuplicateReport { job, worker });
+            }
+        }
+        let mut done = Vec::new();
+        for &(job, worker, ok) in reports {
+            if let Some(d) = self.complete(job, worker, ok).expect("validated") {
+                done.push(d);
+            }
+        }
+        Ok(done)
     }
 
     /// Drops a finished or aborted request once nothing is pending for it.
@@ -1210,13 +1419,14 @@ impl Scheduler {
         self.free.push(i);
     }
 
-    /// Records `count` worker reports for `job` (`ok == false`: a worker failed it). When the
-    /// last worker reported, completes the job: stored chunks become readable (or are dropped
+    /// Records worker `worker`'s report for `job` (`ok == false`: the worker failed it). When
+    /// every worker reported, completes the job: stored chunks become readable (or are dropped
     /// if any worker failed), loaded slots are unpinned, fence pairs removed, and a finished
     /// request with nothing pending is dropped. Reports for jobs from before a reset return
-    /// `Ok(None)`, as do reports that leave the job pending.
-    pub fn complete(&mut self, job: JobId, count: u32, ok: bool) -> Result<Option<CompletedJob>> {
-        let Completion::Done(j) = self.tracker.complete(job, count, ok)? else {
+    /// `Ok(None)`, as do reports that leave the job pending. A second report from the same
+    /// worker is an error and changes nothing.
+    pub fn complete(&mut self, job: JobId, worker: u32, ok: bool) -> Result<Option<CompletedJob>> {
+        let Completion::Done(j) = self.tracker.complete(job, worker, ok)? else {
             return Ok(None);
         };
         let ok = !j.failed;
@@ -1251,8 +1461,33 @@ impl Scheduler {
                     }
                 }
                 self.loading_requests -= 1;
-                self.req_mut(i).load = None;
                 self.stats.failed_loads += u64::from(!ok);
+                let bpc = self.cfg.blocks_per_chunk;
+                let r = self.req_mut(i);
+                r.load = None;
+                if !ok {
+                    // The engine recomputes what the load should have brought: rewind the
+                    // store cursors so those chunks are stored again.
+                    let mut rewound = Vec::new();
+                    for (t, &c) in j.payload.transfers.iter().zip(&j.payload.first_chunks) {
+                        let rg = &mut r.groups[t.group as usize];
+                        if c < rg.cursor {
+                            let n = rg.blocks.len() as u32;
+                            rewound
+                                .extend((c * bpc..(rg.cursor * bpc).min(n)).map(|p| (t.group, p)));
+                            rg.cursor = c;
+                        }
+                    }
+                    for (g, pos) in rewound {
+                        self.assign(i, g, pos);
+                    }
+                }
+                if matches!(self.req(i).status, Status::Finished | Status::Aborted)
+                    && !self.has_stores_to_plan(i)
+                {
+                    // Nothing left to store once its load is done: drop it now.
+                    self.retry.retain(|x| *x != i);
+                }
             }
         }
         let done = CompletedJob {
@@ -1266,15 +1501,22 @@ impl Scheduler {
         Ok(Some(done))
     }
 
-    /// Forgets every pending job and empties the CPU tier. Returns the jobs that were pending
-    /// (the next plan's flush set holds them too; their late reports are ignored) and the
+    /// Forgets every pending job and empties the CPU tier. Returns the pending jobs that were
+    /// handed to workers in a plan (the next plan's flush set holds them too; their late
+    /// reports are ignored; a load created but not planned yet is never handed out) and the
     /// requests whose load was cancelled (the engine must recompute those tokens). Running
     /// requests restart their store cursors: their chunks are stored again from the blocks
     /// they still hold. Finished and aborted requests are dropped; preempted ones store again
     /// once resumed.
     pub fn reset(&mut self) -> (Vec<JobId>, Vec<(String, JobId)>) {
         let pending = self.tracker.reset();
-        let flushed: Vec<JobId> = pending.iter().map(|j| j.id).collect();
+        // Loads not handed out in a plan yet never reach a worker: cancelled, never flushed.
+        let unplanned: Vec<JobId> = self.new_loads.drain(..).map(|j| j.id).collect();
+        let flushed: Vec<JobId> = pending
+            .iter()
+            .map(|j| j.id)
+            .filter(|j| !unplanned.contains(j))
+            .collect();
         self.stats.flushes_reset += flushed.len() as u64;
         self.stats.resets += 1;
         self.reset_flush.extend_from_slice(&flushed);

@@ -146,10 +146,10 @@ impl<P> Tracker<P> {
         Ok(())
     }
 
-    /// Records `count` worker reports for `id`. When the job is done its armed pairs leave the
-    /// fence and the job is returned.
-    pub fn complete(&mut self, id: JobId, count: u32, ok: bool) -> Result<Completion<P>> {
-        let c = self.jobs.complete(id, count, ok)?;
+    /// Records worker `worker`'s report for `id`. When the job is done its armed pairs leave
+    /// the fence and the job is returned.
+    pub fn complete(&mut self, id: JobId, worker: u32, ok: bool) -> Result<Completion<P>> {
+        let c = self.jobs.complete(id, worker, ok)?;
         if let Completion::Done(job) = &c {
             self.fence.disarm(job.id, &job.eager);
             if job.deferred_armed {

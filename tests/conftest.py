@@ -49,12 +49,13 @@ def busy() -> Busy:
     t = JobTracker(num_blocks=NUM_BLOCKS, num_workers=NUM_WORKERS)
     running_store = t.create_store(1, deferred=[1, 2])
     eager_store = t.create_store(1, eager=[3])
-    assert t.complete(eager_store) == "pending"
+    assert t.complete(eager_store, 0) == "pending"
     released_store = t.create_store(2, deferred=[4])
     t.release(2)
     load = t.create_load(3, [5])
     finished = t.create_store(4, eager=[6])
-    assert t.complete(finished, 2) == "done"
+    assert t.complete(finished, 0) == "pending"
+    assert t.complete(finished, 1) == "done"
     t.check([0])
     return Busy(t, running_store, eager_store, released_store, load, finished)
 

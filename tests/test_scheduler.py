@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.errors import (
+    CompletionError,
     ConfigError,
     InvalidBlockError,
     RequestStateError,
@@ -238,11 +239,11 @@ def test_two_workers_completing_out_of_order():
     admit(s, "a", [[1, 2]], prompt=8)
     j1 = s.schedule(StepInput(scheduled=[("a", 4)])).stores[0].job_id
     j2 = s.schedule(StepInput(scheduled=[("a", 8)])).stores[0].job_id
-    assert s.complete(j2) is None
-    assert s.complete(j1) is None
-    assert s.complete(j1).job_id == j1
-    assert s.complete(j2).job_id == j2
-    with pytest.raises(Exception, match="already completed"):
+    assert s.complete(j2, worker=1) is None
+    assert s.complete(j1, worker=0) is None
+    assert s.complete(j1, worker=1).job_id == j1
+    assert s.complete(j2, worker=0).job_id == j2
+    with pytest.raises(CompletionError, match="already completed"):
         s.complete(j2)
 
 
@@ -292,11 +293,12 @@ def test_failed_load_reports_its_destination_blocks():
     s = make(num_workers=2)
     admit(s, "a", [[1, 2, 3]], prompt=9)
     for j in s.schedule(StepInput(scheduled=[("a", 8)])).stores:
-        s.complete(j.job_id, count=2)
+        s.complete_many([j.job_id], worker=0)
+        s.complete_many([j.job_id], worker=1)
     s.schedule(StepInput(finished=["a"], written=[]))
     load = admit(s, "b", [[5, 6, 7]], prompt=9, expect_load=8)
-    assert s.complete(load, ok=True) is None  # one worker succeeded
-    done = s.complete(load, ok=False)  # the other failed: the load failed
+    assert s.complete(load, worker=0, ok=True) is None  # one worker succeeded
+    done = s.complete(load, worker=1, ok=False)  # the other failed: the load failed
     assert done.kind == "load"
     assert not done.ok
     assert done.invalid_blocks == [5, 6]

@@ -15,6 +15,7 @@ import random
 import pytest
 
 from kvoffload import Scheduler
+from kvoffload.errors import DuplicateReportError
 from tests.model.scheduler_model import ModelScheduler
 
 
@@ -125,14 +126,14 @@ class Engine:
             assert a == b
             if a is not None:
                 self.pending[a] = {
-                    "remaining": self.workers,
                     "blocks": {b for t in tables for b in t},
                     "req": rid,
                 }
                 self.loads += 1
             r["tables"] = tables
             r["computed"] = r["tokens"]
-            written += [b for t in tables for b in t]
+            # Blocks of the engine's own prefix hit are re-used read-only, never written.
+            written += [b for t in tables for b in t[hit // self.bs :]]
             self.waiting.remove(rid)
             self.running.append(rid)
             admitted.append(rid)
@@ -199,8 +200,7 @@ class Engine:
                 assert a2 == b2
                 if a2 is not None:
                     self.pending[a2] = {
-                        "remaining": self.workers,
-                        "blocks": {b for t in tables for b in t},
+                            "blocks": {b for t in tables for b in t},
                         "req": rid,
                     }
                 r["tables"] = tables
@@ -255,13 +255,21 @@ class Engine:
         p = self.pending.get(jid)
         if p is None:
             return
-        n = p["remaining"] if count is None else count
-        a = self.core.complete(jid, n, ok)
-        b = self.model.complete(jid, n, ok)
-        got = None if a is None else (a.job_id, a.kind, a.request_id, a.ok, list(a.invalid_blocks))
-        assert got == b
-        p["remaining"] -= n
-        if p["remaining"] == 0:
+        left = p.setdefault("ranks", list(range(self.workers)))
+        n = len(left) if count is None else count
+        for _ in range(n):
+            rank = left.pop(self.rng.randrange(len(left)))
+            a = self.core.complete(jid, rank, ok)
+            b = self.model.complete(jid, rank, ok)
+            got = None if a is None else (a.job_id, a.kind, a.request_id, a.ok, list(a.invalid_blocks))
+            assert got == b
+            if left and self.rng.random() < 0.2:
+                # A duplicated report of the same rank: refused by both, nothing changes.
+                with pytest.raises(DuplicateReportError):
+                    self.core.complete(jid, rank, True)
+                with pytest.raises(DuplicateReportError):
+                    self.model.complete(jid, rank, True)
+        if not left:
             del self.pending[jid]
 
     def drain(self):
@@ -287,7 +295,6 @@ class Engine:
             assert _plan_tuple(plan.stores) == _plan_tuple(stores)
             for j in plan.stores:
                 self.pending[j.job_id] = {
-                    "remaining": self.workers,
                     "blocks": set(),
                     "req": j.request_id,
                 }

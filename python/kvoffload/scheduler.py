@@ -1,8 +1,8 @@
 """Engine-facing scheduler facade: configuration, step input, and :class:`OffloadScheduler`.
 
-All state lives in the Rust core (:class:`kvoffload._core.Scheduler`); this module validates the
-configuration, turns it into the core's arguments and passes each step across the boundary in
-one call. It is engine-neutral: adapters (vLLM, the simulator) convert their own objects into
+All state lives in the Rust core (:class:`kvoffload._core.Scheduler`); this module turns the
+configuration into the core's arguments (the core validates every value, in one place) and
+passes each step across the boundary in one call. It is engine-neutral: adapters (vLLM, the simulator) convert their own objects into
 :class:`StepInput`.
 
 Example:
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvoffload._core import CompletedJob, Scheduler, StepPlan, TransferJob
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, StepInputError
 
 __all__ = [
     "CompletedJob",
@@ -93,80 +93,49 @@ class OffloadConfig:
     null_block: int | None = 0
     debug_skip_deferred_arming: bool = False
 
+    def _core_kwargs(self) -> dict[str, Any]:
+        """The core's constructor arguments, values as given (the core checks them)."""
+        groups: Any = self.groups
+        if isinstance(groups, (list, tuple)):
+            groups = [
+                (g.block_size, g.sliding_window, g.bytes_per_block) if isinstance(g, KvGroup) else g
+                for g in groups
+            ]
+        return {
+            "groups": groups,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "hash_block_size": self.hash_block_size,
+            "cpu_chunks": self.cpu_chunks,
+            "cpu_bytes": self.cpu_bytes,
+            "policy": self.policy,
+            "num_workers": self.num_workers,
+            "max_loading_requests": self.max_loading_requests,
+            "offload_prompt_only": self.offload_prompt_only,
+            "max_offload_tokens": self.max_offload_tokens,
+            "store_threshold": self.store_threshold,
+            "null_block": self.null_block,
+            "debug_skip_deferred_arming": self.debug_skip_deferred_arming,
+        }
+
     def bytes_per_chunk(self, group: int) -> int:
-        """Bytes of one chunk of ``group`` on one worker (0 if unknown)."""
-        return self.groups[group].bytes_per_block * self.blocks_per_chunk
+        """Bytes of one chunk of ``group`` on one worker (0 if unknown); validates the config."""
+        per_group = Scheduler.check_config(**self._core_kwargs())[1]
+        if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < len(per_group):
+            raise ConfigError(
+                f"group must be an integer in 0..{len(per_group) - 1}, got {group!r} "
+                f"({type(group).__name__})"
+            )
+        return per_group[group]
 
     def resolved_cpu_chunks(self) -> int:
-        """CPU slots per group, from ``cpu_chunks`` or ``cpu_bytes``."""
-        if (self.cpu_chunks is None) == (self.cpu_bytes is None):
-            raise ConfigError("give exactly one of cpu_chunks and cpu_bytes")
-        if self.cpu_chunks is not None:
-            if self.cpu_chunks <= 0:
-                raise ConfigError(f"cpu_chunks must be positive, got {self.cpu_chunks}")
-            return self.cpu_chunks
-        assert self.cpu_bytes is not None
-        per_slot = sum(self.bytes_per_chunk(g) for g in range(len(self.groups)))
-        if per_slot <= 0:
-            raise ConfigError("cpu_bytes needs bytes_per_block on every KvGroup")
-        chunks = self.cpu_bytes // per_slot
-        if chunks <= 0:
-            raise ConfigError(
-                f"cpu_bytes {self.cpu_bytes} holds no chunk ({per_slot} bytes per chunk "
-                "across groups): raise cpu_bytes"
-            )
-        return chunks
+        """CPU slots per group, from ``cpu_chunks`` or ``cpu_bytes``; validates the config."""
+        return Scheduler.check_config(**self._core_kwargs())[0]
 
     def to_core(self) -> Scheduler:
-        """Builds the Rust core (validates every value)."""
-        if not self.groups:
-            raise ConfigError("at least one KvGroup is needed")
-        if self.policy not in ("lru", "arc"):
-            raise ConfigError(f"policy must be 'lru' or 'arc', got {self.policy!r}")
-        for name in ("num_gpu_blocks", "blocks_per_chunk", "num_workers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {v!r}")
-        for g, grp in enumerate(self.groups):
-            if grp.block_size <= 0:
-                raise ConfigError(f"group {g}: block_size must be positive, got {grp.block_size}")
-            if grp.sliding_window is not None and grp.sliding_window <= 0:
-                raise ConfigError(
-                    f"group {g}: sliding_window must be positive or None, got {grp.sliding_window}"
-                )
-            if grp.bytes_per_block < 0:
-                raise ConfigError(f"group {g}: bytes_per_block must be >= 0")
-        hbs = (
-            self.hash_block_size if self.hash_block_size is not None else self.groups[0].block_size
-        )
-        if hbs <= 0:
-            raise ConfigError(f"hash_block_size must be positive, got {hbs}")
-        for name in ("max_loading_requests", "store_threshold"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_offload_tokens is not None and self.max_offload_tokens < 0:
-            raise ConfigError(f"max_offload_tokens must be >= 0, got {self.max_offload_tokens}")
-        try:
-            return Scheduler(
-                [
-                    (g.block_size, g.sliding_window, self.bytes_per_chunk(i))
-                    for i, g in enumerate(self.groups)
-                ],
-                blocks_per_chunk=self.blocks_per_chunk,
-                hash_block_size=hbs,
-                num_gpu_blocks=self.num_gpu_blocks,
-                cpu_chunks=self.resolved_cpu_chunks(),
-                policy=self.policy,
-                num_workers=self.num_workers,
-                max_loading_requests=self.max_loading_requests,
-                offload_prompt_only=self.offload_prompt_only,
-                max_offload_tokens=self.max_offload_tokens,
-                store_threshold=self.store_threshold,
-                null_block=self.null_block,
-                debug_skip_deferred_arming=self.debug_skip_deferred_arming,
-            )
-        except OverflowError as e:
-            raise ConfigError(f"a configuration value is out of range: {e}") from None
+        """Builds the Rust core, which validates every value (:class:`ConfigError` naming the
+        field and the value)."""
+        return Scheduler(**self._core_kwargs())
 
 
 @dataclass
@@ -200,12 +169,18 @@ class StepInput:
     computed_tokens: Sequence[int] = ()
 
 
+def _given(field: object) -> bool:
+    """Whether a sequence field of a :class:`StepInput` was given (not None, not empty)."""
+    return field is not None and not (isinstance(field, (tuple, list)) and not field)
+
+
 @dataclass
 class ResetResult:
     """What a reset left for the engine and workers.
 
     Attributes:
-        flushed: Job ids that were pending; the next plan's flush set holds them.
+        flushed: Job ids that were pending and handed to workers; the next plan's flush set
+            holds them.
         cancelled_loads: ``(request_id, job_id)`` of loads that will never be reported: the
             engine must treat those requests' loaded tokens as not computed.
     """
@@ -223,6 +198,10 @@ class OffloadScheduler:
 
     def __init__(self, config: OffloadConfig) -> None:
         """Validates ``config`` and builds the core."""
+        if not isinstance(config, OffloadConfig):
+            raise ConfigError(
+                f"config must be an OffloadConfig, got {config!r} ({type(config).__name__})"
+            )
         self.config = config
         self._core = config.to_core()
 
@@ -267,21 +246,35 @@ class OffloadScheduler:
         return self._core.allocate(request_id, block_ids, num_computed_tokens, num_load_tokens)
 
     def schedule(self, step: StepInput) -> StepPlan:
-        """Applies one step and returns its plan (loads, stores, flush)."""
-        if step.scheduled:
-            if step.request_ids:
-                raise ConfigError("give scheduled or request_ids/computed_tokens, not both")
-            ids, computed = zip(*step.scheduled, strict=True)
+        """Applies one step and returns its plan (loads, stores, flush).
+
+        Raises:
+            StepInputError: A field of the wrong type or shape, or lists of different lengths
+                (the core names the field and the value); nothing changes.
+        """
+        if not isinstance(step, StepInput):
+            raise StepInputError(
+                f"step must be a StepInput, got {step!r} ({type(step).__name__})"
+            )
+        if _given(step.request_ids) or _given(step.computed_tokens):
+            if _given(step.scheduled):
+                raise StepInputError(
+                    "StepInput: give scheduled or request_ids/computed_tokens, not both"
+                )
+            ids: Any = step.request_ids
+            computed: Any = step.computed_tokens
+            if computed is None:
+                raise StepInputError("StepInput.computed_tokens must be a sequence, got None")
         else:
-            ids, computed = step.request_ids, step.computed_tokens
+            ids, computed = step.scheduled, None  # (request_id, tokens) pairs
         return self._core.schedule(
             ids,
             computed,
-            step.new_blocks or None,
-            step.resumed or None,
-            step.finished or None,
-            step.aborted or None,
-            step.preempted or None,
+            step.new_blocks,
+            step.resumed,
+            step.finished,
+            step.aborted,
+            step.preempted,
             step.written,
         )
 
@@ -290,17 +283,18 @@ class OffloadScheduler:
         blocks of a failed load and will admit the request again). Idempotent."""
         self._core.preempt(request_id)
 
-    def complete(self, job_id: int, count: int = 1, ok: bool = True) -> CompletedJob | None:
-        """Records ``count`` worker reports of ``job_id``; returns the job once all reported."""
-        return self._core.complete(job_id, count, ok)
+    def complete(self, job_id: int, worker: int = 0, ok: bool = True) -> CompletedJob | None:
+        """Records worker ``worker``'s report of ``job_id``; returns the job once every worker
+        reported. A second report from the same worker raises
+        :class:`~kvoffload.errors.DuplicateReportError` and changes nothing."""
+        return self._core.complete(job_id, worker, ok)
 
     def complete_many(
-        self, finished: Iterable[int], failed: Iterable[int] = ()
+        self, finished: Iterable[int], failed: Iterable[int] = (), worker: int = 0
     ) -> list[CompletedJob]:
-        """Records one worker's report: jobs it finished and jobs it failed."""
-        done = [self._core.complete(j, 1, True) for j in finished]
-        done += [self._core.complete(j, 1, False) for j in failed]
-        return [d for d in done if d is not None]
+        """Records one worker's report (jobs it finished and jobs it failed), all or nothing:
+        one bad report raises and applies none of them."""
+        return self._core.complete_many(finished, failed, worker)
 
     def reset(self) -> ResetResult:
         """Forgets every pending job and empties the CPU tier (e.g. on a prefix-cache reset)."""

@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvoffload import CpuPool
-from kvoffload.errors import RequestStateError, UnknownRequestError
+from kvoffload.errors import (
+    CompletionError,
+    DuplicateReportError,
+    RequestStateError,
+    UnknownJobError,
+    UnknownRequestError,
+)
 
 NULL = None
 
@@ -35,7 +41,7 @@ class MRequest:
     first_ask: int | None = None
     wait_on: list[int] = field(default_factory=list)
     lookup: tuple[int, int, int] | None = None  # (step, hit, end)
-    fresh: set[tuple[int, int]] = field(default_factory=set)  # (group, pos) not yet indexed
+    fresh: set[tuple[int, int]] = field(default_factory=set)  # (group, pos) allocated this step
 
 
 @dataclass
@@ -49,6 +55,8 @@ class MJob:
     armed: bool
     remaining: int
     failed: bool = False
+    reported: set[int] = field(default_factory=set)
+    first_chunks: list[int] = field(default_factory=list)  # a load's first chunk per transfer
 
 
 class ModelScheduler:
@@ -97,6 +105,7 @@ class ModelScheduler:
         self.step = 0
         self.new_loads: list[MJob] = []
         self.allocated: list[int] = []
+        self.reallocated: list[int] = []  # blocks given new content by allocate() this step
         self.retry: list[str] = []
         self.reset_flush: list[int] = []
         self.max_wait = 0
@@ -135,38 +144,38 @@ class ModelScheduler:
         self.req(rid).hashes.extend(hashes)
 
     def hit_end(self, r: MRequest, hit: int) -> tuple[int, bool]:
+        """Best end point with ready chunks; and whether chunks being stored could beat it."""
         cap = r.prompt_len - int(self.has_window)
         if r.status == "preempted":
             cap = max(cap, r.computed)
         cap = min(cap, len(r.hashes) * self.hbs)
         cap -= cap % self.align
-        if cap <= hit:
+        if cap - hit < self.align:
             return 0, False
-        storing = False
-        ready: list[dict[int, bool]] = []
+        states: list[dict[int, str]] = []
         for g in range(len(self.groups)):
             ct = self.ct(g)
             s, n = hit // ct, cap // ct
             keys = [self.key(r, g, c) for c in range(s, n)]
             self.pools[g].lookup(keys)
-            states = {c: self.pools[g].state(keys[c - s]) for c in range(s, n)}
-            ready.append({c: st == "ready" for c, st in states.items()})
-            if self.groups[g][1] is None:
-                for c in range(s, n):
-                    if states[c] != "ready":
-                        storing |= states[c] == "storing"
-                        break
-            else:
-                storing |= "storing" in states.values()
-        p = cap
-        while p > hit and p - hit >= self.align:
-            if all(
-                all(ready[g][c] for c in range(self.first_needed_chunk(g, hit, p), p // self.ct(g)))
-                for g in range(len(self.groups))
-            ):
-                return p, storing
-            p -= self.align
-        return 0, storing
+            states.append({c: self.pools[g].state(keys[c - s]) for c in range(s, n)})
+
+        def best(ok: set[str]) -> int:
+            p = cap
+            while p > hit and p - hit >= self.align:
+                if all(
+                    all(
+                        states[g][c] in ok
+                        for c in range(self.first_needed_chunk(g, hit, p), p // self.ct(g))
+                    )
+                    for g in range(len(self.groups))
+                ):
+                    return p
+                p -= self.align
+            return 0
+
+        end = best({"ready"})
+        return end, best({"ready", "storing"}) > end
 
     def lookup(self, rid: str, hit: int) -> int | None:
         r = self.req(rid)
@@ -180,7 +189,10 @@ class ModelScheduler:
             r.first_ask = self.step
         end, storing = self.hit_end(r, hit)
         if end == 0:
-            return None if storing else 0
+            if storing:
+                return None
+            self.touch_prefix(r, hit, hit)
+            return 0
         if first:
             r.wait_on = sorted(
                 {
@@ -196,13 +208,17 @@ class ModelScheduler:
             return None
         self.max_wait = max(self.max_wait, self.step - r.first_ask)
         r.lookup = (self.step, hit, end)
-        for g in range(len(self.groups)):
-            keys = [
-                self.key(r, g, c)
-                for c in range(self.first_needed_chunk(g, hit, end), end // self.ct(g))
-            ]
-            self.pools[g].touch(keys)
+        self.touch_prefix(r, hit, end)
         return end - hit
+
+    def touch_prefix(self, r: MRequest, hit: int, end: int) -> None:
+        """Every chunk the request re-uses (GPU hit and loaded) is touched, earliest most recent."""
+        for g, (_, w) in enumerate(self.groups):
+            first = 0 if w is None else max(hit - w, 0) // self.ct(g)
+            keys = [self.key(r, g, c) for c in range(first, max(end, hit) // self.ct(g))]
+            keys = [k for k in keys if k is not None]
+            if keys:
+                self.pools[g].touch(keys)
 
     def create_job(self, kind: str, rid: str, transfers, eager, deferred) -> MJob:
         armed = rid in self.released
@@ -216,15 +232,22 @@ class ModelScheduler:
         if r.status not in ("waiting", "preempted") or len(tables) != len(self.groups):
             raise RequestStateError(rid)
         tables2 = [[self.engine_block(b) for b in t] for t in tables]
+        flat = [b for t in tables2 for b in t if b is not None]
+        if len(flat) != len(set(flat)):
+            raise RequestStateError(rid)
         if self.owner_jobs(rid):
             raise RequestStateError(rid)
         end = hit + load
         if load > 0 and r.lookup != (self.step, hit, end):
             raise RequestStateError(rid)
         transfers = []
+        first_chunks = []
         if load > 0:
             for g, t in enumerate(tables2):
-                if len(t) < -(-end // self.groups[g][0]):
+                bs, w = self.groups[g]
+                if len(t) < -(-end // bs):
+                    raise RequestStateError(rid)
+                if w is None and None in t[hit // bs : end // bs]:
                     raise RequestStateError(rid)
             for g, t in enumerate(tables2):
                 bs = self.groups[g][0]
@@ -243,10 +266,12 @@ class ModelScheduler:
                     slots = self.pools[g].prepare_load([k for _, k in keys])
                     cpu = [c + slots[i] * self.bpc for c, i in zip(cpu, kidx, strict=True)]
                     transfers.append((g, gpu, cpu, [k for _, k in keys]))
+                    first_chunks.append(self.first_needed_chunk(g, hit, end))
         if r.status == "preempted":
             self.released.discard(rid)
         for g, t in enumerate(tables2):
             self.allocated += [b for b in t if b is not None]
+            self.reallocated += [b for b in t[hit // self.groups[g][0] :] if b is not None]
             cursor = max(r.groups[g].cursor, end // self.ct(g))
             r.groups[g] = MGroup(list(t), cursor)
             r.fresh |= {(g, p) for p in range(len(t))}
@@ -256,6 +281,7 @@ class ModelScheduler:
         eager = [b for tr in transfers if self.groups[tr[0]][1] is not None for b in tr[1]]
         deferred = [b for tr in transfers if self.groups[tr[0]][1] is None for b in tr[1]]
         job = self.create_job("load", rid, transfers, eager, deferred)
+        job.first_chunks = first_chunks
         for g, _, _, keys in transfers:
             for k in keys:
                 self.loading[(g, k)] = job.id
@@ -263,8 +289,9 @@ class ModelScheduler:
         self.new_loads.append(job)
         return job.id
 
-    def invalidate(self, written: list[int]) -> None:
-        ws = set(written)
+    def invalidate(self, reallocated: list[int]) -> None:
+        """Positions not stored yet whose block got new content lose it."""
+        ws = set(reallocated)
         for r in self.reqs.values():
             for g, rg in enumerate(r.groups):
                 for pos in range(rg.cursor * self.bpc, len(rg.blocks)):
@@ -351,21 +378,42 @@ class ModelScheduler:
     ) -> tuple[list[MJob], list[MJob], list[int]]:
         for rid in [*resumed, *finished, *aborted, *preempted, *scheduled]:
             self.req(rid)
+        released = [*finished, *aborted, *preempted]
+        if len(set(released)) != len(released) or set(released) & set(scheduled):
+            raise RequestStateError(released)
+        if len(set(scheduled)) != len(scheduled):
+            raise RequestStateError(scheduled)
+        fresh_blocks = [b for _, _, bs in new_blocks for b in bs if b != self.null_block]
+        if len(set(fresh_blocks)) != len(fresh_blocks):
+            raise RequestStateError(new_blocks)
         self.step += 1
-        work = []
         for lst, status in ((finished, "finished"), (aborted, "aborted"), (preempted, "preempted")):
             for rid in lst:
                 self.reqs[rid].status = status
                 self.released.add(rid)
                 for j in self.owner_jobs(rid):
                     j.armed = True
-                work.append(rid)
         if written is None:
-            w = self.allocated + [b for _, _, bs in new_blocks for b in bs if b != self.null_block]
+            w = self.allocated + fresh_blocks
         else:
             w = [b for b in written if b != self.null_block]
         self.allocated = []
-        self.invalidate(w)
+        retry, self.retry = self.retry, []
+        stores: list[MJob] = []
+        seen: set[str] = set()
+
+        def plan(rids: list[str]) -> None:
+            for rid in rids:
+                if rid in seen or rid not in self.reqs:
+                    continue
+                seen.add(rid)
+                self.plan_stores(rid, stores)
+                self.maybe_drop(rid)
+
+        # Released requests store what their blocks hold before this step re-allocates them.
+        plan(released + [x for x in retry if x in self.reqs and self.reqs[x].status != "running"])
+        self.invalidate(self.reallocated + fresh_blocks)
+        self.reallocated = []
         for rid in resumed:
             r = self.reqs[rid]
             self.released.discard(rid)
@@ -376,63 +424,85 @@ class ModelScheduler:
             self.reqs[rid].groups[g].blocks += [self.engine_block(b) for b in bs]
         for rid, c in zip(scheduled, computed, strict=True):
             self.reqs[rid].computed = c
-            work.append(rid)
         for r in self.reqs.values():
             r.fresh.clear()
-        work += self.retry
-        self.retry = []
-        stores: list[MJob] = []
-        seen = set()
-        for rid in work:
-            if rid in seen or rid not in self.reqs:
-                continue
-            seen.add(rid)
-            self.plan_stores(rid, stores)
-            self.maybe_drop(rid)
+        n_released = len(stores)
+        plan(list(scheduled) + [x for x in retry if x in self.reqs and self.reqs[x].status == "running"])
         ws = set(w)
-        flush = sorted(
+        flush = {
             j.id
             for j in self.jobs.values()
             if ws & set(j.eager) or (j.armed and ws & set(j.deferred))
-        )
-        fresh = {
-            j.id for j in stores if j.req in self.reqs and self.reqs[j.req].status == "running"
         }
-        flush = sorted((set(flush) - fresh) | set(self.reset_flush))
+        # Stores of running requests run after this step's forward pass; new loads write their
+        # own blocks: neither is flushed by the step that creates it.
+        flush -= {j.id for j in stores[n_released:]}
+        flush -= {j.id for j in self.new_loads if self.reqs[j.req].status == "running"}
+        flush = sorted(flush | set(self.reset_flush))
         self.reset_flush = []
         loads, self.new_loads = self.new_loads, []
         return loads, stores, flush
 
-    def complete(self, job_id: int, count: int = 1, ok: bool = True):
+    def validate_report(self, job_id: int, worker: int) -> bool:
+        """False for a late report; raises for a bad one."""
         if job_id < self.floor:
+            return False
+        if job_id >= self.next_job:
+            raise UnknownJobError(job_id)
+        if not 0 <= worker < self.num_workers:
+            raise CompletionError(worker)
+        if job_id not in self.jobs:
+            raise CompletionError(job_id)
+        if worker in self.jobs[job_id].reported:
+            raise DuplicateReportError(job_id)
+        return True
+
+    def complete(self, job_id: int, worker: int = 0, ok: bool = True):
+        if not self.validate_report(job_id, worker):
             return None
         j = self.jobs[job_id]
-        j.remaining -= count
+        j.reported.add(worker)
         j.failed |= not ok
-        if j.remaining > 0:
+        if len(j.reported) < self.num_workers:
             return None
         del self.jobs[job_id]
         ok = not j.failed
         invalid = []
+        r = self.reqs[j.req]
         if j.kind == "store":
             for g, _, _, keys in j.transfers:
                 self.pools[g].complete_store(keys, ok)
         else:
-            for g, gpu, _, keys in j.transfers:
+            for (g, gpu, _, keys), first in zip(j.transfers, j.first_chunks, strict=True):
                 self.pools[g].complete_load(keys)
                 if not ok:
                     self.pools[g].discard(keys)
+                    r.groups[g].cursor = min(r.groups[g].cursor, first)
                 for k in keys:
                     if self.loading.get((g, k)) == job_id:
                         del self.loading[(g, k)]
                 if not ok:
                     invalid += gpu
-            self.reqs[j.req].load = None
+            r.load = None
+            if r.status in ("finished", "aborted") and not any(
+                rg.cursor < self.watermark(r) // self.ct(g) for g, rg in enumerate(r.groups)
+            ):
+                self.retry = [x for x in self.retry if x != j.req]
         self.maybe_drop(j.req)
         return (job_id, j.kind, j.req, ok, invalid)
 
+    def complete_many(self, finished, failed=(), worker: int = 0):
+        reports = [(j, True) for j in finished] + [(j, False) for j in failed]
+        for k, (j, _) in enumerate(reports):
+            if self.validate_report(j, worker) and any(x == j for x, _ in reports[:k]):
+                raise DuplicateReportError(j)
+        out = [self.complete(j, worker, ok) for j, ok in reports]
+        return [d for d in out if d is not None]
+
     def reset(self) -> tuple[list[int], list[tuple[str, int]]]:
-        flushed = sorted(self.jobs)
+        unplanned = {j.id for j in self.new_loads}
+        self.new_loads = []
+        flushed = sorted(j for j in self.jobs if j not in unplanned)
         self.reset_flush += flushed
         self.jobs.clear()
         self.floor = self.next_job
