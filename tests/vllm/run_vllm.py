@@ -69,7 +69,7 @@ def _inject_load_faults(count: int, failed: list[int]) -> None:
     from kvoffload.integrations import vllm as kv
 
     loads: list[int] = []
-    init, start = kv._WorkerSide.__init__, kv._WorkerSide.start_load
+    init, before = kv._WorkerSide.__init__, kv._WorkerSide.before_forward
 
     def fault(job: int) -> None:
         if job in loads and loads.index(job) % 2 == 0 and len(failed) < count:
@@ -80,13 +80,14 @@ def _inject_load_faults(count: int, failed: list[int]) -> None:
         init(self, *a, **k)
         self.engine_kwargs = {"_fault_injector": fault}
 
-    def patched_start(self, meta) -> None:  # type: ignore[no-untyped-def]
-        # Recorded before submission: the injector runs on the copy thread.
+    def patched_before(self, meta) -> None:  # type: ignore[no-untyped-def]
+        # Recorded before submission (the plan's worker step submits the loads): the injector
+        # runs on the copy thread.
         loads.extend(j for j, _, _ in meta.loads if j not in loads)
-        start(self, meta)
+        before(self, meta)
 
     kv._WorkerSide.__init__ = patched_init  # type: ignore[method-assign]
-    kv._WorkerSide.start_load = patched_start  # type: ignore[method-assign]
+    kv._WorkerSide.before_forward = patched_before  # type: ignore[method-assign]
 
 
 def _mixed(llm, rng, tok, gen, result: dict) -> None:  # type: ignore[no-untyped-def]

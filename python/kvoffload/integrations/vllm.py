@@ -711,7 +711,6 @@ class _WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.xfer: TransferEngine | None = None
         self.load_req: dict[int, tuple[str, list[int]]] = {}
-        self.queued: set[int] = set()
         self.before_done: KvOffloadMetadata | None = None
         self.meta = KvOffloadWorkerMetadata()
         self.invalid: set[int] = set()
@@ -748,38 +747,26 @@ class _WorkerSide:
         )
 
     def before_forward(self, meta: KvOffloadMetadata) -> None:
-        """Submit the previous step's stores and the flushed jobs; complete the flush set."""
+        """The data plane's step for this plan, once per plan: one :meth:`TransferEngine.step`
+        submits the previous step's stores, completes the flush set (submitting a flushed
+        store of this same plan first), submits the loads and queues this step's stores."""
         if self.before_done is meta:
             return
         self.before_done = meta
         x = self.xfer
         assert x is not None
         self.cancelled.update(j for j in meta.cancelled if j in self.load_req)
-        x.submit_queued()
-        self.queued.clear()
-        if meta.flush:
-            flush = set(meta.flush)
-            for job, transfers in meta.stores:
-                if job in flush:  # a new store of a released request: run it first
-                    x.submit_store(job, transfers)
-                    self.queued.add(job)
-            x.fence(meta.flush)
+        for job, rid, transfers in meta.loads:
+            self.load_req[job] = (rid, [b for _, gb, _ in transfers for b in gb])
+        x.step(meta.stores, meta.flush, [(job, transfers) for job, _, transfers in meta.loads])
 
     def start_load(self, meta: KvOffloadMetadata) -> None:
         self.before_forward(meta)
-        x = self.xfer
-        assert x is not None
-        for job, rid, transfers in meta.loads:
-            x.submit_load(job, transfers)
-            self.load_req[job] = (rid, [b for _, gb, _ in transfers for b in gb])
 
     def wait_for_save(self, meta: KvOffloadMetadata) -> None:
-        x = self.xfer
-        assert x is not None
-        for job, transfers in meta.stores:
-            if job not in self.queued:
-                x.queue_store(job, transfers)
-        self.queued.clear()
+        # The step queued this plan's stores (they start at the next step); a plan whose step
+        # has not run yet (no forward pass this step) runs it now.
+        self.before_forward(meta)
 
     def transfer_results(self) -> KVConnectorTransferResults:
         x = self.xfer

@@ -16,8 +16,8 @@ Each forward step writes the bytes of :mod:`kvoffload.sim.oracle` into real torc
 the correct content of every block is known. The engine drives
 :class:`~kvoffload.scheduler.OffloadScheduler` and :class:`~kvoffload.transfer.TransferEngine`
 in the order of DESIGN.md §3: per step, completions → admission (``lookup`` then ``allocate``)
-→ ``schedule`` → workers (submit the previous step's stores, complete the flush set, submit
-loads, forward pass, queue this step's stores) → outputs. Every load is compared byte for byte
+→ ``schedule`` → workers (one :meth:`~kvoffload.transfer.TransferEngine.step` call with the
+plan, then the forward pass) → outputs. Every load is compared byte for byte
 with the oracle when it completes, before any forward pass reads it; so is every prefix-cache
 hit (a sanity check of the simulator itself).
 
@@ -544,8 +544,8 @@ class Simulator:
         """After the last request: run every queued copy and complete every job."""
         if self.xfer is None:
             return
-        # One more step lets the scheduler see the last finished requests (already sent).
-        self.xfer.submit_queued()
+        # One more (empty) worker step submits the last step's stores.
+        self.xfer.step()
         self.xfer.wait(list(self.inflight_ids))
         self._collect(block=False)
 
@@ -641,15 +641,10 @@ class Simulator:
             plan = self._sc(self.sched.schedule, inp)
         self.finished_ids.clear()
 
-        # 4. Workers.
+        # 4. Workers: the data plane's step, then the forward pass.
         if plan is not None:
-            self._workers_before(plan)
+            self._workers(plan)
         self._forward(scheduled)
-        if plan is not None:
-            assert self.xfer is not None
-            for job in plan.stores:
-                if job.job_id not in self.inflight_ids:
-                    self._queue_store(job)
 
         # 5. Outputs (one step late with asynchronous scheduling).
         self.pending_outputs.append(outputs)
@@ -858,8 +853,8 @@ class Simulator:
 
     # ------------------------------------------------------------------ workers
 
-    def _queue_store(self, job: Any) -> None:
-        assert self.xfer is not None
+    def _track_store(self, job: Any) -> tuple[int, list[tuple[int, list[int], list[int]]]]:
+        """Records a plan's store job for verification; returns it as ``step`` takes it."""
         transfers = [(int(g), list(gb), list(cb)) for g, gb, cb in job.transfers]
         self.store_ids.add(job.job_id)
         self.jobs[job.job_id] = ("store", job.request_id, transfers)
@@ -870,29 +865,27 @@ class Simulator:
         self.store_pos[job.job_id] = [
             (g, [where[g].get(b, -1) for b in gb], cb) for g, gb, cb in transfers
         ]
-        self.xfer.queue_store(job.job_id, transfers)
         self.inflight_ids.add(job.job_id)
+        return job.job_id, transfers
 
-    def _workers_before(self, plan: Any) -> None:
-        """Submit the previous step's stores, complete the flush set, submit the loads."""
+    def _workers(self, plan: Any) -> None:
+        """The workers' part of the step: one :meth:`TransferEngine.step` call with the plan
+        (it submits the previous step's stores, completes the flush set, submits the loads and
+        queues this step's stores for the next step)."""
         assert self.xfer is not None
-        x = self.xfer
-        x.submit_queued()
-        flush = list(plan.flush) if self.cfg.fence != "off" else []
-        if flush:
-            fs = set(flush)
-            for job in plan.stores:
-                if job.job_id in fs:
-                    self._queue_store(job)  # a new store of a released request: run it first
-            t = time.perf_counter()
-            x.wait(flush)
-            self.result.flush_wait_seconds += time.perf_counter() - t
-            self.result.flush_steps += 1
+        stores = [self._track_store(job) for job in plan.stores]
+        loads = []
         for job in plan.loads:
             transfers = [(int(g), list(gb), list(cb)) for g, gb, cb in job.transfers]
             self.jobs[job.job_id] = ("load", job.request_id, transfers)
-            x.submit_load(job.job_id, transfers)
             self.inflight_ids.add(job.job_id)
+            loads.append((job.job_id, transfers))
+        flush = list(plan.flush) if self.cfg.fence != "off" else []
+        t = time.perf_counter()
+        self.xfer.step(stores, flush, loads)
+        if flush:
+            self.result.flush_wait_seconds += time.perf_counter() - t
+            self.result.flush_steps += 1
 
     def _collect(self, *, block: bool) -> None:
         """Takes finished copies and completes them in the scheduler (loads are verified)."""
