@@ -30,7 +30,7 @@ pub const MAX_CPU_SLOTS: u32 = 1 << 26;
 pub const MAX_GROUPS: usize = 64;
 
 /// Largest number of workers (tensor-parallel x pipeline-parallel ranks) of one engine.
-pub const MAX_WORKERS: u32 = 4096;
+pub const MAX_WORKERS: u32 = crate::jobs::MAX_WORKERS;
 
 /// Largest number of bytes of one chunk of one group on one worker (64 GiB), so that the byte
 /// counters cannot overflow.
@@ -486,7 +486,7 @@ mod tests {
         assert!(message(&a).contains("cpu_bytes"));
         let mut a = args();
         a.num_workers = i128::from(MAX_WORKERS) + 1;
-        assert!(message(&a).starts_with("num_workers must be in 1..=4096"));
+        assert!(message(&a).starts_with(&format!("num_workers must be in 1..={MAX_WORKERS}")));
         let mut a = args();
         a.groups[0].bytes_per_block = i128::from(MAX_BYTES_PER_CHUNK);
         assert!(message(&a).contains("lower blocks_per_chunk"));

@@ -95,7 +95,7 @@ pub struct JobStats {
     pub resets: u64,
 }
 
-/// Most worker ranks a job table serves (one bit each per job).
+/// Most worker ranks a job table serves (one bit each per job; 128 covers TP x PP = 8 x 16).
 pub const MAX_WORKERS: u32 = 128;
 
 /// The table of pending jobs.

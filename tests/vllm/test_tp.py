@@ -70,6 +70,7 @@ class TpHarness(Stepping):
         for rank in range(TP):
             w = KvOffloadConnector(vc, KVConnectorRole.WORKER, kcc)
             assert w.worker_side is not None
+            w.worker_side.rank = rank  # one process plays both ranks: no parallel state
             w.worker_side.engine_kwargs = {
                 "_before_copy": self._gate(rank),
                 "_fault_injector": self._fault(rank),

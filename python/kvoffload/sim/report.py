@@ -48,6 +48,7 @@ def figures(run: SimResult, baseline: SimResult | None) -> dict[str, Any]:
         "load_gb_per_s": _gb_s(run.bytes_loaded, run.load_seconds),
         "flushes_necessary": run.flushes_necessary,
         "flushes_conservative": run.flushes_conservative,
+        "flushes_vllm_rule": run.flushes_vllm_rule,
         "flush_wait_ms": run.flush_wait_seconds * 1e3,
         "scheduler_us_per_step_mean": run.sched_step_us_mean,
         "scheduler_us_per_step_p99": run.sched_step_us_p99,
@@ -99,6 +100,10 @@ def format_table(f: dict[str, Any]) -> str:
             "flushes (necessary / conservative)",
             f"{f['flushes_necessary']:,} / {f['flushes_conservative']:,} jobs, "
             f"{f['flush_wait_ms']:.1f} ms waited",
+        ),
+        (
+            "flushes under vLLM's rule (same run)",
+            f"{f['flushes_vllm_rule']:,} jobs",
         ),
         (
             "scheduler time per step",
