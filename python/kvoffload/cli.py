@@ -2,15 +2,17 @@
 
 ``kvoffload simulate`` runs a seeded workload through the simulated engine twice — with
 offloading and without — and prints a table: GPU prefix hits, CPU hits, prefill tokens saved,
-bytes moved and bandwidth, flushes, scheduler time per step, and integrity mismatches (which
-must be 0; the exit status is 1 otherwise). ``--json`` writes the same figures, ``--plot`` a PNG
-of hit rate and offloaded bytes over time.
+bytes moved and bandwidth, flushes, scheduler time per step, and integrity mismatches. The exit
+status is 1 unless mismatches, torn stores and leaks are 0, and failed jobs too (unless
+``--fail-loads`` / ``--fail-stores`` injects failures); 2 for a configuration that cannot run.
+``--json`` writes the same figures, ``--plot`` a PNG of hit rate and offloaded bytes over time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -43,8 +45,25 @@ def _positive_float(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def _rate(text: str) -> float:
+    v = _non_negative_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}")
     return v
 
 
@@ -61,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Run a seeded workload through a simulated paged engine with offloading, and again "
             "without, verifying every loaded block byte for byte. Exit status 1 if any "
-            "integrity mismatch was found."
+            "integrity mismatch, torn store, leak or (without injected faults) failed job was "
+            "found."
         ),
     )
     s.add_argument(
@@ -106,9 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--copy-delay-ms",
-        type=float,
+        type=_non_negative_float,
         default=0.0,
         help="sleep before each store job's first copy (default: 0)",
+    )
+    s.add_argument(
+        "--fail-loads",
+        type=_rate,
+        default=0.0,
+        metavar="SHARE",
+        help="fail this share of load jobs on purpose (seeded; default: 0)",
+    )
+    s.add_argument(
+        "--fail-stores",
+        type=_rate,
+        default=0.0,
+        metavar="SHARE",
+        help="fail this share of store jobs on purpose (seeded; default: 0)",
     )
     s.add_argument(
         "--scale", type=_positive_float, default=1.0, help="multiply every length (default: 1)"
@@ -157,9 +191,6 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvoffload.sim import SimConfig, SimError, simulate
     from kvoffload.sim.report import figures, format_table, write_png_plot
 
-    if args.copy_delay_ms < 0:
-        print("kvoffload simulate: error: --copy-delay-ms must be >= 0", file=sys.stderr)
-        return 2
     try:
         cfg = SimConfig(
             workload=args.workload,
@@ -178,6 +209,8 @@ def _simulate(args: argparse.Namespace) -> int:
             async_scheduling=args.async_scheduling,
             completion=args.completion,
             copy_delay_s=args.copy_delay_ms / 1e3,
+            load_fault_rate=args.fail_loads,
+            store_fault_rate=args.fail_stores,
         )
         cfg.validate()
         run = simulate(cfg, progress=_Progress("offload", not args.quiet))
@@ -205,8 +238,20 @@ def _simulate(args: argparse.Namespace) -> int:
             json.dump(doc, fh, indent=2)
     if args.plot:
         write_png_plot(run, args.plot)
-    bad = run.mismatches + run.hit_mismatches + (base.hit_mismatches if base else 0)
-    return 1 if bad else 0
+    problems = {
+        "integrity mismatches": run.mismatches + run.hit_mismatches,
+        "baseline GPU-hit mismatches": base.hit_mismatches if base else 0,
+        "torn stores": run.torn_stores,
+        "leaked requests": run.leaked_requests,
+        "leaked jobs": run.leaked_jobs,
+        # With no fault injected, a failed copy is a fault of the data plane itself.
+        "failed jobs": run.failed_jobs if not (args.fail_loads or args.fail_stores) else 0,
+    }
+    found = [f"{n} {what}" for what, n in problems.items() if n]
+    if found:
+        print(f"kvoffload simulate: FAILED: {', '.join(found)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

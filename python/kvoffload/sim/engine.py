@@ -92,6 +92,9 @@ class SimConfig:
         copy_delay_s: Sleep this long before the first copy of every store job (makes the race
             of a broken fence certain).
         max_loading_requests: Scheduler backpressure on concurrent loads (0: none).
+        load_fault_rate: Share of load jobs the data plane fails on purpose (seeded by
+            ``seed``): the run must stay exact, the requests recompute.
+        store_fault_rate: Share of store jobs failed on purpose (never published).
         max_steps: Give up after this many steps.
     """
 
@@ -118,6 +121,8 @@ class SimConfig:
     completion: Completion = "step"
     copy_delay_s: float = 0.0
     max_loading_requests: int = 0
+    load_fault_rate: float = 0.0
+    store_fault_rate: float = 0.0
     max_steps: int = 1_000_000
 
     def validate(self) -> None:
@@ -157,8 +162,20 @@ class SimConfig:
                 f"sliding_window {self.sliding_window} is smaller than a chunk "
                 f"({self.block_size * self.blocks_per_chunk} tokens)"
             )
-        if self.scale <= 0 or self.arrival_gap < 0 or self.copy_delay_s < 0:
-            raise ValueError("scale must be positive; arrival_gap and copy_delay_s >= 0")
+        bounds = (
+            ("scale", 0.0, 1e6, False),
+            ("arrival_gap", 0.0, 1e9, True),
+            ("copy_delay_s", 0.0, 60.0, True),
+            ("load_fault_rate", 0.0, 1.0, True),
+            ("store_fault_rate", 0.0, 1.0, True),
+        )
+        for name, lo, hi, closed in bounds:
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            # also rejects nan and inf
+            if not ok or not (lo <= v <= hi if closed else lo < v <= hi):
+                interval = f"[{lo:g}, {hi:g}]" if closed else f"({lo:g}, {hi:g}]"
+                raise ValueError(f"{name} must be a number in {interval}, got {v!r}")
         if self.max_loading_requests < 0:
             raise ValueError("max_loading_requests must be >= 0")
 
@@ -202,6 +219,7 @@ class SimResult:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    readmissions: int = 0
     store_jobs: int = 0
     load_jobs: int = 0
     bytes_stored: int = 0
@@ -319,6 +337,7 @@ class _Req:
         "hashes_sent",
         "id",
         "inflight",
+        "left",
         "load_end",
         "load_hit",
         "load_job",
@@ -348,6 +367,9 @@ class _Req:
         self.inflight = 0
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.released: list[list[int]] = [[] for _ in range(num_groups)]
+        self.left: list[dict[int, int]] = [{} for _ in range(num_groups)]
+        """Per group: blocks that left the sliding window -> their position (freed, and still
+        holding that position's bytes until re-allocated)."""
         self.cached = [0] * num_groups
         self.hashes_sent = 0
         self.load_job: int | None = None
@@ -459,11 +481,13 @@ class Simulator:
             )
             self.sched = OffloadScheduler(ocfg)
             hook = self._delay_hook if cfg.copy_delay_s > 0 else None
+            faults = cfg.load_fault_rate > 0 or cfg.store_fault_rate > 0
             self.xfer = TransferEngine(
                 [list(self.kv) for _ in range(self.ng)],
                 blocks_per_chunk=cfg.blocks_per_chunk,
                 num_slots=cfg.cpu_chunks,
                 _before_copy=hook,
+                _fault_injector=self._inject_fault if faults else None,
             )
 
     # ------------------------------------------------------------------ setup helpers
@@ -484,6 +508,14 @@ class Simulator:
                 f"the longest request needs {worst} GPU blocks but only "
                 f"{self.cfg.num_gpu_blocks - 1} exist: raise num_gpu_blocks or lower scale"
             )
+
+    def _inject_fault(self, job_id: int) -> None:
+        """Fails a job with the configured probability (the same jobs for the same config)."""
+        store = job_id in self.store_ids
+        rate = self.cfg.store_fault_rate if store else self.cfg.load_fault_rate
+        draw = np.random.default_rng((self.cfg.seed, job_id)).random()
+        if draw < rate:
+            raise RuntimeError(f"injected failure of {'store' if store else 'load'} {job_id}")
 
     def _delay_hook(self, job_id: int, copy_index: int) -> None:
         if copy_index == 0 and job_id in self.store_ids:
@@ -541,13 +573,26 @@ class Simulator:
         )
 
     def _drain(self) -> None:
-        """After the last request: run every queued copy and complete every job."""
-        if self.xfer is None:
+        """After the last request: run every queued copy, complete every job, and give the
+        scheduler empty steps until it lets go of every finished request (it drops one at the
+        step after its last job completed, and may still create stores for it)."""
+        if self.xfer is None or self.sched is None:
             return
-        # One more (empty) worker step submits the last step's stores.
-        self.xfer.step()
+        self.xfer.step()  # one more worker step submits the last step's stores
         self.xfer.wait(list(self.inflight_ids))
         self._collect(block=False)
+        left = -1
+        for _ in range(10_000):  # each round completes jobs or drops requests; bounded anyway
+            if not self.sched.num_requests or self.sched.num_requests == left:
+                break
+            left = self.sched.num_requests
+            plan = self._sc(self.sched.schedule, StepInput(scheduled=[], written=[]))
+            self._workers(plan)
+            self.xfer.step()
+            self.xfer.wait(list(self.inflight_ids))
+            self._collect(block=False)
+            if plan.stores:
+                left = -1  # progress: more stores of finished requests
 
     def step(self) -> None:
         """One engine step: completions, admission, schedule, workers, outputs."""
@@ -807,6 +852,7 @@ class Simulator:
             for j in range(min(skip, len(row))):
                 if row[j] != NULL_BLOCK:
                     gone.append(row[j])
+                    r.left[g][row[j]] = j
                     row[j] = NULL_BLOCK
             if gone:
                 self.pool.release(gone[::-1])
@@ -830,6 +876,25 @@ class Simulator:
         r.released = r.tables
         r.tables = [[] for _ in range(self.ng)]
         r.cached = [0] * self.ng
+
+    def _window_gap(self, r: _Req) -> bool:
+        """Whether a sliding-window group left null a position the request must now compute
+        (after a failed load: the window was placed after the tokens the load would bring)."""
+        first = r.computed // self.bs
+        return any(
+            NULL_BLOCK in r.tables[g][first:] for g, w in enumerate(self.windows) if w is not None
+        )
+
+    def _readmit(self, r: _Req) -> None:
+        """A failed load whose blocks cannot be recomputed in place: drop the request's blocks
+        and admit it again (the engine tells the scheduler it released them)."""
+        self._release_all(r)
+        r.computed = 0
+        r.state = "waiting"
+        self.waiting.appendleft(r)
+        self.result.readmissions += 1
+        assert self.sched is not None
+        self._sc(self.sched.preempt, r.id)
 
     def _preempt(self, r: _Req) -> None:
         self.running.remove(r)
@@ -859,9 +924,14 @@ class Simulator:
         self.store_ids.add(job.job_id)
         self.jobs[job.job_id] = ("store", job.request_id, transfers)
         r = self.reqs[job.request_id]
-        # A released request's stores read the blocks it held (if not re-written since).
+        # A released request's stores read the blocks it held (if not re-written since); a
+        # store may also read a sliding-window block that left the window but was not
+        # re-allocated yet (its bytes are intact; the fence guards a re-allocation).
         tables = r.tables if r.state in ("running", "loading", "ready") else r.released
-        where = [{b: j for j, b in enumerate(row) if b != NULL_BLOCK} for row in tables]
+        where = [
+            {**left, **{b: j for j, b in enumerate(row) if b != NULL_BLOCK}}
+            for left, row in zip(r.left, tables, strict=True)
+        ]
         self.store_pos[job.job_id] = [
             (g, [where[g].get(b, -1) for b in gb], cb) for g, gb, cb in transfers
         ]
@@ -912,7 +982,7 @@ class Simulator:
             else:
                 res_acc.failed_jobs += 1
             assert self.sched is not None
-            done = self._sc(self.sched.complete, res.job_id, 1, res.ok)
+            done = self._sc(self.sched.complete, res.job_id, 0, res.ok)
             if done is None or kind != "load":
                 continue
             r = self.reqs[rid]
@@ -927,6 +997,9 @@ class Simulator:
                 self._register(r)
             else:
                 r.computed = r.load_hit
+                if self._window_gap(r):
+                    self._readmit(r)
+                    continue
             r.state = "ready"
             self.ready.append(r)
         self.ready.sort(key=lambda q: self.order[q.id])
