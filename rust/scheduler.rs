@@ -124,6 +124,31 @@ pub struct CompletedJob {
     pub invalid_blocks: Vec<u32>,
 }
 
+/// The first value other than [`NULL`] that occurs twice in `values`, found with generation
+/// `stamps` indexed by value (no allocation, no clearing per call).
+fn first_repeated(
+    stamps: &mut [u32],
+    stamp: &mut u32,
+    values: impl IntoIterator<Item = u32>,
+) -> Option<u32> {
+    *stamp = stamp.wrapping_add(1);
+    if *stamp == 0 {
+        stamps.fill(0);
+        *stamp = 1;
+    }
+    for v in values {
+        if v == NULL {
+            continue;
+        }
+        let seen = &mut stamps[v as usize];
+        if *seen == *stamp {
+            return Some(v);
+        }
+        *seen = *stamp;
+    }
+    None
+}
+
 /// A pool event with its group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerEvent {
@@ -271,7 +296,10 @@ pub struct Scheduler {
     reallocated: Vec<u32>,
     /// Generation stamps per block, for duplicate checks without allocation.
     stamps: Vec<u32>,
+    /// Generation stamps per request slab index.
+    req_stamps: Vec<u32>,
     stamp: u32,
+    req_stamp: u32,
     loading: FxHashMap<(u32, Key), JobId>,
     loading_requests: u32,
     step: u64,
@@ -309,6 +337,8 @@ impl Scheduler {
             pending_assign: Vec::new(),
             reallocated: Vec::new(),
             stamps: vec![0; cfg.num_gpu_blocks as usize],
+            req_stamps: Vec::new(),
+            req_stamp: 0,
             stamp: 0,
             loading: FxHashMap::default(),
             loading_requests: 0,
@@ -618,22 +648,13 @@ impl Scheduler {
 
     /// The first non-null block that occurs twice in `blocks`, if any.
     fn first_repeated(&mut self, blocks: impl IntoIterator<Item = u32>) -> Option<u32> {
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.stamps.fill(0);
-            self.stamp = 1;
-        }
-        for b in blocks {
-            if b == NULL {
-                continue;
-            }
-            let seen = &mut self.stamps[b as usize];
-            if *seen == self.stamp {
-                return Some(b);
-            }
-            *seen = self.stamp;
-        }
-        None
+        first_repeated(&mut self.stamps, &mut self.stamp, blocks)
+    }
+
+    /// The first request (slab index) that occurs twice in `reqs`, if any.
+    fn first_repeated_req(&mut self, reqs: impl IntoIterator<Item = u32>) -> Option<u32> {
+        self.req_stamps.resize(self.reqs.len(), 0);
+        first_repeated(&mut self.req_stamps, &mut self.req_stamp, reqs)
     }
 
     fn engine_block(&self, b: u32) -> Result<u32> {
@@ -925,7 +946,7 @@ impl Scheduler {
             .chain(&preempted)
             .copied()
             .collect();
-        if let Some(i) = self.first_repeated(released.iter().copied()) {
+        if let Some(i) = self.first_repeated_req(released.iter().copied()) {
             return Err(Error::RequestState {
                 request: self.req(i).id.clone(),
                 reason: "is listed twice among finished, aborted and preempted in one step".into(),
@@ -950,7 +971,7 @@ impl Scheduler {
             .iter()
             .map(|(i, _)| *i)
             .chain(released.iter().copied());
-        if let Some(i) = self.first_repeated(ids) {
+        if let Some(i) = self.first_repeated_req(ids) {
             let id = self.req(i).id.clone();
             return Err(Error::RequestState {
                 reason: if released.contains(&i) {

@@ -329,3 +329,15 @@ def test_complete_many_is_all_or_nothing():
     done = s.complete_many([j1, j2])
     assert [d.job_id for d in done] == [j1, j2]
     assert s.pending_jobs() == []
+
+
+def test_step_checks_hold_with_more_requests_than_gpu_blocks():
+    """The per-step duplicate checks index requests and blocks apart (a request index beyond
+    the block count once panicked)."""
+    s = make(num_gpu_blocks=4)
+    for i in range(10):
+        s.add_request(f"r{i}", 5, [i])
+    s.schedule(StepInput(aborted=["r9", "r8"], finished=["r7"], written=[]))
+    assert s.num_requests == 7
+    with pytest.raises(RequestStateError, match='"r6"'):
+        s.schedule(StepInput(aborted=["r6"], preempted=["r6"], written=[]))
