@@ -40,6 +40,13 @@ FIGURES = {
         (["simulate", "--fence", "sometimes"], "invalid choice"),
         (["simulate", "--device", "tpu"], "invalid choice"),
         (["simulate", "--seed", "-1"], "integer >= 0"),
+        (["simulate", "--copy-delay-ms", "-1"], "--copy-delay-ms: expected a finite number >= 0"),
+        (["simulate", "--copy-delay-ms", "inf"], "--copy-delay-ms: expected a finite number"),
+        (["simulate", "--copy-delay-ms", "nan"], "--copy-delay-ms: expected a finite number"),
+        (["simulate", "--scale", "inf"], "--scale: expected a finite positive number, got 'inf'"),
+        (["simulate", "--scale", "nan"], "--scale: expected a finite positive number"),
+        (["simulate", "--fail-loads", "1.5"], "--fail-loads: expected a share in [0, 1]"),
+        (["simulate", "--fail-stores", "-0.1"], "--fail-stores: expected a finite number >= 0"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -57,7 +64,7 @@ def test_argument_errors_exit_non_zero_with_a_message(
     [
         (["--gpu-blocks", "4"], "GPU blocks"),
         (["--sliding-window", "8"], "sliding_window"),
-        (["--copy-delay-ms", "-1"], "copy-delay-ms"),
+        (["--copy-delay-ms", "120000"], "copy_delay_s must be a number in [0, 60]"),
     ],
 )
 def test_impossible_runs_exit_non_zero_with_a_message(
@@ -122,3 +129,34 @@ def test_python_dash_m_runs_the_command() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "integrity mismatches" in res.stdout
+
+
+def test_injected_faults_are_reported_and_the_run_stays_exact(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [*SMALL, "--sliding-window", "64", "--fail-loads", "0.5", "--fail-stores", "0.3"]
+    assert main(argv) == 0
+    assert "FAILED" not in capsys.readouterr().err
+
+
+def test_a_failed_copy_without_injected_faults_fails_the_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A data plane whose copies fail (here: every store, as --copy-delay-ms inf once made them)
+    must not end in exit status 0."""
+    import kvoffload.sim.engine as sim_engine
+    from kvoffload.transfer import TransferEngine
+
+    def fail(job_id: int) -> None:
+        raise RuntimeError(f"copy of job {job_id} failed")
+
+    class Failing(TransferEngine):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs["_fault_injector"] = fail
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_engine, "TransferEngine", Failing)
+    assert main([*SMALL, "--no-baseline"]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" in err
+    assert "failed jobs" in err
