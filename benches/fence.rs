@@ -5,8 +5,8 @@
 //!   pairs are armed on other blocks (plus a few on the written ones). Budget: about 1 µs,
 //!   flat in the number of armed pairs.
 //! - `create_complete_16/<class>`: create a 16-block store job and complete it from one
-//!   worker, for the eager class (armed at creation) and the deferred class of a running
-//!   request (never touches the index).
+//!   worker (rank 0), for the eager class (armed at creation) and the deferred class of a
+//!   running request (never touches the index).
 
 use std::hint::black_box;
 
@@ -83,7 +83,7 @@ fn bench_create_complete(c: &mut Criterion) {
                         (),
                     )
                     .unwrap();
-                black_box(t.complete(black_box(id), 1, true).unwrap());
+                black_box(t.complete(black_box(id), 0, true).unwrap());
             });
         });
     }

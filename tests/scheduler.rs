@@ -4,8 +4,11 @@
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::jobs::JobKind;
+use kvoffload::jobs::JobStats;
 use kvoffload::policy::PolicyKind;
-use kvoffload::scheduler::{Scheduler, Status, StepInput};
+use kvoffload::pool::KeyState;
+use kvoffload::scheduler::{CompletedJob, Scheduler, SchedulerStats, Status, StepInput};
+use kvoffload::tracker::FenceStats;
 use kvoffload::{Error, JobId, Key};
 
 fn config(window: Option<u32>) -> SchedulerConfig {
@@ -39,7 +42,65 @@ fn config(window: Option<u32>) -> SchedulerConfig {
 }
 
 fn keys(n: u128) -> Vec<Key> {
-    (0..n).map(|i| Key(1000 + i)).collect()
+    keys_from(1000, n)
+}
+
+fn keys_from(first: u128, n: u128) -> Vec<Key> {
+    (first..first + n).map(Key).collect()
+}
+
+fn workers(n: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        num_workers: n,
+        ..config(None)
+    }
+}
+
+/// Adds request `id` (9 tokens, `hashes`), gives it `blocks` and computes 8 tokens: returns
+/// its store job of 2 chunks.
+fn stored(s: &mut Scheduler, id: &str, hashes: Vec<Key>, blocks: Vec<u32>) -> JobId {
+    s.add_request(id, 9, hashes).unwrap();
+    assert_eq!(s.lookup(id, 0).unwrap(), Some(0));
+    assert_eq!(
+        s.allocate(id, std::slice::from_ref(&blocks), 0, 0).unwrap(),
+        None
+    );
+    let plan = s.schedule(&step(&[(id, 8)], &[], blocks)).unwrap();
+    assert_eq!(plan.stores.len(), 1);
+    assert!(plan.flush.is_empty());
+    plan.stores[0].id
+}
+
+/// The pool's state of each key (group 0).
+fn states(s: &Scheduler, keys: &[Key]) -> Vec<KeyState> {
+    let pool = s.pool(0).unwrap();
+    keys.iter().map(|k| pool.state(*k)).collect()
+}
+
+/// What a rejected call must leave unchanged.
+type View = (
+    SchedulerStats,
+    (JobStats, FenceStats),
+    Vec<JobId>,
+    usize,
+    Vec<KeyState>,
+);
+
+fn view(s: &Scheduler, keys: &[Key]) -> View {
+    (
+        s.stats(),
+        s.tracker_stats(),
+        s.pending_jobs(),
+        s.armed_pairs(),
+        states(s, keys),
+    )
+}
+
+/// Worker reports `(job, rank, ok)`.
+type Batch = Vec<(JobId, u32, bool)>;
+
+fn ids(done: &[CompletedJob]) -> Vec<JobId> {
+    done.iter().map(|d| d.id).collect()
 }
 
 fn step(scheduled: &[(&str, u32)], finished: &[&str], written: Vec<u32>) -> StepInput<String> {
@@ -77,7 +138,7 @@ fn store_finish_flush_load_and_drain() {
         s.schedule(&step(&[], &[], vec![2])).unwrap().flush,
         vec![store]
     );
-    let done = s.complete(store, 1, true).unwrap().unwrap();
+    let done = s.complete(store, 0, true).unwrap().unwrap();
     assert_eq!((done.kind, done.ok), (JobKind::Store, true));
     assert_eq!(s.status("a"), Err(Error::UnknownRequest("a".into())));
 
@@ -89,7 +150,7 @@ fn store_finish_flush_load_and_drain() {
     assert_eq!(plan.loads[0].id, load);
     assert_eq!(plan.loads[0].transfers[0].gpu_blocks, vec![5, 6]);
     assert_eq!(s.status("b").unwrap(), Status::Running);
-    assert!(s.complete(load, 1, true).unwrap().unwrap().ok);
+    assert!(s.complete(load, 0, true).unwrap().unwrap().ok);
 
     // Drain: no leaks.
     s.schedule(&step(&[], &["b"], vec![])).unwrap();
@@ -108,7 +169,7 @@ fn failed_load_reports_blocks_drops_chunks_and_preempt_makes_it_lookable() {
     // Window blocks are armed at creation, full-attention blocks are not.
     assert_eq!(s.armed_pairs(), 2);
     for j in &plan.stores {
-        s.complete(j.id, 1, true).unwrap();
+        s.complete(j.id, 0, true).unwrap();
     }
     s.schedule(&step(&[], &["a"], vec![])).unwrap();
     s.add_request("b", 9, keys(2)).unwrap();
@@ -118,7 +179,7 @@ fn failed_load_reports_blocks_drops_chunks_and_preempt_makes_it_lookable() {
         .allocate("b", &[vec![5, 6, 7], vec![15, 16, 17]], 0, n)
         .unwrap()
         .unwrap();
-    let done = s.complete(load, 1, false).unwrap().unwrap();
+    let done = s.complete(load, 0, false).unwrap().unwrap();
     assert!(!done.ok);
     assert_eq!(done.invalid_blocks, vec![5, 6, 15, 16]);
     assert!(matches!(s.lookup("b", 0), Err(Error::RequestState { .. })));
@@ -142,7 +203,7 @@ fn bad_input_changes_nothing() {
         Err(Error::BlockOutOfRange { .. })
     ));
     assert_eq!(
-        s.complete(JobId(9), 1, true),
+        s.complete(JobId(9), 0, true),
         Err(Error::UnknownJob(JobId(9)))
     );
     assert_eq!(s.stats(), before);
@@ -150,4 +211,168 @@ fn bad_input_changes_nothing() {
     bad.blocks_per_chunk = 3;
     bad.hash_block_size = 8;
     assert!(matches!(Scheduler::new(bad), Err(Error::Config(_))));
+}
+
+#[test]
+fn a_duplicated_report_does_not_publish_a_torn_store() {
+    // Issue 10, item 9: with two workers, worker 0's duplicated report must not stand in for
+    // worker 1's, whose copy may still be running.
+    let mut s = Scheduler::new(workers(2)).unwrap();
+    let ks = keys(2);
+    let store = stored(&mut s, "a", ks.clone(), vec![1, 2, 3]);
+    assert_eq!(states(&s, &ks), vec![KeyState::Storing; 2]);
+    assert_eq!(s.complete(store, 0, true), Ok(None));
+    let before = view(&s, &ks);
+    for ok in [true, false] {
+        assert_eq!(
+            s.complete(store, 0, ok),
+            Err(Error::DuplicateReport {
+                job: store,
+                worker: 0
+            })
+        );
+        assert_eq!(
+            s.complete(store, 2, ok),
+            Err(Error::WorkerOutOfRange {
+                job: store,
+                worker: 2,
+                num_workers: 2
+            })
+        );
+        assert_eq!(
+            s.complete_many(&[(store, 0, ok)]),
+            Err(Error::DuplicateReport {
+                job: store,
+                worker: 0
+            })
+        );
+    }
+    assert_eq!(view(&s, &ks), before, "rejected reports changed state");
+    assert_eq!(s.pending_jobs(), vec![store], "the store is still pending");
+    assert_eq!(
+        states(&s, &ks),
+        vec![KeyState::Storing; 2],
+        "not readable before worker 1's copy completed"
+    );
+    // A request with the same prefix is told to ask again later, not given a torn chunk.
+    s.add_request("b", 9, ks.clone()).unwrap();
+    assert_eq!(s.lookup("b", 0).unwrap(), None);
+
+    let done = s.complete(store, 1, true).unwrap().unwrap();
+    assert_eq!((done.id, done.kind, done.ok), (store, JobKind::Store, true));
+    assert_eq!(states(&s, &ks), vec![KeyState::Ready { pins: 0 }; 2]);
+    assert_eq!(
+        s.complete(store, 0, true),
+        Err(Error::JobAlreadyCompleted(store))
+    );
+
+    // The same rule for a load: a duplicated report does not unpin its slots.
+    assert_eq!(s.lookup("b", 0).unwrap(), Some(8));
+    let load = s.allocate("b", &[vec![5, 6, 7]], 0, 8).unwrap().unwrap();
+    assert_eq!(states(&s, &ks), vec![KeyState::Ready { pins: 1 }; 2]);
+    assert_eq!(s.complete(load, 1, true), Ok(None));
+    let before = view(&s, &ks);
+    assert_eq!(
+        s.complete(load, 1, true),
+        Err(Error::DuplicateReport {
+            job: load,
+            worker: 1
+        })
+    );
+    assert_eq!(view(&s, &ks), before);
+    assert_eq!(states(&s, &ks), vec![KeyState::Ready { pins: 1 }; 2]);
+    assert_eq!(s.loading_requests(), 1, "b is still loading");
+    let done = s.complete(load, 0, true).unwrap().unwrap();
+    assert_eq!((done.kind, done.ok), (JobKind::Load, true));
+    assert_eq!(s.loading_requests(), 0);
+    assert_eq!(states(&s, &ks), vec![KeyState::Ready { pins: 0 }; 2]);
+}
+
+#[test]
+fn a_failed_report_from_either_worker_keeps_the_store_unreadable() {
+    let mut s = Scheduler::new(workers(2)).unwrap();
+    let ks = keys(2);
+    let store = stored(&mut s, "a", ks.clone(), vec![1, 2, 3]);
+    assert_eq!(s.complete(store, 1, false), Ok(None));
+    assert_eq!(states(&s, &ks), vec![KeyState::Storing; 2]);
+    let done = s.complete(store, 0, true).unwrap().unwrap();
+    assert!(!done.ok);
+    assert_eq!(states(&s, &ks), vec![KeyState::Absent; 2]);
+    assert_eq!(s.stats().failed_stores, 1);
+}
+
+#[test]
+fn complete_many_is_all_or_nothing() {
+    let mut s = Scheduler::new(workers(2)).unwrap();
+    let ka = keys_from(1000, 2);
+    let kb = keys_from(2000, 2);
+    let kc = keys_from(3000, 2);
+    let a = stored(&mut s, "a", ka.clone(), vec![1, 2, 3]);
+    let b = stored(&mut s, "b", kb.clone(), vec![4, 5, 6]);
+    let c = stored(&mut s, "c", kc.clone(), vec![7, 8, 9]);
+    assert_eq!(s.complete(c, 0, true), Ok(None));
+    let all: Vec<Key> = [&ka[..], &kb, &kc].concat();
+    let before = view(&s, &all);
+    let oob = |job| Error::WorkerOutOfRange {
+        job,
+        worker: 2,
+        num_workers: 2,
+    };
+    let dup = |job, worker| Error::DuplicateReport { job, worker };
+    let bad: Vec<(Batch, Error)> = vec![
+        // One unknown id in the middle: the good reports around it are not applied.
+        (
+            vec![(a, 0, true), (JobId(99), 0, true), (b, 0, true)],
+            Error::UnknownJob(JobId(99)),
+        ),
+        // One rank out of range in the middle.
+        (vec![(a, 0, true), (b, 2, true), (b, 0, true)], oob(b)),
+        // A duplicate pair inside the batch.
+        (vec![(a, 0, true), (b, 0, true), (a, 0, false)], dup(a, 0)),
+        // A rank that reported before the batch.
+        (vec![(a, 0, true), (a, 1, true), (c, 0, true)], dup(c, 0)),
+        // Earlier reports would complete c and a; the last one duplicates a's rank 1.
+        (
+            vec![(c, 1, true), (a, 0, true), (a, 1, true), (a, 1, true)],
+            dup(a, 1),
+        ),
+    ];
+    for (batch, err) in bad {
+        assert_eq!(s.complete_many(&batch), Err(err), "batch {batch:?}");
+        assert_eq!(view(&s, &all), before, "batch {batch:?} changed state");
+    }
+    assert_eq!(s.complete_many(&[]), Ok(vec![]));
+    // Nothing was applied: the same reports are accepted now, in batch order.
+    let done = s
+        .complete_many(&[(a, 1, true), (c, 1, true), (a, 0, true), (b, 0, true)])
+        .unwrap();
+    assert_eq!(ids(&done), vec![c, a]);
+    assert!(done.iter().all(|d| d.ok && d.kind == JobKind::Store));
+    assert_eq!(s.pending_jobs(), vec![b]);
+    assert_eq!(states(&s, &ka), vec![KeyState::Ready { pins: 0 }; 2]);
+    assert_eq!(states(&s, &kc), vec![KeyState::Ready { pins: 0 }; 2]);
+    assert_eq!(states(&s, &kb), vec![KeyState::Storing; 2]);
+
+    // Reports of jobs from before a reset are late: ignored, even twice, but a bad report in
+    // the same batch still rejects the whole batch.
+    let (flushed, cancelled) = s.reset();
+    assert_eq!((flushed, cancelled), (vec![b], vec![]));
+    let before = view(&s, &[]);
+    assert_eq!(
+        s.complete_many(&[(b, 1, true), (JobId(99), 0, true)]),
+        Err(Error::UnknownJob(JobId(99)))
+    );
+    assert_eq!(
+        view(&s, &[]),
+        before,
+        "a late report of a rejected batch counted"
+    );
+    assert_eq!(
+        s.complete_many(&[(b, 1, true), (b, 1, true), (a, 0, true)]),
+        Ok(vec![])
+    );
+    assert_eq!(
+        s.tracker_stats().0.late_reports,
+        before.1 .0.late_reports + 3
+    );
 }

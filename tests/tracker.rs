@@ -2,13 +2,16 @@
 //!
 //! The first half checks each rule on a hand-written schedule. The second half is a proptest
 //! that drives [`Tracker`] with long random schedules (stores, loads, releases, reacquires,
-//! fence checks, out-of-order and failed worker reports, bad reports, resets, late reports)
-//! next to a naive model — a plain `Vec` of pending jobs whose check scans every job — and
-//! checks the invariants of §4 after every operation.
+//! fence checks, worker reports by rank in any order, failed reports, duplicated ranks,
+//! out-of-range ranks, unknown and completed ids, resets, late reports) next to a naive model —
+//! a plain `Vec` of pending jobs, each with its set of reported ranks, whose check scans every
+//! job — and checks the invariants of §4 after every operation.
+
+use std::collections::BTreeSet;
 
 use kvoffload::error::Error;
 use kvoffload::fence::Fence;
-use kvoffload::jobs::{Completion, JobKind, JobStats, JobTable};
+use kvoffload::jobs::{Completion, JobKind, JobStats, JobTable, MAX_WORKERS};
 use kvoffload::tracker::{FenceStats, Tracker};
 use kvoffload::{BlockId, JobId, OwnerId};
 use proptest::prelude::*;
@@ -50,6 +53,7 @@ struct PendingView {
     deferred_armed: bool,
     failed: bool,
     remaining: u32,
+    reported: u128,
     payload: u64,
 }
 
@@ -70,6 +74,7 @@ fn snapshot(t: &Tracker<u64>, num_owners: u64) -> Snapshot {
                 deferred_armed: j.deferred_armed,
                 failed: j.failed,
                 remaining: j.remaining,
+                reported: j.reported,
                 payload: j.payload,
             }
         })
@@ -152,7 +157,7 @@ fn store(t: &mut Tracker<u64>, owner: OwnerId, eager: &[u32], deferred: &[u32]) 
 // ---------------------------------------------------------------------------------------------
 
 #[test]
-fn zero_workers_or_zero_blocks_is_a_config_error() {
+fn zero_or_too_many_workers_or_zero_blocks_is_a_config_error() {
     let e = Tracker::<()>::new(0, 8).unwrap_err();
     assert!(
         matches!(&e, Error::Config(m) if m.contains("num_workers")),
@@ -164,6 +169,22 @@ fn zero_workers_or_zero_blocks_is_a_config_error() {
         "{e}"
     );
     assert!(matches!(JobTable::<()>::new(0), Err(Error::Config(_))));
+    // One bit per rank and job: at most MAX_WORKERS workers.
+    for n in [MAX_WORKERS + 1, u32::MAX] {
+        let e = Tracker::<()>::new(n, 8).unwrap_err();
+        assert!(
+            matches!(&e, Error::Config(m) if m.contains("num_workers") && m.contains("128")),
+            "{e}"
+        );
+        assert!(matches!(JobTable::<()>::new(n), Err(Error::Config(_))));
+    }
+    assert_eq!(
+        Tracker::<()>::new(MAX_WORKERS, 8)
+            .unwrap()
+            .jobs()
+            .num_workers(),
+        MAX_WORKERS
+    );
     let t = Tracker::<()>::new(3, 1).unwrap();
     assert_eq!(t.jobs().num_workers(), 3);
     assert_eq!(t.fence().num_blocks(), 1);
@@ -250,10 +271,11 @@ fn release_arms_the_pending_jobs_of_the_owner_once() {
     assert_eq!(t.fence().armed_pairs(), 4);
     assert_eq!(t.fence().jobs_on(BlockId(4)), &[a]);
     // Completing disarms every pair of the job, eager and deferred.
-    t.complete(a, 2, true).unwrap();
+    t.complete(a, 0, true).unwrap();
+    done(t.complete(a, 1, true).unwrap());
     t.complete(b, 1, true).unwrap();
     assert_eq!(t.fence().armed_pairs(), 2, "b still pending");
-    done(t.complete(b, 1, true).unwrap());
+    done(t.complete(b, 0, true).unwrap());
     assert_eq!(t.fence().armed_pairs(), 0);
     assert_eq!(t.check(&blocks(&[3, 4, 5, 6])).unwrap(), vec![]);
 }
@@ -310,7 +332,7 @@ fn forget_clears_the_released_mark_only() {
     assert_eq!(t.released_len(), 0);
     // The armed pair stays armed until the job completes.
     assert_eq!(t.check(&blocks(&[1])).unwrap(), vec![a]);
-    done(t.complete(a, 1, true).unwrap());
+    done(t.complete(a, 0, true).unwrap());
     assert_eq!(t.fence().armed_pairs(), 0);
     t.forget(OwnerId(77)); // unknown owner: a no-op
     assert_eq!(t.released_len(), 0);
@@ -357,7 +379,7 @@ fn duplicate_blocks_in_a_job_are_fully_disarmed() {
     t.release(O1);
     let a = store(&mut t, O1, &[2, 2], &[2, 3]);
     assert_eq!(t.check(&blocks(&[2])).unwrap(), vec![a]);
-    done(t.complete(a, 1, true).unwrap());
+    done(t.complete(a, 0, true).unwrap());
     assert_eq!(t.fence().armed_pairs(), 0);
     assert!(t.fence().jobs_on(BlockId(2)).is_empty());
 }
@@ -366,21 +388,26 @@ fn duplicate_blocks_in_a_job_are_fully_disarmed() {
 // Completion
 // ---------------------------------------------------------------------------------------------
 
+/// The `Job::reported` mask of `ranks`.
+fn mask(ranks: &[u32]) -> u128 {
+    ranks.iter().fold(0, |m, r| m | 1u128 << r)
+}
+
 #[test]
-fn a_job_completes_after_exactly_num_workers_reports() {
+fn a_job_completes_after_every_rank_reported_once() {
     let mut t = tracker(4, 8);
     let a = t
         .create(JobKind::Store, O1, blocks(&[1]), vec![], 1234)
         .unwrap();
-    assert!(matches!(
-        t.complete(a, 1, true).unwrap(),
-        Completion::Pending { remaining: 3 }
-    ));
-    assert!(matches!(
-        t.complete(a, 2, true).unwrap(),
-        Completion::Pending { remaining: 1 }
-    ));
-    assert_eq!(t.jobs().get(a).unwrap().remaining, 1);
+    // Ranks report in any order.
+    for (rank, left) in [(2, 3), (0, 2), (3, 1)] {
+        match t.complete(a, rank, true).unwrap() {
+            Completion::Pending { remaining } => assert_eq!(remaining, left, "after rank {rank}"),
+            other => panic!("rank {rank}: expected Pending, got {other:?}"),
+        }
+    }
+    let j = t.jobs().get(a).unwrap();
+    assert_eq!((j.remaining, j.reported), (1, mask(&[0, 2, 3])));
     assert_eq!(
         t.fence().jobs_on(BlockId(1)),
         &[a],
@@ -391,12 +418,52 @@ fn a_job_completes_after_exactly_num_workers_reports() {
         (j.id, j.owner, j.kind, j.payload, j.failed),
         (a, O1, JobKind::Store, 1234, false)
     );
+    assert_eq!((j.remaining, j.reported), (0, mask(&[0, 1, 2, 3])));
     assert!(t.jobs().get(a).is_none());
     assert_eq!(t.job_stats().completed, 1);
-    // All workers at once.
+    assert_eq!(t.fence().armed_pairs(), 0);
+    // One worker: rank 0 completes the job, rank 1 does not exist.
+    let mut t = tracker(1, 8);
     let b = store(&mut t, O1, &[2], &[]);
-    done(t.complete(b, 4, true).unwrap());
-    assert_eq!(t.job_stats().completed, 2);
+    let bad = Error::WorkerOutOfRange {
+        job: b,
+        worker: 1,
+        num_workers: 1,
+    };
+    assert_rejected(&mut t, &bad, |t| t.complete(b, 1, true));
+    done(t.complete(b, 0, true).unwrap());
+    assert_eq!(t.job_stats().completed, 1);
+}
+
+#[test]
+fn the_widest_engine_uses_every_bit_of_the_mask() {
+    assert_eq!(MAX_WORKERS, 128);
+    let mut t = tracker(MAX_WORKERS, 8);
+    let a = store(&mut t, O1, &[1], &[]);
+    for rank in (1..MAX_WORKERS).rev() {
+        match t.complete(a, rank, true).unwrap() {
+            Completion::Pending { remaining } => assert_eq!(remaining, rank),
+            other => panic!("rank {rank}: expected Pending, got {other:?}"),
+        }
+    }
+    assert_eq!(t.jobs().get(a).unwrap().reported, u128::MAX - 1);
+    for rank in [127, 1] {
+        let dup = Error::DuplicateReport {
+            job: a,
+            worker: rank,
+        };
+        assert_rejected(&mut t, &dup, |t| t.complete(a, rank, false));
+    }
+    for rank in [128, 129, u32::MAX] {
+        let oob = Error::WorkerOutOfRange {
+            job: a,
+            worker: rank,
+            num_workers: 128,
+        };
+        assert_rejected(&mut t, &oob, |t| t.complete(a, rank, true));
+    }
+    let j = done(t.complete(a, 0, true).unwrap());
+    assert_eq!((j.reported, j.remaining, j.failed), (u128::MAX, 0, false));
 }
 
 #[test]
@@ -404,9 +471,9 @@ fn one_failed_report_fails_the_job() {
     let mut t = tracker(3, 8);
     let a = store(&mut t, O1, &[1], &[]);
     t.complete(a, 1, true).unwrap();
-    t.complete(a, 1, false).unwrap();
+    t.complete(a, 0, false).unwrap();
     assert!(t.jobs().get(a).unwrap().failed);
-    let j = done(t.complete(a, 1, true).unwrap());
+    let j = done(t.complete(a, 2, true).unwrap());
     assert!(j.failed);
     assert_eq!((t.job_stats().completed, t.job_stats().failed), (1, 1));
     assert_eq!(
@@ -417,56 +484,165 @@ fn one_failed_report_fails_the_job() {
 }
 
 #[test]
+fn a_duplicated_report_never_stands_in_for_another_worker() {
+    // The torn store of issue 10, item 9: with two workers, worker 0 reports twice while
+    // worker 1 may still be copying. The job stays pending, and fenced, until worker 1 reports.
+    let mut t = tracker(2, 8);
+    t.release(O1);
+    let a = store(&mut t, O1, &[1], &[2]);
+    assert!(matches!(
+        t.complete(a, 0, true).unwrap(),
+        Completion::Pending { remaining: 1 }
+    ));
+    for ok in [true, false] {
+        let dup = Error::DuplicateReport { job: a, worker: 0 };
+        assert_rejected(&mut t, &dup, |t| t.complete(a, 0, ok));
+    }
+    let j = t.jobs().get(a).unwrap();
+    assert_eq!((j.remaining, j.reported, j.failed), (1, mask(&[0]), false));
+    assert_eq!(t.jobs().pending_ids().collect::<Vec<_>>(), vec![a]);
+    assert_eq!(t.fence().armed_pairs(), 2);
+    assert_eq!(t.job_stats().completed, 0);
+    assert_eq!(
+        t.check(&blocks(&[2])).unwrap(),
+        vec![a],
+        "still fenced: worker 1 may be reading block 2"
+    );
+    let j = done(t.complete(a, 1, true).unwrap());
+    assert!(!j.failed, "the rejected failed duplicate left no mark");
+    assert_eq!(t.fence().armed_pairs(), 0);
+    assert_rejected(&mut t, &Error::JobAlreadyCompleted(a), |t| {
+        t.complete(a, 0, true)
+    });
+}
+
+#[test]
 fn bad_reports_are_errors_and_change_nothing() {
     let mut t = tracker(2, 8);
     let finished = store(&mut t, O1, &[1], &[]);
     let open = store(&mut t, O2, &[1], &[2]);
     t.complete(open, 1, false).unwrap();
-    done(t.complete(finished, 2, true).unwrap());
+    t.complete(finished, 0, true).unwrap();
+    done(t.complete(finished, 1, true).unwrap());
 
-    assert_rejected(&mut t, &Error::JobAlreadyCompleted(finished), |t| {
-        t.complete(finished, 1, true)
-    });
-    assert_rejected(&mut t, &Error::JobAlreadyCompleted(finished), |t| {
-        t.complete(finished, 0, true)
-    });
-    assert_rejected(
-        &mut t,
-        &Error::OverCompleted {
+    // Any rank of a completed job.
+    for rank in [0, 1] {
+        assert_rejected(&mut t, &Error::JobAlreadyCompleted(finished), |t| {
+            t.complete(finished, rank, true)
+        });
+    }
+    // The rank that reported `open` already, whatever it says now.
+    for ok in [true, false] {
+        let dup = Error::DuplicateReport {
             job: open,
-            reported: 2,
-            remaining: 1,
-        },
-        |t| t.complete(open, 2, true),
-    );
-    assert_rejected(&mut t, &Error::ZeroCompletion(open), |t| {
-        t.complete(open, 0, true)
-    });
+            worker: 1,
+        };
+        assert_rejected(&mut t, &dup, |t| t.complete(open, 1, ok));
+    }
+    // Ranks the engine does not have.
+    for rank in [2, 3, 127, 128, u32::MAX] {
+        let oob = Error::WorkerOutOfRange {
+            job: open,
+            worker: rank,
+            num_workers: 2,
+        };
+        assert_rejected(&mut t, &oob, |t| t.complete(open, rank, true));
+    }
+    // Ids never issued.
     assert_rejected(&mut t, &Error::UnknownJob(JobId(2)), |t| {
-        t.complete(JobId(2), 1, true)
+        t.complete(JobId(2), 0, true)
     });
     assert_rejected(&mut t, &Error::UnknownJob(JobId(u64::MAX)), |t| {
         t.complete(JobId(u64::MAX), 1, false)
     });
-    // Messages name the ids and counts.
-    let m = Error::OverCompleted {
+    // Messages name the ids and ranks.
+    let m = Error::WorkerOutOfRange {
         job: JobId(17),
-        reported: 5,
-        remaining: 3,
+        worker: 5,
+        num_workers: 3,
     }
     .to_string();
     assert!(
         m.contains("17") && m.contains('5') && m.contains('3'),
         "{m}"
     );
+    let m = Error::DuplicateReport {
+        job: JobId(16),
+        worker: 4,
+    }
+    .to_string();
+    assert!(m.contains("16") && m.contains('4'), "{m}");
     assert!(Error::UnknownJob(JobId(99)).to_string().contains("99"));
     assert!(Error::JobAlreadyCompleted(JobId(98))
         .to_string()
         .contains("98"));
-    assert!(Error::ZeroCompletion(JobId(97)).to_string().contains("97"));
-    // open is still pending with its one report and its failure.
-    let j = done(t.complete(open, 1, true).unwrap());
+    // open is still pending with rank 1's report and its failure.
+    let j = t.jobs().get(open).unwrap();
+    assert_eq!((j.remaining, j.reported, j.failed), (1, mask(&[1]), true));
+    let j = done(t.complete(open, 0, true).unwrap());
     assert!(j.failed);
+}
+
+#[test]
+fn report_checks_run_in_a_fixed_order() {
+    // Late id, then unknown id, then rank out of range, then completed job, then duplicate
+    // rank: the first check that fails names the error.
+    let mut t = tracker(2, 8);
+    let old = store(&mut t, O1, &[1], &[]);
+    t.complete(old, 0, true).unwrap();
+    t.reset();
+    let finished = store(&mut t, O1, &[1], &[]);
+    t.complete(finished, 1, true).unwrap();
+    done(t.complete(finished, 0, true).unwrap());
+    let open = store(&mut t, O2, &[2], &[]);
+    t.complete(open, 0, true).unwrap();
+    let unknown = JobId(3);
+
+    let jt = t.jobs();
+    assert_eq!(
+        jt.validate(old, 0),
+        Ok(false),
+        "late beats a duplicate rank"
+    );
+    assert_eq!(jt.validate(old, 2), Ok(false), "late beats a bad rank");
+    assert_eq!(
+        jt.validate(unknown, 2),
+        Err(Error::UnknownJob(unknown)),
+        "unknown id beats a bad rank"
+    );
+    assert_eq!(
+        jt.validate(finished, 2),
+        Err(Error::WorkerOutOfRange {
+            job: finished,
+            worker: 2,
+            num_workers: 2
+        }),
+        "a bad rank beats a completed job"
+    );
+    assert_eq!(
+        jt.validate(finished, 0),
+        Err(Error::JobAlreadyCompleted(finished))
+    );
+    assert_eq!(
+        jt.validate(open, 0),
+        Err(Error::DuplicateReport {
+            job: open,
+            worker: 0
+        })
+    );
+    assert_eq!(jt.validate(open, 1), Ok(true));
+    // complete() agrees with validate().
+    for (id, rank) in [(old, 0), (old, 2)] {
+        assert!(matches!(
+            t.complete(id, rank, true).unwrap(),
+            Completion::Late
+        ));
+    }
+    for (id, rank) in [(unknown, 2), (finished, 2), (finished, 0), (open, 0)] {
+        let want = t.jobs().validate(id, rank).unwrap_err();
+        assert_rejected(&mut t, &want, |t| t.complete(id, rank, true));
+    }
+    done(t.complete(open, 1, true).unwrap());
 }
 
 #[test]
@@ -476,7 +652,7 @@ fn jobs_complete_out_of_order() {
         .map(|i| store(&mut t, OwnerId(i), &[i as u32], &[]))
         .collect();
     for &i in &[4usize, 0, 2] {
-        let j = done(t.complete(ids[i], 1, true).unwrap());
+        let j = done(t.complete(ids[i], 0, true).unwrap());
         assert_eq!(j.id, ids[i]);
     }
     assert_eq!(
@@ -493,12 +669,12 @@ fn jobs_complete_out_of_order() {
         vec![ids[1], ids[3], ids[5], late_new]
     );
     for &i in &[5usize, 3, 1] {
-        done(t.complete(ids[i], 1, true).unwrap());
+        done(t.complete(ids[i], 0, true).unwrap());
     }
     assert_eq!(t.jobs().pending_ids().collect::<Vec<_>>(), vec![late_new]);
     assert!(t.jobs().get(ids[5]).is_none());
     assert_rejected(&mut t, &Error::JobAlreadyCompleted(ids[0]), |t| {
-        t.complete(ids[0], 1, true)
+        t.complete(ids[0], 0, true)
     });
 }
 
@@ -519,11 +695,11 @@ fn a_request_has_one_pending_load_or_any_number_of_stores() {
     assert_rejected(&mut t, &busy, |t| {
         t.create(JobKind::Load, O1, vec![], blocks(&[3]), 0)
     });
-    done(t.complete(s1, 1, true).unwrap());
+    done(t.complete(s1, 0, true).unwrap());
     assert_rejected(&mut t, &busy, |t| {
         t.create(JobKind::Load, O1, vec![], blocks(&[3]), 0)
     });
-    done(t.complete(s2, 1, true).unwrap());
+    done(t.complete(s2, 0, true).unwrap());
     let l = t
         .create(JobKind::Load, O1, vec![], blocks(&[3]), 0)
         .unwrap();
@@ -537,7 +713,7 @@ fn a_request_has_one_pending_load_or_any_number_of_stores() {
     });
     // Another request is not affected.
     store(&mut t, O2, &[4], &[]);
-    done(t.complete(l, 1, true).unwrap());
+    done(t.complete(l, 0, true).unwrap());
     store(&mut t, O1, &[5], &[]);
     let m = t
         .create(JobKind::Load, O1, vec![], blocks(&[6]), 0)
@@ -552,11 +728,17 @@ fn the_owner_map_empties_when_the_last_job_of_a_request_completes() {
     let a = store(&mut t, O1, &[1], &[]);
     let b = store(&mut t, O1, &[], &[2]);
     assert_eq!(t.jobs().owner(O1).unwrap().jobs, vec![a, b]);
-    t.complete(b, 2, true).unwrap();
+    t.complete(b, 1, true).unwrap();
+    assert_eq!(
+        t.jobs().owner(O1).unwrap().jobs,
+        vec![a, b],
+        "b waits for rank 0"
+    );
+    done(t.complete(b, 0, true).unwrap());
     assert_eq!(t.jobs().owner(O1).unwrap().jobs, vec![a]);
-    t.complete(a, 1, true).unwrap();
+    t.complete(a, 0, true).unwrap();
     assert_eq!(t.jobs().owners_len(), 1, "a still has one report to go");
-    t.complete(a, 1, true).unwrap();
+    done(t.complete(a, 1, true).unwrap());
     assert!(t.jobs().owner(O1).is_none());
     assert_eq!(t.jobs().owners_len(), 0);
     assert!(t.jobs().is_empty());
@@ -577,7 +759,8 @@ fn reset_returns_every_pending_job_and_empties_everything() {
         .unwrap();
     t.release(O2);
     t.release(OwnerId(5));
-    done(t.complete(b, 2, true).unwrap());
+    t.complete(b, 0, true).unwrap();
+    done(t.complete(b, 1, true).unwrap());
     t.complete(a, 1, true).unwrap();
     let pending: Vec<JobId> = t.reset().into_iter().map(|j| j.id).collect();
     assert_eq!(pending, vec![a, c], "pending jobs in creation order");
@@ -613,7 +796,7 @@ fn job_ids_are_monotonic_across_completions_and_resets() {
         } else {
             let ids: Vec<JobId> = t.jobs().pending_ids().collect();
             for id in ids {
-                done(t.complete(id, 1, true).unwrap());
+                done(t.complete(id, 0, true).unwrap());
             }
         }
     }
@@ -626,20 +809,23 @@ fn reports_for_jobs_created_before_a_reset_are_late() {
     let mut t = tracker(2, 8);
     let a = store(&mut t, O1, &[1], &[]);
     let b = store(&mut t, O2, &[2], &[]);
-    done(t.complete(b, 2, true).unwrap());
-    t.complete(a, 1, true).unwrap();
+    t.complete(b, 0, true).unwrap();
+    done(t.complete(b, 1, true).unwrap());
+    t.complete(a, 0, true).unwrap();
     t.reset();
     let c = store(&mut t, O1, &[1], &[]);
     let before = snapshot(&t, 8);
-    // Valid, duplicate, zero and over-counted reports of old jobs are all just late.
-    for (id, count) in [(a, 1), (a, 1), (b, 1), (a, 0), (b, 99)] {
+    // Valid, duplicated, completed-job and out-of-range reports of old jobs are all just late,
+    // and a late report never counts for a new job.
+    let late = [(a, 1), (a, 1), (a, 0), (b, 0), (a, 2), (b, u32::MAX)];
+    for (id, rank) in late {
         assert!(matches!(
-            t.complete(id, count, false).unwrap(),
+            t.complete(id, rank, false).unwrap(),
             Completion::Late
         ));
     }
     let after = snapshot(&t, 8);
-    assert_eq!(after.job_stats.late_reports, 5);
+    assert_eq!(after.job_stats.late_reports, late.len() as u64);
     assert_eq!(
         Snapshot {
             job_stats: JobStats {
@@ -656,9 +842,9 @@ fn reports_for_jobs_created_before_a_reset_are_late() {
         t.complete(c, 1, true).unwrap(),
         Completion::Pending { remaining: 1 }
     ));
-    assert!(!done(t.complete(c, 1, true).unwrap()).failed);
+    assert!(!done(t.complete(c, 0, true).unwrap()).failed);
     assert_rejected(&mut t, &Error::UnknownJob(JobId(3)), |t| {
-        t.complete(JobId(3), 1, true)
+        t.complete(JobId(3), 0, true)
     });
 }
 
@@ -672,13 +858,22 @@ fn job_table_counts_and_validates_without_changing_state() {
     let s = jt.insert(JobKind::Store, O1, blocks(&[1]), vec![], false, "s");
     let l = jt.insert(JobKind::Load, O2, vec![], blocks(&[2]), true, "l");
     assert_eq!((s, l), (JobId(0), JobId(1)));
-    assert_eq!(jt.validate(s, 2), Ok(true));
-    assert!(matches!(
-        jt.validate(s, 3),
-        Err(Error::OverCompleted { .. })
-    ));
-    assert_eq!(jt.validate(JobId(2), 1), Err(Error::UnknownJob(JobId(2))));
-    assert_eq!(jt.get(s).unwrap().remaining, 2, "validate changes nothing");
+    assert_eq!((jt.validate(s, 0), jt.validate(s, 1)), (Ok(true), Ok(true)));
+    assert_eq!(
+        jt.validate(s, 2),
+        Err(Error::WorkerOutOfRange {
+            job: s,
+            worker: 2,
+            num_workers: 2
+        })
+    );
+    assert_eq!(jt.validate(JobId(2), 0), Err(Error::UnknownJob(JobId(2))));
+    let j = jt.get(s).unwrap();
+    assert_eq!(
+        (j.remaining, j.reported),
+        (2, 0),
+        "validate changes nothing"
+    );
     assert!(jt.check_owner(O1, JobKind::Store).is_ok());
     assert!(matches!(
         jt.check_owner(O1, JobKind::Load),
@@ -689,13 +884,28 @@ fn job_table_counts_and_validates_without_changing_state() {
         Err(Error::OwnerBusy { owner: O2, .. })
     ));
     assert!(jt.check_owner(OwnerId(3), JobKind::Load).is_ok());
-    let Completion::Done(job) = jt.complete(l, 2, true).unwrap() else {
+    assert!(matches!(
+        jt.complete(l, 1, true).unwrap(),
+        Completion::Pending { remaining: 1 }
+    ));
+    assert_eq!(
+        jt.validate(l, 1),
+        Err(Error::DuplicateReport { job: l, worker: 1 })
+    );
+    assert_eq!(
+        jt.complete(l, 1, true).unwrap_err(),
+        Error::DuplicateReport { job: l, worker: 1 }
+    );
+    assert_eq!(jt.get(l).unwrap().reported, mask(&[1]));
+    let Completion::Done(job) = jt.complete(l, 0, true).unwrap() else {
         panic!("load done")
     };
     assert_eq!((job.payload, job.deferred_armed), ("l", true));
+    assert_eq!(jt.validate(l, 0), Err(Error::JobAlreadyCompleted(l)));
     assert_eq!(jt.len(), 1);
     jt.reset();
     assert_eq!(jt.validate(s, 0), Ok(false), "pre-reset ids are late");
+    assert_eq!(jt.validate(s, 9), Ok(false), "whatever the rank");
     let st = jt.stats();
     assert_eq!(
         (st.stores_created, st.loads_created, st.completed, st.resets),
@@ -750,9 +960,24 @@ struct MJob {
     armed: bool,
     /// The owner's holding period in which the job was created, if the owner held blocks.
     held_in: Option<u64>,
-    remaining: u32,
+    /// Ranks that reported the job.
+    reported: BTreeSet<u32>,
     failed: bool,
     payload: u64,
+}
+
+impl MJob {
+    /// Reports still expected.
+    fn remaining(&self, num_workers: u32) -> u32 {
+        num_workers - self.reported.len() as u32
+    }
+
+    /// Ranks that have not reported the job yet, ascending.
+    fn unreported(&self, num_workers: u32) -> Vec<u32> {
+        (0..num_workers)
+            .filter(|r| !self.reported.contains(r))
+            .collect()
+    }
 }
 
 /// What the engine knows of a request: whether it holds its blocks, and which holding period.
@@ -840,7 +1065,7 @@ impl Model {
             deferred: deferred.to_vec(),
             armed: o.released,
             held_in: (!o.released).then_some(o.period),
-            remaining: self.num_workers,
+            reported: BTreeSet::new(),
             failed: false,
             payload: payload_of(id),
         });
@@ -906,7 +1131,9 @@ impl Model {
         Ok(flush)
     }
 
-    fn complete(&mut self, id: u64, count: u32, ok: bool) -> Result<MOutcome, Error> {
+    /// A report of rank `worker`, checked in the order of `JobTable::validate`: late, unknown
+    /// id, rank out of range, completed job, duplicate rank.
+    fn complete(&mut self, id: u64, worker: u32, ok: bool) -> Result<MOutcome, Error> {
         if id < self.floor {
             self.stats.late_reports += 1;
             return Ok(MOutcome::Late);
@@ -914,25 +1141,31 @@ impl Model {
         if id >= self.next {
             return Err(Error::UnknownJob(JobId(id)));
         }
-        let Some(i) = self.jobs.iter().position(|j| j.id == id) else {
-            return Err(Error::JobAlreadyCompleted(JobId(id)));
-        };
-        let remaining = self.jobs[i].remaining;
-        if count == 0 {
-            return Err(Error::ZeroCompletion(JobId(id)));
-        }
-        if count > remaining {
-            return Err(Error::OverCompleted {
+        if worker >= self.num_workers {
+            return Err(Error::WorkerOutOfRange {
                 job: JobId(id),
-                reported: count,
-                remaining,
+                worker,
+                num_workers: self.num_workers,
             });
         }
+        let Some(i) = self.jobs.iter().position(|j| j.id == id) else {
+            assert!(
+                self.completed.contains(&id),
+                "ids in floor..next are pending or completed"
+            );
+            return Err(Error::JobAlreadyCompleted(JobId(id)));
+        };
         let j = &mut self.jobs[i];
-        j.remaining -= count;
+        if !j.reported.insert(worker) {
+            return Err(Error::DuplicateReport {
+                job: JobId(id),
+                worker,
+            });
+        }
         j.failed |= !ok;
-        if j.remaining > 0 {
-            return Ok(MOutcome::Pending(j.remaining));
+        let remaining = j.remaining(self.num_workers);
+        if remaining > 0 {
+            return Ok(MOutcome::Pending(remaining));
         }
         let j = self.jobs.remove(i);
         self.completed.push(id);
@@ -980,28 +1213,70 @@ enum Op {
         written: Vec<u32>,
         drain: bool,
     },
-    /// A valid report of `1 + sel % remaining` workers for a pending job.
+    /// A valid report: the `sel`-th (modulo) rank that has not reported a pending job yet,
+    /// so ranks report in any order.
     Report {
         pick: usize,
         sel: u32,
         ok: bool,
     },
-    /// A duplicate (0), over-counted (1), zero (2) or unknown-id (3) report.
-    BadReport {
-        what: u8,
+    /// Any report, valid or not: a job id of class `target` from a rank of class `rank`. The
+    /// model says what must happen; an error must change nothing, a late report nothing but
+    /// its counter.
+    AnyReport {
+        target: Target,
+        rank: Rank,
         pick: usize,
         sel: u32,
-    },
-    /// A report for a job created before the last reset.
-    LateReport {
-        pick: u64,
-        count: u32,
+        ok: bool,
     },
     Reset,
 }
 
+/// Which job id an [`Op::AnyReport`] names.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    /// A pending job.
+    Pending,
+    /// A job completed since the last reset.
+    Completed,
+    /// An id never issued.
+    Unknown,
+    /// A job created before the last reset.
+    Late,
+}
+
+/// Which rank an [`Op::AnyReport`] comes from.
+#[derive(Debug, Clone, Copy)]
+enum Rank {
+    /// One that has not reported the job (for a pending job; any in-range rank otherwise).
+    Fresh,
+    /// One that already reported the job (for a pending job with reports; any in-range rank
+    /// otherwise).
+    Reported,
+    /// One the engine does not have.
+    OutOfRange,
+}
+
 fn block_strategy() -> impl Strategy<Value = u32> {
     prop_oneof![40 => 0..NUM_BLOCKS, 1 => NUM_BLOCKS..NUM_BLOCKS + 3, 1 => Just(u32::MAX)]
+}
+
+fn target_strategy() -> impl Strategy<Value = Target> {
+    prop_oneof![
+        3 => Just(Target::Pending),
+        2 => Just(Target::Completed),
+        1 => Just(Target::Unknown),
+        2 => Just(Target::Late),
+    ]
+}
+
+fn rank_strategy() -> impl Strategy<Value = Rank> {
+    prop_oneof![
+        1 => Just(Rank::Fresh),
+        3 => Just(Rank::Reported),
+        2 => Just(Rank::OutOfRange),
+    ]
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -1019,9 +1294,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             .prop_map(|(written, drain)| Op::Check { written, drain }),
         12 => (any::<usize>(), any::<u32>(), prop::bool::weighted(0.9))
             .prop_map(|(pick, sel, ok)| Op::Report { pick, sel, ok }),
-        3 => (0u8..4, any::<usize>(), any::<u32>())
-            .prop_map(|(what, pick, sel)| Op::BadReport { what, pick, sel }),
-        2 => (any::<u64>(), 0u32..6).prop_map(|(pick, count)| Op::LateReport { pick, count }),
+        6 => (target_strategy(), rank_strategy(), any::<usize>(), any::<u32>(), any::<bool>())
+            .prop_map(|(target, rank, pick, sel, ok)| Op::AnyReport { target, rank, pick, sel, ok }),
         1 => Just(Op::Reset),
     ]
 }
@@ -1041,11 +1315,23 @@ fn check_invariants(t: &Tracker<u64>, m: &Model) {
             deferred: blocks(&j.deferred),
             deferred_armed: j.armed,
             failed: j.failed,
-            remaining: j.remaining,
+            remaining: j.remaining(m.num_workers),
+            reported: mask(&j.reported.iter().copied().collect::<Vec<_>>()),
             payload: j.payload,
         })
         .collect();
     assert_eq!(s.pending, expected);
+    // Invariant 5: a pending job waits for exactly the ranks that have not reported it.
+    for p in &s.pending {
+        assert_eq!(
+            p.reported.checked_shr(m.num_workers).unwrap_or(0),
+            0,
+            "job {}: rank out of range recorded",
+            p.id
+        );
+        assert_eq!(p.remaining + p.reported.count_ones(), m.num_workers);
+        assert!(p.remaining > 0, "job {} is done but still pending", p.id);
+    }
     assert_eq!(t.jobs().len(), m.jobs.len());
     assert_eq!(s.next, JobId(m.next), "ids are monotonic");
 
@@ -1124,26 +1410,42 @@ fn check_invariants(t: &Tracker<u64>, m: &Model) {
 }
 
 /// Applies a valid report to both and compares the outcomes (invariant 5).
-fn report(t: &mut Tracker<u64>, m: &mut Model, id: u64, count: u32, ok: bool) {
+fn report(t: &mut Tracker<u64>, m: &mut Model, id: u64, worker: u32, ok: bool) {
     let want = m
-        .complete(id, count, ok)
+        .complete(id, worker, ok)
         .expect("the schedule only sends valid reports here");
     let got = t
-        .complete(JobId(id), count, ok)
+        .complete(JobId(id), worker, ok)
         .expect("valid report accepted");
+    compare_outcome(id, worker, want, got);
+}
+
+/// Compares the outcome of an accepted report: a job is done exactly when its last rank
+/// reported, and leaves the table with every rank's bit set.
+fn compare_outcome(id: u64, worker: u32, want: MOutcome, got: Completion<u64>) {
     match (want, got) {
         (MOutcome::Late, Completion::Late) => {}
         (MOutcome::Pending(r), Completion::Pending { remaining }) => assert_eq!(remaining, r),
         (MOutcome::Done(mj), Completion::Done(j)) => {
+            let ranks: Vec<u32> = mj.reported.iter().copied().collect();
             assert_eq!(
-                (j.id, j.kind, j.owner, j.failed, j.payload, j.remaining),
+                (
+                    j.id,
+                    j.kind,
+                    j.owner,
+                    j.failed,
+                    j.payload,
+                    j.remaining,
+                    j.reported
+                ),
                 (
                     JobId(mj.id),
                     mj.kind,
                     OwnerId(mj.owner),
                     mj.failed,
                     mj.payload,
-                    0
+                    0,
+                    mask(&ranks)
                 )
             );
             assert_eq!(
@@ -1151,7 +1453,7 @@ fn report(t: &mut Tracker<u64>, m: &mut Model, id: u64, count: u32, ok: bool) {
                 (blocks(&mj.eager), blocks(&mj.deferred))
             );
         }
-        (w, g) => panic!("report ({id}, {count}): model {w:?}, tracker {g:?}"),
+        (w, g) => panic!("report ({id}, rank {worker}): model {w:?}, tracker {g:?}"),
     }
 }
 
@@ -1211,51 +1513,87 @@ fn apply_check(t: &mut Tracker<u64>, m: &mut Model, written: &[u32], drain: bool
         }
     }
     if drain {
-        // The engine waits for the flush set: every worker reports, in two halves.
+        // The engine waits for the flush set: every rank that has not reported yet does,
+        // highest first.
         for id in flush {
-            while let Some(r) = m.jobs.iter().find(|j| j.id == id).map(|j| j.remaining) {
-                report(t, m, id, r.div_ceil(2), true);
+            let Some(j) = m.jobs.iter().find(|j| j.id == id) else {
+                continue;
+            };
+            for rank in j.unreported(m.num_workers).into_iter().rev() {
+                report(t, m, id, rank, true);
             }
+            assert!(
+                m.jobs.iter().all(|j| j.id != id),
+                "flushed job {id} drained"
+            );
         }
     }
 }
 
-fn apply_bad_report(t: &mut Tracker<u64>, m: &mut Model, what: u8, pick: usize, sel: u32) {
-    let bad = match what {
-        0 if !m.completed.is_empty() => Some((m.completed[pick % m.completed.len()], 1 + sel % 3)),
-        1 if !m.jobs.is_empty() => {
+/// The `(job, rank)` of an [`Op::AnyReport`], if the model has a job of class `target`.
+fn pick_report(m: &Model, target: Target, rank: Rank, pick: usize, sel: u32) -> Option<(u64, u32)> {
+    let n = m.num_workers;
+    let (id, job) = match target {
+        Target::Pending if !m.jobs.is_empty() => {
             let j = &m.jobs[pick % m.jobs.len()];
-            Some((j.id, j.remaining + 1 + sel % 3))
+            (j.id, Some(j))
         }
-        2 if !m.jobs.is_empty() => Some((m.jobs[pick % m.jobs.len()].id, 0)),
-        3 => Some((m.next + u64::from(sel % 4), 1)),
-        _ => None,
+        Target::Completed if !m.completed.is_empty() => {
+            (m.completed[pick % m.completed.len()], None)
+        }
+        Target::Unknown if sel % 8 == 7 => (u64::MAX, None),
+        Target::Unknown => (m.next + u64::from(sel % 4), None),
+        Target::Late if m.floor > 0 => (pick as u64 % m.floor, None),
+        _ => return None,
     };
-    let Some((id, count)) = bad else { return };
-    let before = snapshot(t, NUM_OWNERS);
-    let want = m.complete(id, count, false).expect_err("a bad report");
-    match t.complete(JobId(id), count, false) {
-        Err(g) => assert_eq!(g, want),
-        Ok(c) => panic!("bad report ({id}, {count}) accepted: {c:?}"),
-    }
-    let after = snapshot(t, NUM_OWNERS);
-    assert_eq!(after, before, "a rejected report changed state");
+    let worker = match (rank, job) {
+        (Rank::Fresh, Some(j)) => {
+            let fresh = j.unreported(n);
+            fresh[sel as usize % fresh.len()]
+        }
+        (Rank::Reported, Some(j)) if !j.reported.is_empty() => {
+            let done: Vec<u32> = j.reported.iter().copied().collect();
+            done[sel as usize % done.len()]
+        }
+        (Rank::Fresh | Rank::Reported, _) => sel % n,
+        (Rank::OutOfRange, _) => {
+            let bad: Vec<u32> = [n, n + 1, 127, 128, u32::MAX]
+                .into_iter()
+                .filter(|r| *r >= n)
+                .collect();
+            bad[sel as usize % bad.len()]
+        }
+    };
+    Some((id, worker))
 }
 
-fn apply_late_report(t: &mut Tracker<u64>, m: &mut Model, pick: u64, count: u32) {
-    if m.floor == 0 {
+fn apply_any_report(t: &mut Tracker<u64>, m: &mut Model, op: (Target, Rank, usize, u32, bool)) {
+    let (target, rank, pick, sel, ok) = op;
+    let Some((id, worker)) = pick_report(m, target, rank, pick, sel) else {
         return;
-    }
-    let before = snapshot(t, NUM_OWNERS);
-    report(t, m, pick % m.floor, count, pick % 2 == 0);
-    let after = snapshot(t, NUM_OWNERS);
-    let late = before.job_stats.late_reports + 1;
-    assert_eq!(after.job_stats.late_reports, late);
-    let rest = Snapshot {
-        job_stats: before.job_stats,
-        ..after
     };
-    assert_eq!(rest, before, "a late report changed more than its counter");
+    let before = snapshot(t, NUM_OWNERS);
+    let want = m.complete(id, worker, ok);
+    let got = t.complete(JobId(id), worker, ok);
+    match (want, got) {
+        (Err(w), Err(g)) => {
+            assert_eq!(g, w, "report ({id}, rank {worker})");
+            let after = snapshot(t, NUM_OWNERS);
+            assert_eq!(after, before, "a rejected report changed state");
+        }
+        (Ok(MOutcome::Late), Ok(Completion::Late)) => {
+            let after = snapshot(t, NUM_OWNERS);
+            let late = before.job_stats.late_reports + 1;
+            assert_eq!(after.job_stats.late_reports, late);
+            let rest = Snapshot {
+                job_stats: before.job_stats,
+                ..after
+            };
+            assert_eq!(rest, before, "a late report changed more than its counter");
+        }
+        (Ok(w), Ok(g)) => compare_outcome(id, worker, w, g),
+        (w, g) => panic!("report ({id}, rank {worker}): model {w:?}, tracker {g:?}"),
+    }
 }
 
 /// Runs one op on both and checks what it returned.
@@ -1283,12 +1621,18 @@ fn apply(t: &mut Tracker<u64>, m: &mut Model, op: &Op) {
         Op::Report { pick, sel, ok } => {
             if !m.jobs.is_empty() {
                 let j = &m.jobs[pick % m.jobs.len()];
-                let (id, count) = (j.id, 1 + sel % j.remaining);
-                report(t, m, id, count, *ok);
+                let fresh = j.unreported(m.num_workers);
+                let (id, rank) = (j.id, fresh[*sel as usize % fresh.len()]);
+                report(t, m, id, rank, *ok);
             }
         }
-        Op::BadReport { what, pick, sel } => apply_bad_report(t, m, *what, *pick, *sel),
-        Op::LateReport { pick, count } => apply_late_report(t, m, *pick, *count),
+        Op::AnyReport {
+            target,
+            rank,
+            pick,
+            sel,
+            ok,
+        } => apply_any_report(t, m, (*target, *rank, *pick, *sel, *ok)),
         Op::Reset => {
             let want = m.reset();
             let got: Vec<JobId> = t.reset().into_iter().map(|j| j.id).collect();
@@ -1308,10 +1652,10 @@ fn run_schedule(num_workers: u32, ops: &[Op]) {
         apply(&mut t, &mut m, op);
         check_invariants(&t, &m);
     }
-    // Drain: complete every pending job, newest first, one worker at a time.
+    // Drain: complete every pending job, newest first, one rank at a time, lowest first.
     while let Some(j) = m.jobs.last() {
-        let id = j.id;
-        report(&mut t, &mut m, id, 1, true);
+        let (id, rank) = (j.id, j.unreported(num_workers)[0]);
+        report(&mut t, &mut m, id, rank, true);
         check_invariants(&t, &m);
     }
     // Invariant 6 at the end of every schedule.
