@@ -1232,6 +1232,8 @@ class TransferEngine:
                 raise TransferError(f"wait: timeout must be None or seconds, got {timeout!r}")
             if not timeout >= 0:  # also nan
                 raise TransferError(f"wait: timeout must be >= 0, got {timeout!r}")
+            if timeout >= threading.TIMEOUT_MAX:  # inf, or longer than a lock can wait
+                timeout = None
         ids = _id_list(job_ids, "wait")
         with self._lock:
             self._check_open()
