@@ -69,6 +69,11 @@ $(STAMP_VLLM_BUILD): $(STAMP_VLLM_DEPS) $(RUST_SRC) $(PY_SRC)
 test-vllm: $(STAMP_VLLM_BUILD) ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm
 	$(VLLM_PY) -m pytest -q tests/vllm
 
+FUZZ_SECONDS ?= 60
+
+fuzz: build ## soak tests (threads, forced GC, finalizers, watchdog); not part of `make test`
+	$(PY) tests/soak/soak_dataplane.py --seconds $(FUZZ_SECONDS)
+
 bench: build ## criterion benches and pytest-benchmark benches
 	cargo bench
 	$(PY) -m pytest -q -s benches/bench_*.py --benchmark-enable -p no:cacheprovider
@@ -80,4 +85,4 @@ clean: ## remove build output
 	cargo clean
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
-.PHONY: help install build lint fmt test test-vllm bench demo clean
+.PHONY: help install build lint fmt test test-vllm fuzz bench demo clean
