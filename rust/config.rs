@@ -389,7 +389,7 @@ impl SchedulerConfig {
             let c = u64::from(grp.block_size) * u64::from(self.blocks_per_chunk);
             align = (align / gcd(align, c))
                 .checked_mul(c)
-                .filter(|&a| a <= u64::from(u32::MAX))
+                .filter(|&a| u32::try_from(a).is_ok())
                 .ok_or_else(|| {
                     Error::Config(
                         "the chunk sizes of the groups have no common multiple below 2**32".into(),

@@ -255,8 +255,11 @@ def test_errors_share_a_base_class_and_are_exported() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((0,), "num_blocks must be at least 1, got 0"),
-        ((8, 0), "num_workers must be at least 1, got 0"),
+        ((0,), "num_blocks must be in 1..=16777216, got 0"),
+        ((2**32 - 1,), "num_blocks must be in 1..=16777216, got 4294967295"),
+        ((8, 0), "num_workers must be in 1..=128, got 0"),
+        ((8, True), "num_workers must be an integer, got True (bool)"),
+        ((None,), "num_blocks must be an integer, got None (NoneType)"),
         ((-1,), "got -1"),
         ((8, -3), "got -3"),
         ((2**32,), "got 4294967296"),

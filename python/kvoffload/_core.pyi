@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "Copier",
     "CpuPool",
+    "DuplicateReportError",
     "InvalidBlockError",
     "InvalidKeyError",
     "InvalidRequestError",
@@ -21,6 +22,7 @@ __all__ = [
     "KvOffloadError",
     "RequestStateError",
     "Scheduler",
+    "StepInputError",
     "StepPlan",
     "StorePlan",
     "TransferJob",
@@ -53,6 +55,7 @@ class KvOffloadError(Exception): ...
 class ConfigError(KvOffloadError): ...
 class UnknownJobError(KvOffloadError): ...
 class CompletionError(KvOffloadError): ...
+class DuplicateReportError(CompletionError): ...
 class InvalidBlockError(KvOffloadError): ...
 class InvalidRequestError(KvOffloadError): ...
 class RequestStateError(KvOffloadError): ...
@@ -60,6 +63,7 @@ class UnknownKeyError(KvOffloadError): ...
 class KeyStateError(KvOffloadError): ...
 class InvalidKeyError(KvOffloadError): ...
 class UnknownRequestError(KvOffloadError): ...
+class StepInputError(KvOffloadError): ...
 
 @final
 class JobTracker:
@@ -78,7 +82,7 @@ class JobTracker:
     def forget(self, owner: SupportsIndex) -> None: ...
     def check(self, written: Iterable[SupportsIndex]) -> list[int]: ...
     def complete(
-        self, job: int, count: int | None = None, ok: bool = True
+        self, job: int, worker: int | None = None, ok: bool = True
     ) -> Literal["pending", "done", "failed", "late"]: ...
     def reset(self) -> list[int]: ...
     def pending_jobs(self) -> list[int]: ...
@@ -139,21 +143,40 @@ class Scheduler:
 
     def __new__(
         cls,
-        groups: list[tuple[int, int | None, int]],
+        groups: Sequence[tuple[int, int | None, int]],
         *,
-        blocks_per_chunk: int,
-        hash_block_size: int,
         num_gpu_blocks: int,
-        cpu_chunks: int,
+        blocks_per_chunk: int = 1,
+        hash_block_size: int | None = None,
+        cpu_chunks: int | None = None,
+        cpu_bytes: int | None = None,
         policy: str = "lru",
         num_workers: int = 1,
         max_loading_requests: int = 0,
         offload_prompt_only: bool = False,
         max_offload_tokens: int | None = None,
         store_threshold: int = 0,
-        null_block: int | None = ...,
+        null_block: int | None = 0,
         debug_skip_deferred_arming: bool = False,
     ) -> Scheduler: ...
+    @staticmethod
+    def check_config(
+        groups: Sequence[tuple[int, int | None, int]],
+        *,
+        num_gpu_blocks: int,
+        blocks_per_chunk: int = 1,
+        hash_block_size: int | None = None,
+        cpu_chunks: int | None = None,
+        cpu_bytes: int | None = None,
+        policy: str = "lru",
+        num_workers: int = 1,
+        max_loading_requests: int = 0,
+        offload_prompt_only: bool = False,
+        max_offload_tokens: int | None = None,
+        store_threshold: int = 0,
+        null_block: int | None = 0,
+        debug_skip_deferred_arming: bool = False,
+    ) -> tuple[int, list[int]]: ...
     def add_request(
         self, request_id: str, prompt_len: int, block_hashes: Iterable[int | bytes]
     ) -> None: ...
@@ -168,8 +191,8 @@ class Scheduler:
     ) -> int | None: ...
     def schedule(
         self,
-        scheduled: Sequence[str],
-        computed: Sequence[int],
+        scheduled: Sequence[str] | Sequence[tuple[str, int]],
+        computed: Sequence[int] | None = None,
         new_blocks: Sequence[tuple[str, int, Iterable[SupportsIndex]]] | None = None,
         resumed: Sequence[str] | None = None,
         finished: Sequence[str] | None = None,
@@ -179,8 +202,14 @@ class Scheduler:
     ) -> StepPlan: ...
     def preempt(self, request_id: str) -> None: ...
     def complete(
-        self, job: int, count: int | None = None, ok: bool = True
+        self, job: int, worker: int | None = None, ok: bool = True
     ) -> CompletedJob | None: ...
+    def complete_many(
+        self,
+        finished: Iterable[int],
+        failed: Iterable[int] | None = None,
+        worker: int | None = None,
+    ) -> list[CompletedJob]: ...
     def reset(self) -> tuple[list[int], list[tuple[str, int]]]: ...
     def take_events(self) -> list[tuple[str, int, list[int], str]]: ...
     def status(self, request_id: str) -> str: ...
@@ -210,9 +239,17 @@ class StorePlan:
 class CpuPool:
     """The CPU tier's slots: key states, pins, LRU or ARC eviction, stored / removed events."""
 
-    def __new__(cls, capacity: int, policy: str = "lru", store_threshold: int = 0) -> CpuPool: ...
+    def __new__(
+        cls,
+        capacity: int,
+        policy: str = "lru",
+        store_threshold: int = 0,
+        max_event_keys: int | None = None,
+    ) -> CpuPool: ...
     @property
     def capacity(self) -> int: ...
+    @property
+    def max_event_keys(self) -> int: ...
     @property
     def policy(self) -> Literal["lru", "arc"]: ...
     @property

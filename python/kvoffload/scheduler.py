@@ -2,8 +2,8 @@
 
 All state lives in the Rust core (:class:`kvoffload._core.Scheduler`); this module turns the
 configuration into the core's arguments (the core validates every value, in one place) and
-passes each step across the boundary in one call. It is engine-neutral: adapters (vLLM, the simulator) convert their own objects into
-:class:`StepInput`.
+passes each step across the boundary in one call. It is engine-neutral: adapters (vLLM, the
+simulator) convert their own objects into :class:`StepInput`.
 
 Example:
     >>> from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
@@ -253,9 +253,7 @@ class OffloadScheduler:
                 (the core names the field and the value); nothing changes.
         """
         if not isinstance(step, StepInput):
-            raise StepInputError(
-                f"step must be a StepInput, got {step!r} ({type(step).__name__})"
-            )
+            raise StepInputError(f"step must be a StepInput, got {step!r} ({type(step).__name__})")
         if _given(step.request_ids) or _given(step.computed_tokens):
             if _given(step.scheduled):
                 raise StepInputError(

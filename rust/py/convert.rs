@@ -9,13 +9,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::{
-    to_py, CompletionError, ConfigError, InvalidBlockError, InvalidKeyError, InvalidRequestError,
+    to_py, CompletionError, InvalidBlockError, InvalidKeyError, InvalidRequestError,
     UnknownJobError,
 };
 use crate::error::Error;
 use crate::ids::{BlockId, JobId, Key, OwnerId};
 
-fn describe(item: &Bound<'_, PyAny>) -> String {
+/// `repr (type)` of a Python value, for messages.
+pub fn describe(item: &Bound<'_, PyAny>) -> String {
     let ty = item
         .get_type()
         .name()
@@ -33,10 +34,14 @@ fn extract_index(
     limit: u128,
     err: fn(String) -> PyErr,
 ) -> PyResult<u64> {
-    match item.extract::<i128>() {
-        Ok(v) if v >= 0 && (v as u128) < limit => Ok(v as u64),
-        Ok(v) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
-        Err(_) => Err(err(format!(
+    match int_value(item) {
+        Some(Ok(v)) if v >= 0 && (v as u128) < limit => Ok(v as u64),
+        Some(Ok(v)) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
+        Some(Err(())) => Err(err(format!(
+            "{what} must be in 0..{limit}, got {}",
+            describe(item)
+        ))),
+        None => Err(err(format!(
             "{what} must be an integer, got {}",
             describe(item)
         ))),
@@ -153,11 +158,6 @@ pub fn keys(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Key>> {
     Ok(out)
 }
 
-/// Extracts a configuration size (an integer in `0..2**32`; zero is checked by the core).
-pub fn config_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
-    extract_index(obj, what, 1 << 32, ConfigError::new_err).map(|v| v as u32)
-}
-
 /// Extracts an integer argument; anything else raises `err` naming the value and its type.
 fn int_arg(obj: &Bound<'_, PyAny>, what: &str, err: fn(String) -> PyErr) -> PyResult<i128> {
     if obj.is_instance_of::<PyBool>() {
@@ -170,36 +170,261 @@ fn int_arg(obj: &Bound<'_, PyAny>, what: &str, err: fn(String) -> PyErr) -> PyRe
         .map_err(|_| err(format!("{what} must be an integer, got {}", describe(obj))))
 }
 
-/// A completion report from Python: the job id, and the count (default 1) clamped into `u32` so that the
-/// core checks the report in its usual order (late, unknown, already completed, zero, over);
-/// [`completion_error`] then names the count the caller passed.
+/// A completion report from Python: the job id and the reporting worker's rank (default 0).
+/// A rank beyond `u32` is clamped so that the core checks the report in its usual order
+/// (late, unknown, rank out of range, already completed, duplicate); [`completion_error`] then
+/// names the rank the caller passed.
 pub fn completion(
     job: &Bound<'_, PyAny>,
-    count: Option<&Bound<'_, PyAny>>,
+    worker: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(JobId, u32, i128)> {
     let id = int_arg(job, "job id", UnknownJobError::new_err)?;
     let id = u64::try_from(id).map(JobId).map_err(|_| {
         UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative"))
     })?;
-    let count = match count {
-        Some(c) => int_arg(c, "completion count", CompletionError::new_err)?,
-        None => 1,
+    let worker = match worker {
+        Some(w) => int_arg(w, "worker rank", CompletionError::new_err)?,
+        None => 0,
     };
-    let clamped = u32::try_from(count.clamp(0, i128::from(u32::MAX))).expect("clamped");
-    Ok((id, clamped, count))
+    if worker < 0 {
+        return Err(CompletionError::new_err(format!(
+            "job {id}: worker rank must be >= 0, got {worker}"
+        )));
+    }
+    let clamped = u32::try_from(worker.min(i128::from(u32::MAX))).expect("clamped");
+    Ok((id, clamped, worker))
 }
 
-/// Maps a core error of a completion, naming the count the caller passed.
-pub fn completion_error(e: Error, id: JobId, count: i128, clamped: u32) -> PyErr {
+/// Maps a core error of a completion, naming the rank the caller passed.
+pub fn completion_error(e: Error, id: JobId, worker: i128, clamped: u32) -> PyErr {
     match e {
-        Error::ZeroCompletion(_) if count != 0 => CompletionError::new_err(format!(
-            "job {id}: completion count must be at least 1, got {count}"
-        )),
-        Error::OverCompleted { remaining, .. } if count != i128::from(clamped) => {
+        Error::WorkerOutOfRange { num_workers, .. } if worker != i128::from(clamped) => {
             CompletionError::new_err(format!(
-                "job {id} over-completed: {count} worker reports but only {remaining} pending"
+                "job {id}: worker rank {worker} is out of range, the engine has {num_workers} workers"
             ))
         }
         e => to_py(e),
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Arguments of the scheduler, the tracker and the pool: every value of the wrong type or range
+// raises a `kvoffload.errors` exception that names the argument and the value as given.
+// ------------------------------------------------------------------------------------------
+
+/// An integer argument: `Some(Ok(v))`, `Some(Err(()))` for an integer beyond `i128` (out of
+/// every range), `None` for anything that is not an integer. Bools are not integers here;
+/// numpy integers and other `__index__` types are.
+pub fn int_value(obj: &Bound<'_, PyAny>) -> Option<Result<i128, ()>> {
+    if obj.is_instance_of::<PyBool>() {
+        return None;
+    }
+    match obj.extract::<i128>() {
+        Ok(v) => Some(Ok(v)),
+        Err(_) if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__").unwrap_or(false) => {
+            // An integer that does not fit in 128 bits (or an `__index__` that failed).
+            obj.call_method0("__index__").ok().map(|_| Err(()))
+        }
+        Err(_) => None,
+    }
+}
+
+/// A keyword argument of a constructor: omitted, or given (`None` included).
+pub enum Arg<'py> {
+    /// Not passed: the default applies.
+    Omitted,
+    /// Passed, with this value.
+    Given(Bound<'py, PyAny>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Arg<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Arg::Given(obj.to_owned()))
+    }
+}
+
+fn config_err(e: Error) -> PyErr {
+    to_py(e)
+}
+
+/// A configuration integer (range checked by [`crate::config`]).
+pub fn config_int(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<i128> {
+    match int_value(obj) {
+        Some(Ok(v)) => Ok(v),
+        Some(Err(())) => Err(config_err(crate::config::type_error(
+            field,
+            "an integer below 2**127",
+            describe(obj),
+        ))),
+        None => Err(config_err(crate::config::type_error(
+            field,
+            "an integer",
+            describe(obj),
+        ))),
+    }
+}
+
+/// A configuration integer with a default when omitted; `None` is refused.
+pub fn config_int_or(arg: &Arg<'_>, field: &str, default: i128) -> PyResult<i128> {
+    match arg {
+        Arg::Omitted => Ok(default),
+        Arg::Given(v) => config_int(v, field),
+    }
+}
+
+/// An optional configuration integer: omitted or `None` give `default`.
+pub fn config_opt_int(arg: &Arg<'_>, field: &str, default: Option<i128>) -> PyResult<Option<i128>> {
+    match arg {
+        Arg::Omitted => Ok(default),
+        Arg::Given(v) if v.is_none() => Ok(None),
+        Arg::Given(v) => config_int(v, field).map(Some),
+    }
+}
+
+/// A configuration flag: a `bool` (numpy bools included), nothing else.
+pub fn config_bool(arg: &Arg<'_>, field: &str, default: bool) -> PyResult<bool> {
+    match arg {
+        Arg::Omitted => Ok(default),
+        Arg::Given(v) if is_bool(v) => v.is_truthy(),
+        Arg::Given(v) => Err(config_err(crate::config::type_error(
+            field,
+            "a bool",
+            describe(v),
+        ))),
+    }
+}
+
+/// A `bool` argument (numpy bools included); anything else raises `err` naming it.
+pub fn flag(arg: &Arg<'_>, what: &str, default: bool, err: fn(String) -> PyErr) -> PyResult<bool> {
+    match arg {
+        Arg::Omitted => Ok(default),
+        Arg::Given(v) if is_bool(v) => v.is_truthy(),
+        Arg::Given(v) => Err(err(format!("{what} must be a bool, got {}", describe(v)))),
+    }
+}
+
+fn is_bool(v: &Bound<'_, PyAny>) -> bool {
+    v.is_instance_of::<PyBool>()
+        || v.get_type()
+            .fully_qualified_name()
+            .is_ok_and(|n| n == "numpy.bool" || n == "numpy.bool_")
+}
+
+/// A configuration string.
+pub fn config_str(arg: &Arg<'_>, field: &str, expected: &str, default: &str) -> PyResult<String> {
+    match arg {
+        Arg::Omitted => Ok(default.to_owned()),
+        Arg::Given(v) => v
+            .cast::<PyString>()
+            .ok()
+            .and_then(|s| s.to_str().ok().map(str::to_owned))
+            .ok_or_else(|| config_err(crate::config::type_error(field, expected, describe(v)))),
+    }
+}
+
+/// A request id: a `str` (valid UTF-8), else `InvalidRequestError` naming `what` and the value.
+pub fn request_id<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a str> {
+    obj.cast::<PyString>()
+        .ok()
+        .and_then(|s| s.to_str().ok())
+        .ok_or_else(|| bad_request_id(obj, what))
+}
+
+fn bad_request_id(obj: &Bound<'_, PyAny>, what: &str) -> PyErr {
+    if obj.is_instance_of::<PyString>() {
+        InvalidRequestError::new_err(format!(
+            "{what} must be a str of valid UTF-8, got {}",
+            describe(obj)
+        ))
+    } else {
+        InvalidRequestError::new_err(format!("{what} must be a str, got {}", describe(obj)))
+    }
+}
+
+/// An owned request id borrowed from its Python string (no copy).
+pub fn request_id_owned(
+    obj: Bound<'_, PyAny>,
+    what: impl FnOnce() -> String,
+) -> PyResult<pyo3::pybacked::PyBackedStr> {
+    match obj.cast_into::<PyString>() {
+        Ok(s) => pyo3::pybacked::PyBackedStr::try_from(s.clone())
+            .map_err(|_| bad_request_id(s.as_any(), &what())),
+        Err(e) => Err(bad_request_id(&e.into_inner(), &what())),
+    }
+}
+
+/// The items of a sequence argument (a list, a tuple or any iterable, not a lone `str` or
+/// `bytes`); anything else raises `err` naming `what` and the value.
+pub fn items<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    expected: &str,
+    err: fn(String) -> PyErr,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let bad = || err(format!("{what} must be {expected}, got {}", describe(obj)));
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(bad());
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Ok(list.iter().collect());
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return Ok(tuple.iter().collect());
+    }
+    let iter = obj.try_iter().map_err(|_| bad())?;
+    iter.collect::<PyResult<Vec<_>>>()
+}
+
+/// A sequence of request ids.
+pub fn request_ids(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+) -> PyResult<Vec<pyo3::pybacked::PyBackedStr>> {
+    items(
+        obj,
+        what,
+        "a sequence of request ids (str)",
+        super::errors::StepInputError::new_err,
+    )?
+    .into_iter()
+    .enumerate()
+    .map(|(i, item)| request_id_owned(item, || format!("{what}[{i}]")))
+    .collect()
+}
+
+/// A token count (`0..2**32`); anything else raises `err` naming `what` and the value.
+pub fn tokens(obj: &Bound<'_, PyAny>, what: &str, err: fn(String) -> PyErr) -> PyResult<u32> {
+    match int_value(obj) {
+        Some(Ok(v)) if (0..=i128::from(u32::MAX)).contains(&v) => Ok(v as u32),
+        Some(Ok(v)) => Err(err(format!("{what} must be in 0..2**32, got {v}"))),
+        Some(Err(())) => Err(err(format!(
+            "{what} must be in 0..2**32, got {}",
+            describe(obj)
+        ))),
+        None => Err(err(format!(
+            "{what} must be an integer, got {}",
+            describe(obj)
+        ))),
+    }
+}
+
+/// A job id as given: an integer (`UnknownJobError` naming the value otherwise); ids that no
+/// tracker could have issued (negative, beyond 64 bits) are unknown jobs.
+pub fn job_id(obj: &Bound<'_, PyAny>) -> PyResult<JobId> {
+    match int_value(obj) {
+        Some(Ok(v)) => u64::try_from(v).map(JobId).map_err(|_| {
+            UnknownJobError::new_err(format!("unknown job {v}: job ids are in 0..2**64"))
+        }),
+        Some(Err(())) => Err(UnknownJobError::new_err(format!(
+            "unknown job {}: job ids are in 0..2**64",
+            obj.repr()
+                .map_or_else(|_| "?".to_owned(), |r| r.to_string())
+        ))),
+        None => Err(UnknownJobError::new_err(format!(
+            "job id must be an integer, got {}",
+            describe(obj)
+        ))),
     }
 }

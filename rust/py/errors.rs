@@ -28,7 +28,13 @@ create_exception!(
     kvoffload.errors,
     CompletionError,
     KvOffloadError,
-    "A duplicate, zero or over-counted completion report."
+    "A completion report the job table refuses: the job already completed, or the worker rank is out of range."
+);
+create_exception!(
+    kvoffload.errors,
+    DuplicateReportError,
+    CompletionError,
+    "A second report of one job from the same worker rank (nothing changes)."
 );
 create_exception!(
     kvoffload.errors,
@@ -70,6 +76,13 @@ create_exception!(
 
 create_exception!(
     kvoffload.errors,
+    StepInputError,
+    KvOffloadError,
+    "A malformed step input: a field of the wrong type or shape, or lists of different lengths."
+);
+
+create_exception!(
+    kvoffload.errors,
     UnknownRequestError,
     KvOffloadError,
     "A request id that is not registered (or was dropped after it finished)."
@@ -83,9 +96,10 @@ pub fn to_py(e: Error) -> PyErr {
     match e {
         Error::Config(_) => ConfigError::new_err(msg),
         Error::UnknownJob(_) => UnknownJobError::new_err(msg),
-        Error::JobAlreadyCompleted(_) | Error::OverCompleted { .. } | Error::ZeroCompletion(_) => {
+        Error::JobAlreadyCompleted(_) | Error::WorkerOutOfRange { .. } => {
             CompletionError::new_err(msg)
         }
+        Error::DuplicateReport { .. } => DuplicateReportError::new_err(msg),
         Error::BlockOutOfRange { .. } | Error::EmptyJob(_) => InvalidBlockError::new_err(msg),
         Error::OwnerBusy { .. } | Error::RequestState { .. } => RequestStateError::new_err(msg),
         Error::UnknownRequest(_) => UnknownRequestError::new_err(msg),

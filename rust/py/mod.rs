@@ -9,6 +9,7 @@ mod copy;
 mod errors;
 mod pool;
 mod scheduler;
+mod sync;
 mod tracker;
 
 use pyo3::prelude::*;
@@ -20,9 +21,9 @@ mod _core {
     use super::copy::Copier;
     #[pymodule_export]
     use super::errors::{
-        CompletionError, ConfigError, InvalidBlockError, InvalidKeyError, InvalidRequestError,
-        KeyStateError, KvOffloadError, RequestStateError, UnknownJobError, UnknownKeyError,
-        UnknownRequestError,
+        CompletionError, ConfigError, DuplicateReportError, InvalidBlockError, InvalidKeyError,
+        InvalidRequestError, KeyStateError, KvOffloadError, RequestStateError, StepInputError,
+        UnknownJobError, UnknownKeyError, UnknownRequestError,
     };
     #[pymodule_export]
     use super::pool::{CpuPool, StorePlan};

@@ -11,10 +11,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::convert;
-use super::errors::{to_py, ConfigError};
+use super::convert::Arg;
+use super::errors::to_py;
 use crate::ids::{Key, SlotId};
-use crate::policy::PolicyKind;
-use crate::pool::{KeyState, Pool, PoolConfig, StorePlan as CoreStorePlan};
+use crate::pool::{KeyState, Pool, PoolStats, StorePlan as CoreStorePlan};
 
 fn ints(keys: &[Key]) -> Vec<u128> {
     keys.iter().map(|k| k.0).collect()
@@ -24,20 +24,34 @@ fn slot_ids(slots: &[SlotId]) -> Vec<u32> {
     slots.iter().map(|s| s.0).collect()
 }
 
-/// Extracts a `u32` configuration value, or raises `ConfigError` naming it.
-fn config_u32(obj: &Bound<'_, PyAny>, what: &str, min: u32, max: u32) -> PyResult<u32> {
-    let bad = || {
-        let repr = obj
-            .repr()
-            .map_or_else(|_| "?".to_owned(), |r| r.to_string());
-        ConfigError::new_err(format!(
-            "{what} must be an integer in {min}..={max}, got {repr}"
-        ))
-    };
-    match obj.extract::<i128>() {
-        Ok(v) if (i128::from(min)..=i128::from(max)).contains(&v) => Ok(v as u32),
-        _ => Err(bad()),
-    }
+/// A pool's counters by name, as `CpuPool.stats()` and `Scheduler.stats()["pools"]` report
+/// them (`target` apart).
+pub fn pool_counters(s: &PoolStats) -> [(&'static str, u64); 23] {
+    [
+        ("capacity", u64::from(s.capacity)),
+        ("used", u64::from(s.used)),
+        ("free", u64::from(s.free)),
+        ("storing", u64::from(s.storing)),
+        ("pinned", u64::from(s.pinned)),
+        ("hits", s.hits),
+        ("misses", s.misses),
+        ("evictions", s.evictions),
+        ("discarded", s.discarded),
+        ("stores", s.stores),
+        ("failed_stores", s.failed_stores),
+        ("loads", s.loads),
+        ("no_room", s.no_room),
+        ("filtered", s.filtered),
+        ("allocations", s.allocations),
+        ("allocated_slots", s.allocated_slots),
+        ("allocated_runs", s.allocated_runs),
+        ("contiguous_allocations", s.contiguous_allocations),
+        ("resets", s.resets),
+        ("ghosts", u64::from(s.ghosts)),
+        ("admission_tracked", u64::from(s.admission_tracked)),
+        ("events_dropped", s.events_dropped),
+        ("event_keys_queued", s.event_keys_queued),
+    ]
 }
 
 /// The slots reserved by `CpuPool.prepare_store`.
@@ -81,10 +95,9 @@ pub struct CpuPool {
 }
 
 impl CpuPool {
+    /// The core lock, waited for with the GIL released; never held while calling Python.
     fn lock(&self) -> MutexGuard<'_, Pool> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        super::sync::lock(&self.inner)
     }
 }
 
@@ -92,38 +105,38 @@ impl CpuPool {
 impl CpuPool {
     #[new]
     #[pyo3(
-        signature = (capacity, policy = None, store_threshold = None),
-        text_signature = "(capacity, policy='lru', store_threshold=0)"
+        signature = (capacity, policy = Arg::Omitted, store_threshold = Arg::Omitted, max_event_keys = Arg::Omitted),
+        text_signature = "(capacity, policy='lru', store_threshold=0, max_event_keys=None)"
     )]
+    // pyo3 hands keyword arguments over by value.
+    #[allow(clippy::needless_pass_by_value)]
     fn new(
         capacity: &Bound<'_, PyAny>,
-        policy: Option<&Bound<'_, PyAny>>,
-        store_threshold: Option<&Bound<'_, PyAny>>,
+        policy: Arg<'_>,
+        store_threshold: Arg<'_>,
+        max_event_keys: Arg<'_>,
     ) -> PyResult<Self> {
-        let capacity = config_u32(capacity, "capacity", 1, crate::pool::MAX_CAPACITY)?;
-        let policy = match policy {
-            None => PolicyKind::Lru,
-            Some(p) => {
-                let name: String = p.extract().map_err(|_| {
-                    let repr = p.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string());
-                    ConfigError::new_err(format!("policy must be \"lru\" or \"arc\", got {repr}"))
-                })?;
-                name.parse().map_err(to_py)?
-            }
+        let capacity = convert::config_int(capacity, "capacity")?;
+        let policy = convert::config_str(&policy, "policy", "\"lru\" or \"arc\"", "lru")?;
+        let store_threshold = convert::config_int_or(&store_threshold, "store_threshold", 0)?;
+        let max_event_keys = convert::config_opt_int(&max_event_keys, "max_event_keys", None)?;
+        let config =
+            crate::config::pool_config(capacity, &policy, store_threshold).map_err(to_py)?;
+        let event_limit = match max_event_keys {
+            Some(n) => crate::config::event_limit(n).map_err(to_py)?,
+            None => crate::pool::default_event_limit(config.capacity),
         };
-        let store_threshold = match store_threshold {
-            None => 0,
-            Some(t) => config_u32(t, "store_threshold", 0, u32::MAX)?,
-        };
-        let pool = Pool::new(PoolConfig {
-            capacity,
-            policy,
-            store_threshold,
-        })
-        .map_err(to_py)?;
+        let mut pool = Pool::new(config).map_err(to_py)?;
+        pool.set_event_limit(event_limit);
         Ok(Self {
             inner: Mutex::new(pool),
         })
+    }
+
+    /// The bound of the event queue, in keys (0: events are not recorded).
+    #[getter]
+    fn max_event_keys(&self) -> usize {
+        self.lock().event_limit()
     }
 
     /// Number of slots.
@@ -182,9 +195,11 @@ impl CpuPool {
     }
 
     /// Publishes (`ok`) or drops (failed) the stores of `keys`.
-    #[pyo3(signature = (keys, ok = true))]
-    fn complete_store(&self, keys: &Bound<'_, PyAny>, ok: bool) -> PyResult<()> {
+    #[pyo3(signature = (keys, ok = Arg::Omitted), text_signature = "(self, keys, ok=True)")]
+    #[allow(clippy::needless_pass_by_value)]
+    fn complete_store(&self, keys: &Bound<'_, PyAny>, ok: Arg<'_>) -> PyResult<()> {
         let keys = convert::keys(keys, "keys")?;
+        let ok = convert::flag(&ok, "ok", true, super::errors::CompletionError::new_err)?;
         self.lock().complete_store(&keys, ok).map_err(to_py)
     }
 
@@ -231,29 +246,12 @@ impl CpuPool {
 
     /// Occupancy and counters (`target` only for ARC).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        // Read under the lock, built after it (see `super::sync`).
         let s = self.lock().stats();
         let d = PyDict::new(py);
-        d.set_item("capacity", s.capacity)?;
-        d.set_item("used", s.used)?;
-        d.set_item("free", s.free)?;
-        d.set_item("storing", s.storing)?;
-        d.set_item("pinned", s.pinned)?;
-        d.set_item("hits", s.hits)?;
-        d.set_item("misses", s.misses)?;
-        d.set_item("evictions", s.evictions)?;
-        d.set_item("discarded", s.discarded)?;
-        d.set_item("stores", s.stores)?;
-        d.set_item("failed_stores", s.failed_stores)?;
-        d.set_item("loads", s.loads)?;
-        d.set_item("no_room", s.no_room)?;
-        d.set_item("filtered", s.filtered)?;
-        d.set_item("allocations", s.allocations)?;
-        d.set_item("allocated_slots", s.allocated_slots)?;
-        d.set_item("allocated_runs", s.allocated_runs)?;
-        d.set_item("contiguous_allocations", s.contiguous_allocations)?;
-        d.set_item("resets", s.resets)?;
-        d.set_item("ghosts", s.ghosts)?;
-        d.set_item("admission_tracked", s.admission_tracked)?;
+        for (k, v) in pool_counters(&s) {
+            d.set_item(k, v)?;
+        }
         if let Some(t) = s.target {
             d.set_item("target", t)?;
         }
@@ -262,7 +260,7 @@ impl CpuPool {
 
     /// The policy's lists, least recent first: `lru` (LRU) or `t1`, `t2`, `b1`, `b2` (ARC).
     fn order<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let o = self.lock().order();
+        let o = self.lock().order(); // the guard is dropped at the end of this statement
         let d = PyDict::new(py);
         for (name, keys) in o.resident.into_iter().chain(o.ghosts) {
             d.set_item(name, ints(&keys))?;

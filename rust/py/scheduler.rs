@@ -1,6 +1,12 @@
 //! `kvoffload._core.Scheduler` and its plan objects. Inputs are flat lists (request ids,
 //! token counts, block ids) so that one engine step is one call; request ids are borrowed
 //! from Python strings without copying.
+//!
+//! Every argument is converted into owned Rust values before the core lock is taken, and every
+//! Python object is built after it is released (see `super::sync`); a value of the wrong type
+//! or range raises a `kvoffload.errors` exception naming the argument and the value, with the
+//! core untouched. Configuration values are handed to [`SchedulerArgs::resolve`] as given: it
+//! is the one place that checks them.
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -9,10 +15,12 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert;
+use super::convert::Arg;
 use super::errors::to_py;
-use crate::config::{GroupConfig, SchedulerConfig};
+use super::errors::{InvalidRequestError, StepInputError};
+use crate::config::{GroupArgs, SchedulerArgs};
+use crate::error::Error;
 use crate::jobs::JobKind;
-use crate::policy::PolicyKind;
 use crate::pool::PoolEventKind;
 use crate::scheduler::{CompletedJob as CoreCompleted, PlannedJob, Scheduler as Core, StepInput};
 
@@ -177,175 +185,441 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    /// The core lock, waited for with the GIL released; never held while calling Python.
     fn lock(&self) -> MutexGuard<'_, Core> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        super::sync::lock(&self.inner)
     }
 }
 
 fn block_lists(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Vec<u32>>> {
-    let mut out = Vec::new();
-    convert::for_each_item(obj, what, |g, item| {
-        out.push(
-            convert::blocks(item, &format!("{what}[{g}]"))?
-                .into_iter()
-                .map(|b| b.0)
-                .collect(),
-        );
-        Ok(())
-    })?;
-    Ok(out)
+    convert::items(
+        obj,
+        what,
+        "a sequence of block id lists, one per group",
+        super::errors::InvalidBlockError::new_err,
+    )?
+    .iter()
+    .enumerate()
+    .map(|(g, item)| {
+        Ok(convert::blocks(item, &format!("{what}[{g}]"))?
+            .into_iter()
+            .map(|b| b.0)
+            .collect())
+    })
+    .collect()
 }
 
-fn token_count(v: i64, what: &str) -> PyResult<u32> {
-    u32::try_from(v).map_err(|_| {
-        super::errors::InvalidRequestError::new_err(format!("{what} must be in 0..2**32, got {v}"))
+/// A token count argument of a request call (`InvalidRequestError` naming it).
+fn request_tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
+    convert::tokens(obj, what, InvalidRequestError::new_err)
+}
+
+/// The items of a tuple or list of exactly `n` items, else `StepInputError` naming `what`.
+fn fields<'py>(
+    item: &Bound<'py, PyAny>,
+    n: usize,
+    what: &str,
+    shape: &str,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let bad = || {
+        StepInputError::new_err(format!(
+            "{what} must be a {shape}, got {}",
+            convert::describe(item)
+        ))
+    };
+    let items: Vec<_> = if let Ok(t) = item.cast::<pyo3::types::PyTuple>() {
+        t.iter().collect()
+    } else if let Ok(l) = item.cast::<PyList>() {
+        l.iter().collect()
+    } else {
+        return Err(bad());
+    };
+    if items.len() == n {
+        Ok(items)
+    } else {
+        Err(bad())
+    }
+}
+
+/// The scheduled requests and their computed tokens: `(request_id, tokens)` pairs when
+/// `computed` is `None`, else two parallel sequences of equal length.
+fn scheduled_input(
+    scheduled: &Bound<'_, PyAny>,
+    computed: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Vec<PyBackedStr>, Vec<u32>)> {
+    let step_tokens =
+        |obj: &Bound<'_, PyAny>, what: &str| convert::tokens(obj, what, StepInputError::new_err);
+    match computed.filter(|c| !c.is_none()) {
+        None => {
+            let pairs = convert::items(
+                scheduled,
+                "scheduled",
+                "a sequence of (request_id, tokens) pairs",
+                StepInputError::new_err,
+            )?;
+            let mut ids = Vec::with_capacity(pairs.len());
+            let mut tokens = Vec::with_capacity(pairs.len());
+            for (i, pair) in pairs.iter().enumerate() {
+                let what = || format!("scheduled[{i}]");
+                let f = fields(pair, 2, &what(), "(request_id, tokens) pair")?;
+                let [id, n] = <[_; 2]>::try_from(f).expect("two fields");
+                ids.push(convert::request_id_owned(id, || {
+                    format!("scheduled[{i}][0]")
+                })?);
+                tokens.push(step_tokens(&n, &format!("scheduled[{i}][1]"))?);
+            }
+            Ok((ids, tokens))
+        }
+        Some(computed) => {
+            let ids = convert::request_ids(scheduled, "scheduled")?;
+            let counts = convert::items(
+                computed,
+                "computed",
+                "a sequence of token counts",
+                StepInputError::new_err,
+            )?;
+            if counts.len() != ids.len() {
+                return Err(StepInputError::new_err(format!(
+                    "step input: {} scheduled request ids but {} computed-token counts",
+                    ids.len(),
+                    counts.len()
+                )));
+            }
+            let tokens = counts
+                .iter()
+                .enumerate()
+                .map(|(i, c)| step_tokens(c, &format!("computed[{i}]")))
+                .collect::<PyResult<Vec<_>>>()?;
+            Ok((ids, tokens))
+        }
+    }
+}
+
+/// `(request_id, group, blocks)` triples appended this step.
+fn new_blocks_input(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(PyBackedStr, u32, Vec<u32>)>> {
+    convert::items(
+        obj,
+        "new_blocks",
+        "a sequence of (request_id, group, block ids) triples",
+        StepInputError::new_err,
+    )?
+    .iter()
+    .enumerate()
+    .map(|(i, item)| {
+        let what = format!("new_blocks[{i}]");
+        let f = fields(item, 3, &what, "(request_id, group, block ids) triple")?;
+        let [id, group, blocks] = <[_; 3]>::try_from(f).expect("three fields");
+        let id = convert::request_id_owned(id, || format!("{what}[0]"))?;
+        let group = match convert::int_value(&group) {
+            Some(Ok(g)) if (0..=i128::from(u32::MAX)).contains(&g) => g as u32,
+            _ => {
+                return Err(StepInputError::new_err(format!(
+                    "{what}[1] (the group) must be an integer in 0..2**32, got {}",
+                    convert::describe(&group)
+                )))
+            }
+        };
+        let blocks = convert::blocks(&blocks, &format!("{what}[2]"))?
+            .into_iter()
+            .map(|b| b.0)
+            .collect();
+        Ok((id, group, blocks))
+    })
+    .collect()
+}
+
+/// An optional list of request ids (`None`: empty).
+fn id_list(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Vec<PyBackedStr>> {
+    match obj {
+        Some(o) if !o.is_none() => convert::request_ids(o, what),
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// Converts the constructor's arguments (values as given; [`SchedulerArgs::resolve`] checks
+/// them).
+#[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
+fn scheduler_args(
+    groups: &Bound<'_, PyAny>,
+    num_gpu_blocks: &Bound<'_, PyAny>,
+    blocks_per_chunk: Arg<'_>,
+    hash_block_size: Arg<'_>,
+    cpu_chunks: Arg<'_>,
+    cpu_bytes: Arg<'_>,
+    policy: Arg<'_>,
+    num_workers: Arg<'_>,
+    max_loading_requests: Arg<'_>,
+    offload_prompt_only: Arg<'_>,
+    max_offload_tokens: Arg<'_>,
+    store_threshold: Arg<'_>,
+    null_block: Arg<'_>,
+    debug_skip_deferred_arming: Arg<'_>,
+) -> PyResult<SchedulerArgs> {
+    let config_err = |what: &str, obj: &Bound<'_, PyAny>, expected: &str| {
+        to_py(crate::config::type_error(
+            what,
+            expected,
+            convert::describe(obj),
+        ))
+    };
+    let groups = convert::items(
+        groups,
+        "groups",
+        "a sequence of (block_size, sliding_window, bytes_per_block) tuples",
+        |m| to_py(crate::error::Error::Config(m)),
+    )?
+    .iter()
+    .enumerate()
+    .map(|(g, item)| {
+        let what = format!("groups[{g}]");
+        let shape = "a (block_size, sliding_window, bytes_per_block) tuple";
+        let f = fields(item, 3, &what, shape).map_err(|_| config_err(&what, item, shape))?;
+        let window = &f[1];
+        Ok(GroupArgs {
+            block_size: convert::config_int(&f[0], &format!("{what}.block_size"))?,
+            sliding_window: if window.is_none() {
+                None
+            } else {
+                Some(convert::config_int(
+                    window,
+                    &format!("{what}.sliding_window"),
+                )?)
+            },
+            bytes_per_block: convert::config_int(&f[2], &format!("{what}.bytes_per_block"))?,
+        })
+    })
+    .collect::<PyResult<Vec<_>>>()?;
+    Ok(SchedulerArgs {
+        groups,
+        blocks_per_chunk: convert::config_int_or(&blocks_per_chunk, "blocks_per_chunk", 1)?,
+        hash_block_size: convert::config_opt_int(&hash_block_size, "hash_block_size", None)?,
+        num_gpu_blocks: convert::config_int(num_gpu_blocks, "num_gpu_blocks")?,
+        null_block: convert::config_opt_int(&null_block, "null_block", Some(0))?,
+        cpu_chunks: convert::config_opt_int(&cpu_chunks, "cpu_chunks", None)?,
+        cpu_bytes: convert::config_opt_int(&cpu_bytes, "cpu_bytes", None)?,
+        policy: convert::config_str(&policy, "policy", "\"lru\" or \"arc\"", "lru")?,
+        num_workers: convert::config_int_or(&num_workers, "num_workers", 1)?,
+        max_loading_requests: convert::config_int_or(
+            &max_loading_requests,
+            "max_loading_requests",
+            0,
+        )?,
+        offload_prompt_only: convert::config_bool(
+            &offload_prompt_only,
+            "offload_prompt_only",
+            false,
+        )?,
+        max_offload_tokens: convert::config_opt_int(
+            &max_offload_tokens,
+            "max_offload_tokens",
+            None,
+        )?,
+        store_threshold: convert::config_int_or(&store_threshold, "store_threshold", 0)?,
+        debug_skip_deferred_arming: convert::config_bool(
+            &debug_skip_deferred_arming,
+            "debug_skip_deferred_arming",
+            false,
+        )?,
     })
 }
 
 #[pymethods]
 impl Scheduler {
+    /// Builds the core. `groups` holds `(block_size, sliding_window, bytes_per_block)` per KV
+    /// group; give exactly one of `cpu_chunks` (slots per group) and `cpu_bytes` (all groups).
     #[new]
     #[pyo3(signature = (
-        groups, *, blocks_per_chunk, hash_block_size, num_gpu_blocks, cpu_chunks,
-        policy = "lru", num_workers = 1, max_loading_requests = 0, offload_prompt_only = false,
-        max_offload_tokens = None, store_threshold = 0, null_block = Some(0),
-        debug_skip_deferred_arming = false
-    ))]
-    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
+        groups, *, num_gpu_blocks, blocks_per_chunk = Arg::Omitted,
+        hash_block_size = Arg::Omitted, cpu_chunks = Arg::Omitted, cpu_bytes = Arg::Omitted,
+        policy = Arg::Omitted, num_workers = Arg::Omitted, max_loading_requests = Arg::Omitted,
+        offload_prompt_only = Arg::Omitted, max_offload_tokens = Arg::Omitted,
+        store_threshold = Arg::Omitted, null_block = Arg::Omitted,
+        debug_skip_deferred_arming = Arg::Omitted
+    ), text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
+        cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
+        offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
+        debug_skip_deferred_arming=False)")]
+    #[allow(clippy::too_many_arguments)]
     fn new(
-        groups: Vec<(u32, Option<u32>, u64)>,
-        blocks_per_chunk: u32,
-        hash_block_size: u32,
-        num_gpu_blocks: u32,
-        cpu_chunks: u32,
-        policy: &str,
-        num_workers: u32,
-        max_loading_requests: u32,
-        offload_prompt_only: bool,
-        max_offload_tokens: Option<u32>,
-        store_threshold: u32,
-        null_block: Option<u32>,
-        debug_skip_deferred_arming: bool,
+        groups: &Bound<'_, PyAny>,
+        num_gpu_blocks: &Bound<'_, PyAny>,
+        blocks_per_chunk: Arg<'_>,
+        hash_block_size: Arg<'_>,
+        cpu_chunks: Arg<'_>,
+        cpu_bytes: Arg<'_>,
+        policy: Arg<'_>,
+        num_workers: Arg<'_>,
+        max_loading_requests: Arg<'_>,
+        offload_prompt_only: Arg<'_>,
+        max_offload_tokens: Arg<'_>,
+        store_threshold: Arg<'_>,
+        null_block: Arg<'_>,
+        debug_skip_deferred_arming: Arg<'_>,
     ) -> PyResult<Self> {
-        let policy: PolicyKind = policy.parse().map_err(to_py)?;
-        let cfg = SchedulerConfig {
-            groups: groups
-                .into_iter()
-                .map(
-                    |(block_size, sliding_window, bytes_per_chunk)| GroupConfig {
-                        block_size,
-                        sliding_window,
-                        bytes_per_chunk,
-                    },
-                )
-                .collect(),
+        let args = scheduler_args(
+            groups,
+            num_gpu_blocks,
             blocks_per_chunk,
             hash_block_size,
-            num_gpu_blocks,
-            null_block,
             cpu_chunks,
+            cpu_bytes,
             policy,
             num_workers,
             max_loading_requests,
             offload_prompt_only,
             max_offload_tokens,
             store_threshold,
+            null_block,
             debug_skip_deferred_arming,
-        };
+        )?;
+        let cfg = args.resolve().map_err(to_py)?;
         Ok(Self {
             inner: Mutex::new(Core::new(cfg).map_err(to_py)?),
         })
+    }
+
+    /// Checks a configuration without building anything (same arguments as the constructor).
+    /// Returns `(cpu_chunks, bytes_per_chunk of each group)` as the core resolves them.
+    #[staticmethod]
+    #[pyo3(signature = (
+        groups, *, num_gpu_blocks, blocks_per_chunk = Arg::Omitted,
+        hash_block_size = Arg::Omitted, cpu_chunks = Arg::Omitted, cpu_bytes = Arg::Omitted,
+        policy = Arg::Omitted, num_workers = Arg::Omitted, max_loading_requests = Arg::Omitted,
+        offload_prompt_only = Arg::Omitted, max_offload_tokens = Arg::Omitted,
+        store_threshold = Arg::Omitted, null_block = Arg::Omitted,
+        debug_skip_deferred_arming = Arg::Omitted
+    ), text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
+        cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
+        offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
+        debug_skip_deferred_arming=False)")]
+    #[allow(clippy::too_many_arguments)]
+    fn check_config(
+        groups: &Bound<'_, PyAny>,
+        num_gpu_blocks: &Bound<'_, PyAny>,
+        blocks_per_chunk: Arg<'_>,
+        hash_block_size: Arg<'_>,
+        cpu_chunks: Arg<'_>,
+        cpu_bytes: Arg<'_>,
+        policy: Arg<'_>,
+        num_workers: Arg<'_>,
+        max_loading_requests: Arg<'_>,
+        offload_prompt_only: Arg<'_>,
+        max_offload_tokens: Arg<'_>,
+        store_threshold: Arg<'_>,
+        null_block: Arg<'_>,
+        debug_skip_deferred_arming: Arg<'_>,
+    ) -> PyResult<(u32, Vec<u64>)> {
+        let args = scheduler_args(
+            groups,
+            num_gpu_blocks,
+            blocks_per_chunk,
+            hash_block_size,
+            cpu_chunks,
+            cpu_bytes,
+            policy,
+            num_workers,
+            max_loading_requests,
+            offload_prompt_only,
+            max_offload_tokens,
+            store_threshold,
+            null_block,
+            debug_skip_deferred_arming,
+        )?;
+        let cfg = args.resolve().map_err(to_py)?;
+        let bytes = cfg.groups.iter().map(|g| g.bytes_per_chunk).collect();
+        Ok((cfg.cpu_chunks, bytes))
     }
 
     /// Registers a request: its prompt length and the chained hashes (int or bytes) of its
     /// complete hash blocks.
     fn add_request(
         &self,
-        request_id: &str,
-        prompt_len: i64,
+        request_id: &Bound<'_, PyAny>,
+        prompt_len: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let n = token_count(prompt_len, "prompt_len")?;
+        let id = convert::request_id(request_id, "request_id")?;
+        let n = request_tokens(prompt_len, "prompt_len")?;
         let hashes = convert::keys(block_hashes, "block_hashes")?;
-        self.lock()
-            .add_request(request_id, n, hashes)
-            .map_err(to_py)
+        self.lock().add_request(id, n, hashes).map_err(to_py)
     }
 
     /// Appends chained hashes as the request's tokens grow.
-    fn extend_hashes(&self, request_id: &str, block_hashes: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn extend_hashes(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = convert::request_id(request_id, "request_id")?;
         let hashes = convert::keys(block_hashes, "block_hashes")?;
-        self.lock()
-            .extend_hashes(request_id, &hashes)
-            .map_err(to_py)
+        self.lock().extend_hashes(id, &hashes).map_err(to_py)
     }
 
     /// Tokens loadable beyond the engine's prefix hit; `None`: ask again later.
-    fn lookup(&self, request_id: &str, num_computed_tokens: i64) -> PyResult<Option<u32>> {
-        let hit = token_count(num_computed_tokens, "num_computed_tokens")?;
-        self.lock().lookup(request_id, hit).map_err(to_py)
+    fn lookup(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u32>> {
+        let id = convert::request_id(request_id, "request_id")?;
+        let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
+        self.lock().lookup(id, hit).map_err(to_py)
     }
 
     /// Records the request's block table (one list per group) after the engine allocated it;
     /// creates the load job of `num_load_tokens` tokens. Returns the load job id, if any.
     fn allocate(
         &self,
-        request_id: &str,
+        request_id: &Bound<'_, PyAny>,
         block_ids: &Bound<'_, PyAny>,
-        num_computed_tokens: i64,
-        num_load_tokens: i64,
+        num_computed_tokens: &Bound<'_, PyAny>,
+        num_load_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u64>> {
+        let id = convert::request_id(request_id, "request_id")?;
         let tables = block_lists(block_ids, "block_ids")?;
-        let hit = token_count(num_computed_tokens, "num_computed_tokens")?;
-        let load = token_count(num_load_tokens, "num_load_tokens")?;
+        let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
+        let load = request_tokens(num_load_tokens, "num_load_tokens")?;
         let job = self
             .lock()
-            .allocate(request_id, &tables, hit, load)
+            .allocate(id, &tables, hit, load)
             .map_err(to_py)?;
         Ok(job.map(|j| j.0))
     }
 
     /// The engine released a running request's blocks outside a step (e.g. after a failed
     /// load); idempotent.
-    fn preempt(&self, request_id: &str) -> PyResult<()> {
-        self.lock().preempt(request_id).map_err(to_py)
+    fn preempt(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = convert::request_id(request_id, "request_id")?;
+        self.lock().preempt(id).map_err(to_py)
     }
 
-    /// Applies one engine step; returns its plan.
+    /// Applies one engine step; returns its plan. `scheduled` holds `(request_id, tokens)`
+    /// pairs, or, with `computed`, the request ids alone (two parallel sequences).
     #[pyo3(signature = (
-        scheduled, computed, new_blocks = None, resumed = None, finished = None,
+        scheduled, computed = None, new_blocks = None, resumed = None, finished = None,
         aborted = None, preempted = None, written = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn schedule(
         &self,
         py: Python<'_>,
-        scheduled: Vec<PyBackedStr>,
-        computed: Vec<i64>,
-        new_blocks: Option<Vec<(PyBackedStr, u32, Bound<'_, PyAny>)>>,
-        resumed: Option<Vec<PyBackedStr>>,
-        finished: Option<Vec<PyBackedStr>>,
-        aborted: Option<Vec<PyBackedStr>>,
-        preempted: Option<Vec<PyBackedStr>>,
-        written: Option<Bound<'_, PyAny>>,
+        scheduled: &Bound<'_, PyAny>,
+        computed: Option<&Bound<'_, PyAny>>,
+        new_blocks: Option<&Bound<'_, PyAny>>,
+        resumed: Option<&Bound<'_, PyAny>>,
+        finished: Option<&Bound<'_, PyAny>>,
+        aborted: Option<&Bound<'_, PyAny>>,
+        preempted: Option<&Bound<'_, PyAny>>,
+        written: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StepPlan> {
-        let computed = computed
-            .into_iter()
-            .map(|c| token_count(c, "computed tokens"))
-            .collect::<PyResult<Vec<u32>>>()?;
-        let new_blocks = new_blocks
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(id, g, b)| {
-                let blocks = convert::blocks(&b, "new_blocks")?;
-                Ok((id, g, blocks.into_iter().map(|b| b.0).collect()))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let (scheduled, computed) = scheduled_input(scheduled, computed)?;
+        let new_blocks = match new_blocks {
+            Some(b) if !b.is_none() => new_blocks_input(b)?,
+            _ => Vec::new(),
+        };
         let written = match written {
             Some(w) if !w.is_none() => Some(
-                convert::blocks(&w, "written")?
+                convert::blocks(w, "written")?
                     .into_iter()
                     .map(|b| b.0)
                     .collect(),
@@ -356,10 +630,10 @@ impl Scheduler {
             scheduled,
             computed,
             new_blocks,
-            resumed: resumed.unwrap_or_default(),
-            finished: finished.unwrap_or_default(),
-            aborted: aborted.unwrap_or_default(),
-            preempted: preempted.unwrap_or_default(),
+            resumed: id_list(resumed, "resumed")?,
+            finished: id_list(finished, "finished")?,
+            aborted: id_list(aborted, "aborted")?,
+            preempted: id_list(preempted, "preempted")?,
             written,
         };
         let plan = self.lock().schedule(&input).map_err(to_py)?;
@@ -380,21 +654,49 @@ impl Scheduler {
         })
     }
 
-    /// Records `count` worker reports for `job`. Returns the completed job when the last
-    /// worker reported, else `None` (also for reports of jobs from before a reset).
-    #[pyo3(signature = (job, count = None, ok = true))]
+    /// Records worker `worker`'s report for `job`. Returns the completed job when every worker
+    /// reported, else `None` (also for reports of jobs from before a reset).
+    #[pyo3(signature = (job, worker = None, ok = true))]
     fn complete(
         &self,
         job: &Bound<'_, PyAny>,
-        count: Option<&Bound<'_, PyAny>>,
+        worker: Option<&Bound<'_, PyAny>>,
         ok: bool,
     ) -> PyResult<Option<CompletedJob>> {
-        let (id, clamped, count) = convert::completion(job, count)?;
+        let (id, clamped, worker) = convert::completion(job, worker)?;
         Ok(self
             .lock()
             .complete(id, clamped, ok)
-            .map_err(|e| convert::completion_error(e, id, count, clamped))?
+            .map_err(|e| convert::completion_error(e, id, worker, clamped))?
             .map(CompletedJob::from))
+    }
+
+    /// Records one worker's report, all or nothing: `finished` and `failed` job ids from
+    /// worker `worker`. Returns the jobs that completed.
+    #[pyo3(signature = (finished, failed = None, worker = None))]
+    fn complete_many(
+        &self,
+        finished: &Bound<'_, PyAny>,
+        failed: Option<&Bound<'_, PyAny>>,
+        worker: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<CompletedJob>> {
+        let mut reports = Vec::new();
+        let mut rank = (0u32, 0i128);
+        for (ids, ok) in [(Some(finished), true), (failed, false)] {
+            let Some(ids) = ids else { continue };
+            for job in ids.try_iter()? {
+                let (id, clamped, w) = convert::completion(&job?, worker)?;
+                rank = (clamped, w);
+                reports.push((id, clamped, ok));
+            }
+        }
+        let done = self.lock().complete_many(&reports).map_err(|e| match e {
+            Error::WorkerOutOfRange { job, .. } => {
+                convert::completion_error(e, job, rank.1, rank.0)
+            }
+            e => to_py(e),
+        })?;
+        Ok(done.into_iter().map(CompletedJob::from).collect())
     }
 
     /// Forgets every pending job and empties the CPU tier. Returns `(flushed job ids,
@@ -423,8 +725,9 @@ impl Scheduler {
     }
 
     /// Status of a request: waiting, running, preempted, finished or aborted.
-    fn status(&self, request_id: &str) -> PyResult<&'static str> {
-        Ok(self.lock().status(request_id).map_err(to_py)?.name())
+    fn status(&self, request_id: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        let id = convert::request_id(request_id, "request_id")?;
+        Ok(self.lock().status(id).map_err(to_py)?.name())
     }
 
     /// Ids of pending jobs, in creation order.
@@ -456,56 +759,59 @@ impl Scheduler {
 
     /// Counters of the scheduler, the job table, the fence and each group's pool.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let core = self.lock();
-        let st = core.stats();
-        let (jobs, fence) = core.tracker_stats();
+        // A snapshot under the lock; the dicts are built after it is released (building them
+        // may run the garbage collector, whose finalizers may call back in).
+        let (counters, pools) = {
+            let core = self.lock();
+            let st = core.stats();
+            let (jobs, fence) = core.tracker_stats();
+            let counters: [(&str, u64); 27] = [
+                ("steps", st.steps),
+                ("lookups", st.lookups),
+                ("lookups_deferred", st.lookups_deferred),
+                ("lookup_hit_tokens", st.lookup_hit_tokens),
+                ("max_lookup_wait_steps", st.max_lookup_wait_steps),
+                ("store_jobs", st.store_jobs),
+                ("store_chunks", st.store_chunks),
+                ("store_bytes", st.store_bytes),
+                ("load_jobs", st.load_jobs),
+                ("load_blocks", st.load_blocks),
+                ("load_tokens", st.load_tokens),
+                ("load_bytes", st.load_bytes),
+                ("flushes_necessary", st.flushes_necessary),
+                ("flushes_conservative", st.flushes_conservative),
+                ("flushes_reset", st.flushes_reset),
+                ("store_no_room", st.store_no_room),
+                ("chunks_dropped", st.chunks_dropped),
+                ("failed_stores", st.failed_stores),
+                ("failed_loads", st.failed_loads),
+                ("resets", st.resets),
+                ("jobs_completed", jobs.completed),
+                ("late_reports", jobs.late_reports),
+                ("fence_checks", fence.checks),
+                ("pending_jobs", core.pending_jobs().len() as u64),
+                ("armed_pairs", core.armed_pairs() as u64),
+                ("requests", core.num_requests() as u64),
+                ("loading_requests", u64::from(core.loading_requests())),
+            ];
+            let pools: Vec<_> = (0..core.config().groups.len())
+                .map(|g| core.pool(g).expect("group pool").stats())
+                .collect();
+            (counters, pools)
+        };
         let d = PyDict::new(py);
-        for (k, v) in [
-            ("steps", st.steps),
-            ("lookups", st.lookups),
-            ("lookups_deferred", st.lookups_deferred),
-            ("lookup_hit_tokens", st.lookup_hit_tokens),
-            ("max_lookup_wait_steps", st.max_lookup_wait_steps),
-            ("store_jobs", st.store_jobs),
-            ("store_chunks", st.store_chunks),
-            ("store_bytes", st.store_bytes),
-            ("load_jobs", st.load_jobs),
-            ("load_blocks", st.load_blocks),
-            ("load_tokens", st.load_tokens),
-            ("load_bytes", st.load_bytes),
-            ("flushes_necessary", st.flushes_necessary),
-            ("flushes_conservative", st.flushes_conservative),
-            ("flushes_reset", st.flushes_reset),
-            ("store_no_room", st.store_no_room),
-            ("chunks_dropped", st.chunks_dropped),
-            ("failed_stores", st.failed_stores),
-            ("failed_loads", st.failed_loads),
-            ("resets", st.resets),
-            ("jobs_completed", jobs.completed),
-            ("late_reports", jobs.late_reports),
-            ("fence_checks", fence.checks),
-        ] {
+        for (k, v) in counters {
             d.set_item(k, v)?;
         }
-        d.set_item("pending_jobs", core.pending_jobs().len())?;
-        d.set_item("armed_pairs", core.armed_pairs())?;
-        d.set_item("requests", core.num_requests())?;
-        d.set_item("loading_requests", core.loading_requests())?;
-        let pools = PyList::empty(py);
-        for g in 0..core.config().groups.len() {
-            let p = core.pool(g).expect("group pool").stats();
+        let list = PyList::empty(py);
+        for p in &pools {
             let pd = PyDict::new(py);
-            pd.set_item("capacity", p.capacity)?;
-            pd.set_item("used", p.used)?;
-            pd.set_item("storing", p.storing)?;
-            pd.set_item("pinned", p.pinned)?;
-            pd.set_item("hits", p.hits)?;
-            pd.set_item("misses", p.misses)?;
-            pd.set_item("evictions", p.evictions)?;
-            pd.set_item("failed_stores", p.failed_stores)?;
-            pools.append(pd)?;
+            for (k, v) in super::pool::pool_counters(p) {
+                pd.set_item(k, v)?;
+            }
+            list.append(pd)?;
         }
-        d.set_item("pools", pools)?;
+        d.set_item("pools", list)?;
         Ok(d)
     }
 }

@@ -7,8 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::convert;
-use super::errors::{to_py, UnknownJobError};
-use crate::ids::JobId;
+use super::errors::to_py;
 use crate::jobs::{Completion, JobKind};
 use crate::tracker::Tracker;
 
@@ -19,17 +18,10 @@ pub struct JobTracker {
 }
 
 impl JobTracker {
+    /// The core lock, waited for with the GIL released; never held while calling Python.
     fn lock(&self) -> MutexGuard<'_, Tracker<()>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        super::sync::lock(&self.inner)
     }
-}
-
-fn job_id(id: i128) -> PyResult<JobId> {
-    u64::try_from(id).map(JobId).map_err(|_| {
-        UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative"))
-    })
 }
 
 #[pymethods]
@@ -44,9 +36,12 @@ impl JobTracker {
         num_workers: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         // Sizes are extracted here, not by pyo3, so that a negative, oversized or non-integer
-        // size raises ConfigError naming it rather than OverflowError or TypeError.
-        let num_blocks = convert::config_size(num_blocks, "num_blocks")?;
-        let num_workers = num_workers.map_or(Ok(1), |n| convert::config_size(n, "num_workers"))?;
+        // size raises ConfigError naming it rather than OverflowError or TypeError; the core
+        // checks the ranges (and caps them, so that the fence is never too large to allocate).
+        let num_blocks = convert::config_int(num_blocks, "num_blocks")?;
+        let num_workers = num_workers.map_or(Ok(1), |n| convert::config_int(n, "num_workers"))?;
+        let (num_blocks, num_workers) =
+            crate::config::tracker_sizes(num_blocks, num_workers).map_err(to_py)?;
         Ok(Self {
             inner: Mutex::new(Tracker::new(num_workers, num_blocks).map_err(to_py)?),
         })
@@ -111,20 +106,20 @@ impl JobTracker {
         Ok(flush.into_iter().map(|j| j.0).collect())
     }
 
-    /// Records `count` worker reports for `job`. Returns `"pending"`, `"done"`, `"failed"`
+    /// Records worker `worker`'s report for `job`. Returns `"pending"`, `"done"`, `"failed"`
     /// (done, with a failed report) or `"late"` (created before a reset, ignored).
-    #[pyo3(signature = (job, count = None, ok = true))]
+    #[pyo3(signature = (job, worker = None, ok = true))]
     fn complete(
         &self,
         job: &Bound<'_, PyAny>,
-        count: Option<&Bound<'_, PyAny>>,
+        worker: Option<&Bound<'_, PyAny>>,
         ok: bool,
     ) -> PyResult<&'static str> {
-        let (id, clamped, count) = convert::completion(job, count)?;
+        let (id, clamped, worker) = convert::completion(job, worker)?;
         let outcome = self
             .lock()
             .complete(id, clamped, ok)
-            .map_err(|e| convert::completion_error(e, id, count, clamped))?;
+            .map_err(|e| convert::completion_error(e, id, worker, clamped))?;
         Ok(match outcome {
             Completion::Pending { .. } => "pending",
             Completion::Done(j) if j.failed => "failed",
@@ -154,16 +149,21 @@ impl JobTracker {
     }
 
     /// Worker reports still expected for a pending job.
-    fn remaining(&self, job: i128) -> PyResult<u32> {
-        let id = job_id(job)?;
+    fn remaining(&self, job: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = convert::job_id(job)?;
         let t = self.lock();
-        t.jobs().validate(id, 1).map_err(to_py)?;
-        Ok(t.jobs().get(id).map_or(0, |j| j.remaining))
+        if let Some(j) = t.jobs().get(id) {
+            return Ok(j.remaining);
+        }
+        // Not pending: never issued or already completed (an error), or late (0).
+        t.jobs().validate(id, 0).map_err(to_py)?;
+        Ok(0)
     }
 
     /// Whether request `owner` has released its blocks.
     fn is_released(&self, owner: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.lock().is_released(convert::owner(owner)?))
+        let owner = convert::owner(owner)?;
+        Ok(self.lock().is_released(owner))
     }
 
     /// Number of pending jobs.
@@ -179,22 +179,31 @@ impl JobTracker {
 
     /// Counters: jobs created, completed, failed, late reports, resets, checks, flushed.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let t = self.lock();
-        let (j, f) = (t.job_stats(), t.fence_stats());
+        // A snapshot under the lock; the dict is built after it is released (building it may
+        // run the garbage collector, whose finalizers may call back in).
+        let counters: [(&str, u64); 13] = {
+            let t = self.lock();
+            let (j, f) = (t.job_stats(), t.fence_stats());
+            [
+                ("stores_created", j.stores_created),
+                ("loads_created", j.loads_created),
+                ("completed", j.completed),
+                ("failed", j.failed),
+                ("late_reports", j.late_reports),
+                ("resets", j.resets),
+                ("checks", f.checks),
+                ("flushed", f.flushed),
+                ("reset_flushed", f.reset_flushed),
+                ("pending", t.jobs().len() as u64),
+                ("armed_pairs", t.fence().armed_pairs() as u64),
+                ("owners", t.jobs().owners_len() as u64),
+                ("released_owners", t.released_len() as u64),
+            ]
+        };
         let d = PyDict::new(py);
-        d.set_item("stores_created", j.stores_created)?;
-        d.set_item("loads_created", j.loads_created)?;
-        d.set_item("completed", j.completed)?;
-        d.set_item("failed", j.failed)?;
-        d.set_item("late_reports", j.late_reports)?;
-        d.set_item("resets", j.resets)?;
-        d.set_item("checks", f.checks)?;
-        d.set_item("flushed", f.flushed)?;
-        d.set_item("reset_flushed", f.reset_flushed)?;
-        d.set_item("pending", t.jobs().len())?;
-        d.set_item("armed_pairs", t.fence().armed_pairs())?;
-        d.set_item("owners", t.jobs().owners_len())?;
-        d.set_item("released_owners", t.released_len())?;
+        for (k, v) in counters {
+            d.set_item(k, v)?;
+        }
         Ok(d)
     }
 
