@@ -39,6 +39,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvoffload._core import Scheduler
+from kvoffload.errors import ConfigError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.sim.oracle import Stream, token_bytes
 from kvoffload.sim.workloads import RequestSpec, make_workload
@@ -149,8 +151,18 @@ class SimConfig:
             raise ValueError(f"fence must be exact, conservative or off, got {self.fence!r}")
         if self.completion not in ("step", "poll"):
             raise ValueError(f"completion must be step or poll, got {self.completion!r}")
-        if self.policy not in ("lru", "arc"):
-            raise ValueError(f"policy must be lru or arc, got {self.policy!r}")
+        try:  # what the scheduler takes is checked by the core, in one place
+            windows = [None] + ([self.sliding_window] if self.sliding_window is not None else [])
+            Scheduler.check_config(
+                [(self.block_size, w, 0) for w in windows],
+                num_gpu_blocks=self.num_gpu_blocks,
+                blocks_per_chunk=self.blocks_per_chunk,
+                cpu_chunks=self.cpu_chunks,
+                policy=self.policy,
+                max_loading_requests=self.max_loading_requests,
+            )
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -684,6 +696,7 @@ class Simulator:
                 written=None if cfg.fence == "conservative" else written,
             )
             plan = self._sc(self.sched.schedule, inp)
+            self.sched.take_events()  # nothing indexes the CPU tier here: drain every step
         self.finished_ids.clear()
 
         # 4. Workers: the data plane's step, then the forward pass.
