@@ -1,0 +1,1 @@
+"""Random-call fuzzers (importable; ``make fuzz`` runs many seeds)."""
