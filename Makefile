@@ -69,6 +69,9 @@ $(STAMP_VLLM_BUILD): $(STAMP_VLLM_DEPS) $(RUST_SRC) $(PY_SRC)
 test-vllm: $(STAMP_VLLM_BUILD) ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm
 	$(VLLM_PY) -m pytest -q tests/vllm
 
+bench-vllm: $(STAMP_VLLM_BUILD) ## both offload connectors in vLLM's scheduler, multi-turn chat (BENCH_VLLM_ARGS)
+	$(VLLM_PY) benches/vllm_workload.py $(BENCH_VLLM_ARGS)
+
 FUZZ_SECONDS ?= 60
 
 fuzz: build ## soak tests (threads, forced GC, finalizers, watchdog); not part of `make test`
@@ -85,4 +88,4 @@ clean: ## remove build output
 	cargo clean
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
-.PHONY: help install build lint fmt test test-vllm fuzz bench demo clean
+.PHONY: help install build lint fmt test test-vllm bench-vllm fuzz bench demo clean

@@ -1,0 +1,104 @@
+"""Smoke test of ``benches/vllm_workload.py``: its core function at B=8 on a scaled-down
+multi-turn chat, with vLLM's ``OffloadingConnector`` and ours in vLLM's real scheduler.
+
+It asserts outcomes, never times: both connectors finish requests, ours loads tokens for later
+turns (a multi-turn workload must hit the CPU tier), both finish the same requests, and with
+full attention (where their rules agree) both load the same tokens for every request.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+BENCH = Path(__file__).resolve().parents[2] / "benches" / "vllm_workload.py"
+
+
+def _bench() -> Any:
+    name = "vllm_workload_bench"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, BENCH)
+        assert spec is not None
+        assert spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def _small(attention: str) -> Any:
+    """B=8, short prompts and answers, short idle gaps, a GPU pool of 1k tokens per request:
+    idle conversations lose their GPU blocks within a few dozen steps.
+
+    The CPU tier holds every chunk the run stores (no eviction): with a sliding-window group
+    vLLM's connector gives each key a chunk sized for all groups, so the same bytes hold half
+    as many keys, and its evictions would make the two runs drift apart (the bench reports
+    that; this test checks the mechanics).
+    """
+    m = _bench()
+    return m.Workload(
+        b=8,
+        attention=attention,
+        steps=60,
+        warmup=0,
+        seed=3,
+        system_tokens=(256, 512),
+        first_prompt_tokens=(600, 1200),
+        max_prompt_tokens=2048,
+        answer_tokens=(4, 16),
+        user_tokens=(16, 64),
+        idle_steps=(2, 6),
+        gpu_tokens_per_seq=1024,
+        cpu_factor=8.0,
+        window=256,
+    )
+
+
+def _later_turn(rid: str) -> bool:
+    return not rid.endswith("t0")  # request ids are c{conversation}t{turn}
+
+
+@pytest.mark.parametrize("attention", ["full", "hybrid"])
+def test_both_connectors_run_the_same_chat(attention: str) -> None:
+    m = _bench()
+    w = _small(attention)
+    vllm_run = m.run_workload(w, "vllm")
+    ours = m.run_workload(w, "ours")
+    for r in (vllm_run, ours):
+        assert r.finished, f"{r.connector}: no request finished in {w.steps} steps"
+        assert len(r.step_ms) == w.steps
+        assert r.methods["build_connector_meta"]["calls"] == w.steps
+        assert r.store_jobs > 0
+    later = {rid: n for rid, n in ours.loaded.items() if _later_turn(rid)}
+    assert sum(later.values()) > 0, f"ours loaded nothing for later turns: {ours.loaded}"
+    assert ours.load_jobs > 0
+    assert ours.loaded_tokens > 0
+    check = m.compare(vllm_run, ours)
+    assert check["same_finished"], check
+    if attention == "full":
+        # Same rules with one full-attention group: the same tokens load for every request.
+        assert check["loaded_differ"] == 0, check
+        assert vllm_run.loaded == ours.loaded
+
+
+def test_workload_is_seeded() -> None:
+    m = _bench()
+    w = _small("full")
+    a, b = m.Conversations(w), m.Conversations(w)
+    for k in (0, 5, 17):
+        ca, cb = a.get(k), b.get(k)
+        assert [(t.user, t.answer, t.gap) for t in ca.turns] == [
+            (t.user, t.answer, t.gap) for t in cb.turns
+        ]
+        prompt = sum(len(t.user) for t in ca.turns) + sum(len(t.answer) for t in ca.turns[:-1])
+        assert prompt <= w.max_prompt_tokens
+        assert 1 <= len(ca.turns) <= w.max_turns
