@@ -74,8 +74,11 @@ bench-vllm: $(STAMP_VLLM_BUILD) ## both offload connectors in vLLM's scheduler, 
 
 FUZZ_SECONDS ?= 60
 
-fuzz: build ## soak tests (threads, forced GC, finalizers, watchdog); not part of `make test`
+FUZZ_SEEDS ?= 2000
+
+fuzz: build ## soak tests (threads, forced GC, finalizers, watchdog) and the scheduler fuzzer (FUZZ_SEEDS seeds); not part of `make test`
 	$(PY) tests/soak/soak_dataplane.py --seconds $(FUZZ_SECONDS)
+	$(PY) -m tests.fuzz.scheduler_fuzz --seeds $(FUZZ_SEEDS)
 
 bench: build ## criterion benches and pytest-benchmark benches
 	cargo bench

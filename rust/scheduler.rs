@@ -277,6 +277,8 @@ struct JobPayload {
     /// For a load: per group, the first chunk it fills (a failed load rewinds the store
     /// cursor there, so the recomputed chunks are stored again).
     first_chunks: Vec<u32>,
+    /// For a load: the token it loads up to (the request's computed tokens once it is done).
+    load_end: u32,
 }
 
 /// The scheduler core. See the module documentation.
@@ -821,6 +823,7 @@ impl Scheduler {
             req: i,
             transfers: transfers.clone(),
             first_chunks,
+            load_end: end,
         };
         let job = self
             .tracker
@@ -1374,6 +1377,7 @@ impl Scheduler {
                     req: i,
                     transfers: transfers.clone(),
                     first_chunks: Vec::new(),
+                    load_end: 0,
                 },
             )
             .expect("blocks validated, no pending load");
@@ -1486,6 +1490,11 @@ impl Scheduler {
                 let bpc = self.cfg.blocks_per_chunk;
                 let r = self.req_mut(i);
                 r.load = None;
+                if ok {
+                    // The loaded tokens are computed now: a reset before the next step restarts
+                    // the window's store cursor from here, not from the engine's prefix hit.
+                    r.computed = r.computed.max(j.payload.load_end);
+                }
                 if !ok {
                     // The engine recomputes what the load should have brought: rewind the
                     // store cursors so those chunks are stored again.

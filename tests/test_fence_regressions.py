@@ -88,9 +88,7 @@ def test_finish_and_block_reuse_in_one_step_stores_the_last_chunk(window):
     s.add_request("b", 5, [88])
     assert s.lookup("b", 0) == 0
     s.allocate("b", [[1], [2]][:groups], 0, 0)
-    p = s.schedule(
-        StepInput(finished=["a"], scheduled=[("b", 4)], written=[1, 2][:groups])
-    )
+    p = s.schedule(StepInput(finished=["a"], scheduled=[("b", 4)], written=[1, 2][:groups]))
     # Old code: chunks_dropped=1 and no store.
     (store,) = [j for j in p.stores if j.request_id == "a"]
     assert blocks_of([store]) == [[1, 2][:groups]]
@@ -108,7 +106,8 @@ def test_a_load_is_never_in_the_flush_set_of_its_own_step():
     load = s.allocate("b", [[21, 22, 23, 24], [0, 26, 27, 28]], 0, n)
     p = s.schedule(StepInput(scheduled=[("b", 12)], written=[21, 22, 23, 26, 27]))
     dest = blocks_of(p.loads)[0]
-    assert p.loads[0].job_id == load and set(dest) <= {21, 22, 23, 26, 27}
+    assert p.loads[0].job_id == load
+    assert set(dest) <= {21, 22, 23, 26, 27}
     # Old code: [load] (its eager window pairs were armed at creation).
     assert p.flush == []
 
@@ -195,7 +194,8 @@ def test_an_aborted_loading_request_is_dropped_when_its_load_completes():
     s.schedule(StepInput(aborted=["b"], written=[]))
     assert s.status("b") == "aborted"
     done = s.complete(load)
-    assert done is not None and done.request_id == "b"
+    assert done is not None
+    assert done.request_id == "b"
     # Old code: still tracked as "aborted" until the next schedule().
     assert s.num_requests == 0
 

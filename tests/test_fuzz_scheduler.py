@@ -128,30 +128,17 @@ def _reset_after_load_setup() -> tuple[OffloadScheduler, list[int]]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reset() rewinds a sliding-window store cursor from the request's computed tokens as "
-    "of allocate() (its GPU hit), not the end of its completed load: window positions below the "
-    "load's window, which the engine freed and re-allocated, are stored again under the "
-    "request's keys (a corrupt chunk becomes readable)",
-)
 def test_reset_after_a_load_never_stores_window_blocks_the_engine_gave_away():
     _, window_blocks = _reset_after_load_setup()
-    # Blocks 12 and 13 now hold c's KV. Today: b's store copies [12, 13, 26, 27].
+    # Blocks 12 and 13 now hold c's KV (b's store copied [12, 13, 26, 27] before the fix).
     assert not {12, 13} & set(window_blocks), window_blocks
 
 
-@pytest.mark.xfail(strict=True, raises=FuzzViolationError, reason="the reset-after-load bug above")
 @pytest.mark.parametrize("seed", [157, 851])
 def test_fuzz_seeds_that_found_the_reset_after_load_bug(seed):
     run(seed, STEPS, **options_for_seed(seed))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="complete(ok=...) of the wrong type raises TypeError, not a KvOffloadError "
-    "(DESIGN.md §8: bad input raises a specific exception from kvoffload.errors)",
-)
 def test_complete_with_a_non_bool_ok_raises_a_kvoffload_error():
     s = OffloadScheduler(OffloadConfig(groups=(KvGroup(4),), num_gpu_blocks=16, cpu_chunks=4))
     s.add_request("a", 5, [11])

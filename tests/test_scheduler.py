@@ -135,14 +135,30 @@ def test_window_slides_while_pool_full_stale_positions_dropped():
     assert p.stores == []
     assert s.stats()["store_no_room"] >= 1
     # The window slides: block 31 (position 0) is freed and re-allocated to a new request.
-    p = s.schedule(StepInput(scheduled=[("a", 13)], written=[31]))
+    s.add_request("z", 5, [9001])
+    assert s.lookup("z", 0) == 0
+    s.allocate("z", [[41], [31]], 0, 0)
+    p = s.schedule(StepInput(scheduled=[("a", 13), ("z", 4)], written=[31, 41]))
     for j in p.loads:
         s.complete(j.job_id)
     s.complete(s.pending_jobs()[0])
     p = s.schedule(StepInput(scheduled=[("a", 14)], written=[]))
-    stored = {g: gpu for j in p.stores for g, gpu, _ in j.transfers}
+    stored = {g: gpu for j in p.stores if j.request_id == "a" for g, gpu, _ in j.transfers}
     assert 31 not in stored.get(1, [])  # the stale window position is never stored
-    assert stored.get(1) == [32, 33][: len(stored.get(1, []))]
+    assert stored.get(1, []) == [32, 33][: len(stored.get(1, []))]
+    for _ in range(3):  # once there is room, the window's remaining chunks go; 31 never does
+        for j in s.pending_jobs():
+            s.complete(j)
+        p = s.schedule(StepInput(scheduled=[("a", 14)], written=[]))
+        got = [
+            b
+            for j in p.stores
+            if j.request_id == "a"
+            for g, gpu, _ in j.transfers
+            for b in gpu
+            if g == 1
+        ]
+        assert 31 not in got
     assert s.stats()["chunks_dropped"] >= 1
 
 

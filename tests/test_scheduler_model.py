@@ -200,7 +200,7 @@ class Engine:
                 assert a2 == b2
                 if a2 is not None:
                     self.pending[a2] = {
-                            "blocks": {b for t in tables for b in t},
+                        "blocks": {b for t in tables for b in t},
                         "req": rid,
                     }
                 r["tables"] = tables
@@ -261,7 +261,11 @@ class Engine:
             rank = left.pop(self.rng.randrange(len(left)))
             a = self.core.complete(jid, rank, ok)
             b = self.model.complete(jid, rank, ok)
-            got = None if a is None else (a.job_id, a.kind, a.request_id, a.ok, list(a.invalid_blocks))
+            got = (
+                None
+                if a is None
+                else (a.job_id, a.kind, a.request_id, a.ok, list(a.invalid_blocks))
+            )
             assert got == b
             if left and self.rng.random() < 0.2:
                 # A duplicated report of the same rank: refused by both, nothing changes.

@@ -37,7 +37,9 @@ def test_full_attention_pairs_wait_for_the_finish():
 def test_a_preemption_flushes_every_pending_store_of_the_request():
     f = fence()
     f.step([], [])
-    f.stores([(1, "a", [(FA, [6], None)]), (2, "a", [(FA, [7], None)]), (3, "b", [(FA, [8], None)])])
+    f.stores(
+        [(1, "a", [(FA, [6], None)]), (2, "a", [(FA, [7], None)]), (3, "b", [(FA, [8], None)])]
+    )
     assert f.step([], ["a"]) == 2
 
 
@@ -85,7 +87,10 @@ RUN = SimConfig(
 )
 def test_our_fence_flushes_no_more_than_vllms_rule_and_serves_no_wrong_byte(cfg):
     r = simulate(cfg)
-    assert r.mismatches == 0 and r.hit_mismatches == 0 and r.torn_stores == 0
-    assert r.load_jobs > 0 and r.store_jobs > 0
+    assert r.mismatches == 0
+    assert r.hit_mismatches == 0
+    assert r.torn_stores == 0
+    assert r.load_jobs > 0
+    assert r.store_jobs > 0
     assert r.flushes_vllm_rule > 0, "the run never re-allocated a block a pending store read"
     assert r.flushes_necessary <= r.flushes_vllm_rule

@@ -1078,10 +1078,11 @@ class TransferEngine:
            is enqueued by now (on CUDA the copy stream waits for it).
         2. Of this plan's ``stores``, submit the flushed ones now (a store of a request released
            this step can be in its own step's flush set) and queue the others for the next
-           :meth:`step`.
+           :meth:`step`; submit the flushed ``loads`` now too (a load whose request was released
+           in the step that created it no longer writes blocks of its own).
         3. Complete the flush set: on CPU the host waits for the jobs, on CUDA the current
            (compute) stream waits for them.
-        4. Submit ``loads``.
+        4. Submit the other ``loads``.
 
         Call it before the step's forward pass. Everything is checked before anything starts:
         on error nothing is queued, submitted or waited for.
@@ -1089,15 +1090,14 @@ class TransferEngine:
         Args:
             stores: The plan's store jobs, ``(job_id, transfers)`` each.
             flush: Jobs that must complete before this step writes its blocks. Each must be
-                known to this engine (queued, running, finished) or a store of this call.
+                known to this engine (queued, running, finished) or a job of this call.
             loads: The plan's load jobs, ``(job_id, transfers)`` each.
 
         Raises:
             TransferError: A malformed job, or a job id given twice or already in use.
             InvalidBlockError: A block id or CPU position out of range.
-            UnknownJobError: A flushed id this engine never saw, a load of this same call (a
-                load writes its own blocks; it is never in its own step's flush set), or an id
-                that is not an integer.
+            UnknownJobError: A flushed id this engine never saw, or an id that is not an
+                integer.
             EngineClosedError: After shutdown.
         """
         new_stores = self._plan_many(stores, "store", "step stores")
@@ -1115,12 +1115,7 @@ class TransferEngine:
             load_ids = {j.job_id for j in new_loads}
             flushed = set(flush_ids)
             for jid in flush_ids:
-                if jid in load_ids:
-                    raise UnknownJobError(
-                        f"step flush: job {jid} is a load of this same step; a load writes its "
-                        "own blocks and is never in its own step's flush set"
-                    )
-                if jid not in store_ids:
+                if jid not in store_ids and jid not in load_ids:
                     self._check_known(jid, "step flush")
             # 1. The previous step's stores.
             for jid in list(self._queued):
@@ -1132,6 +1127,10 @@ class TransferEngine:
                     self._submit(job)
                 else:
                     self._queued[job.job_id] = job
+            early = [job for job in new_loads if job.job_id in flushed]
+            for job in early:
+                self._seen.add(job.job_id)
+                self._submit(job)
             waiting = self._unfinished(flush_ids)
             if self._device.type == "cuda":
                 stream = torch.cuda.current_stream(self._device)
@@ -1141,12 +1140,13 @@ class TransferEngine:
         # 3. Complete the flush set (the host waits without the lock: polls go on meanwhile).
         if self._device.type != "cuda":
             self._block(waiting, None)
-        # 4. The loads.
+        # 4. The other loads.
+        rest = [job for job in new_loads if job.job_id not in flushed]
         with self._lock:
             self._check_open()
-            for job in new_loads:
+            for job in rest:
                 self._check_free(job.job_id)
-            for job in new_loads:
+            for job in rest:
                 self._seen.add(job.job_id)
                 self._submit(job)
 

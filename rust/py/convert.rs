@@ -195,6 +195,32 @@ pub fn completion(
     Ok((id, clamped, worker))
 }
 
+/// The `ok` flag of a completion report: a `bool` (default `True`); anything else raises
+/// `CompletionError` naming the value.
+pub fn ok_flag(ok: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+    match ok {
+        None => Ok(true),
+        Some(o) => o.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+            CompletionError::new_err(format!("ok must be True or False, got {}", describe(o)))
+        }),
+    }
+}
+
+/// Job ids of one worker report (`complete_many`): any iterable of integers; anything else
+/// raises `UnknownJobError` naming the value.
+pub fn report_ids(
+    ids: &Bound<'_, PyAny>,
+    worker: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Vec<(JobId, u32, i128)>> {
+    let iter = ids.try_iter().map_err(|_| {
+        UnknownJobError::new_err(format!(
+            "job ids must be an iterable of integers, got {}",
+            describe(ids)
+        ))
+    })?;
+    iter.map(|job| completion(&job?, worker)).collect()
+}
+
 /// Maps a core error of a completion, naming the rank the caller passed.
 pub fn completion_error(e: Error, id: JobId, worker: i128, clamped: u32) -> PyErr {
     match e {

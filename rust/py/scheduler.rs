@@ -656,14 +656,15 @@ impl Scheduler {
 
     /// Records worker `worker`'s report for `job`. Returns the completed job when every worker
     /// reported, else `None` (also for reports of jobs from before a reset).
-    #[pyo3(signature = (job, worker = None, ok = true))]
+    #[pyo3(signature = (job, worker = None, ok = None))]
     fn complete(
         &self,
         job: &Bound<'_, PyAny>,
         worker: Option<&Bound<'_, PyAny>>,
-        ok: bool,
+        ok: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<CompletedJob>> {
         let (id, clamped, worker) = convert::completion(job, worker)?;
+        let ok = convert::ok_flag(ok)?;
         Ok(self
             .lock()
             .complete(id, clamped, ok)
@@ -680,13 +681,14 @@ impl Scheduler {
         failed: Option<&Bound<'_, PyAny>>,
         worker: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<CompletedJob>> {
+        // The rank is checked even for an empty report.
+        let (_, clamped, w) =
+            convert::completion(&0u8.into_pyobject(finished.py())?.into_any(), worker)?;
+        let rank = (clamped, w);
         let mut reports = Vec::new();
-        let mut rank = (0u32, 0i128);
         for (ids, ok) in [(Some(finished), true), (failed, false)] {
             let Some(ids) = ids else { continue };
-            for job in ids.try_iter()? {
-                let (id, clamped, w) = convert::completion(&job?, worker)?;
-                rank = (clamped, w);
+            for (id, clamped, _) in convert::report_ids(ids, worker)? {
                 reports.push((id, clamped, ok));
             }
         }

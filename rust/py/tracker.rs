@@ -108,14 +108,15 @@ impl JobTracker {
 
     /// Records worker `worker`'s report for `job`. Returns `"pending"`, `"done"`, `"failed"`
     /// (done, with a failed report) or `"late"` (created before a reset, ignored).
-    #[pyo3(signature = (job, worker = None, ok = true))]
+    #[pyo3(signature = (job, worker = None, ok = None))]
     fn complete(
         &self,
         job: &Bound<'_, PyAny>,
         worker: Option<&Bound<'_, PyAny>>,
-        ok: bool,
+        ok: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<&'static str> {
         let (id, clamped, worker) = convert::completion(job, worker)?;
+        let ok = convert::ok_flag(ok)?;
         let outcome = self
             .lock()
             .complete(id, clamped, ok)

@@ -427,7 +427,10 @@ class ModelScheduler:
         for r in self.reqs.values():
             r.fresh.clear()
         n_released = len(stores)
-        plan(list(scheduled) + [x for x in retry if x in self.reqs and self.reqs[x].status == "running"])
+        plan(
+            list(scheduled)
+            + [x for x in retry if x in self.reqs and self.reqs[x].status == "running"]
+        )
         ws = set(w)
         flush = {
             j.id

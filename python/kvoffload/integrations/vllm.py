@@ -81,7 +81,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.errors import ConfigError, KvOffloadError, UnknownJobError
+from kvoffload.errors import ConfigError, DuplicateReportError, KvOffloadError, UnknownJobError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 
 SUPPORTED_VLLM = ">=0.32.0,<0.33"
@@ -312,24 +312,24 @@ class KvOffloadMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers → scheduler, one per step: job reports (summed over workers) and bytes."""
+    """Workers → scheduler, one per step: job reports (job → reporting worker ranks) and bytes."""
 
-    done: dict[int, int] = field(default_factory=dict)
-    failed: dict[int, int] = field(default_factory=dict)
+    done: dict[int, list[int]] = field(default_factory=dict)
+    failed: dict[int, list[int]] = field(default_factory=dict)
     bytes_loaded: int = 0
     bytes_stored: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Sums the reports of two workers."""
+        """Merges the reports of two workers (each report keeps its worker's rank)."""
         assert isinstance(other, KvOffloadWorkerMetadata)
-        done = dict(self.done)
-        for j, n in other.done.items():
-            done[j] = done.get(j, 0) + n
-        failed = dict(self.failed)
-        for j, n in other.failed.items():
-            failed[j] = failed.get(j, 0) + n
+        done = {j: list(r) for j, r in self.done.items()}
+        for j, ranks in other.done.items():
+            done.setdefault(j, []).extend(ranks)
+        failed = {j: list(r) for j, r in self.failed.items()}
+        for j, ranks in other.failed.items():
+            failed.setdefault(j, []).extend(ranks)
         return KvOffloadWorkerMetadata(
             done=done,
             failed=failed,
@@ -349,6 +349,7 @@ _STAT_KEYS = (
     "jobs_completed",
     "jobs_failed",
     "flushed_jobs",
+    "reports_ignored",
     "bytes_loaded",
     "bytes_stored",
     "load_seconds",
@@ -629,12 +630,16 @@ class _SchedulerSide:
             d["load_seconds"] += meta.load_seconds
             d["store_seconds"] += meta.store_seconds
             for reports, ok in ((meta.done, True), (meta.failed, False)):
-                for job, count in reports.items():
-                    try:
-                        done = self.sched.complete(job, count, ok)
-                    except UnknownJobError:
-                        logger.debug("kvoffload: ignoring a report of unknown job %d", job)
-                        continue
+                for job, ranks in reports.items():
+                    done = None
+                    for rank in ranks:
+                        try:
+                            done = self.sched.complete(job, rank, ok) or done
+                        except (UnknownJobError, DuplicateReportError) as e:
+                            # A report vLLM delivered twice, or of a job this scheduler never
+                            # made: nothing changes in the core; count it and go on.
+                            logger.debug("kvoffload: ignoring a report: %s", e)
+                            d["reports_ignored"] += 1
                     if done is None:
                         continue
                     self.pending.discard(done.job_id)
@@ -703,11 +708,26 @@ def _layout(t: torch.Tensor, num_blocks: int, name: str) -> str:
     )
 
 
+def _worker_rank(vllm_config: VllmConfig) -> int:
+    """This worker's rank among the engine's ``num_workers`` (TP x PP): reports carry it, so the
+    scheduler completes a job only once every rank reported it. 0 before vLLM's parallel state
+    exists (a single worker)."""
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        tp = ps.get_tensor_model_parallel_rank()
+        pp = ps.get_pp_group().rank_in_group
+    except (AssertionError, AttributeError):
+        return 0
+    return pp * int(vllm_config.parallel_config.tensor_parallel_size) + tp
+
+
 class _WorkerSide:
     """Drives one :class:`TransferEngine` in vLLM's worker call order."""
 
-    def __init__(self, cfg: OffloadConfig, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(self, cfg: OffloadConfig, kv_cache_config: KVCacheConfig, rank: int = 0) -> None:
         self.cfg = cfg
+        self.rank = rank  # reported with every job
         self.kv_cache_config = kv_cache_config
         self.xfer: TransferEngine | None = None
         self.load_req: dict[int, tuple[str, list[int]]] = {}
@@ -777,7 +797,7 @@ class _WorkerSide:
         for r in x.poll():
             ok = r.ok and r.job_id not in self.cancelled
             self.cancelled.discard(r.job_id)
-            (m.done if ok else m.failed)[r.job_id] = 1
+            (m.done if ok else m.failed)[r.job_id] = [self.rank]
             if r.kind == "load":
                 m.bytes_loaded += r.bytes
                 m.load_seconds += r.seconds
@@ -837,7 +857,7 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             policy = getattr(ktc, "kv_load_failure_policy", "fail")
             self.scheduler_side = _SchedulerSide(cfg, exact, recompute=policy == "recompute")
         else:
-            self.worker_side = _WorkerSide(cfg, kv_cache_config)
+            self.worker_side = _WorkerSide(cfg, kv_cache_config, _worker_rank(vllm_config))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -43,6 +43,7 @@ from kvoffload._core import Scheduler
 from kvoffload.errors import ConfigError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.sim.oracle import Stream, token_bytes
+from kvoffload.sim.vllm_rule import VllmRuleFence
 from kvoffload.sim.workloads import RequestSpec, make_workload
 from kvoffload.transfer import TransferEngine
 
@@ -241,6 +242,9 @@ class SimResult:
     failed_jobs: int = 0
     flushes_necessary: int = 0
     flushes_conservative: int = 0
+    flushes_vllm_rule: int = 0
+    """Store jobs vLLM's own offloading rule would have flushed on the same run
+    (:mod:`kvoffload.sim.vllm_rule`)."""
     flush_steps: int = 0
     flush_wait_seconds: float = 0.0
     sched_seconds: float = 0.0
@@ -435,6 +439,7 @@ class Simulator:
         if cfg.sliding_window is not None:
             self.windows.append(cfg.sliding_window)
         self.ng = len(self.windows)
+        self.vllm_rule = VllmRuleFence(self.windows)
         self._check_fits()
         self.reqs = {s.req_id: _Req(s, self.ng) for s in self.specs}
         if len(self.reqs) != len(self.specs):
@@ -670,6 +675,7 @@ class Simulator:
                 if blocks:
                     new_blocks.append((r.id, g, blocks))
                     written.extend(blocks)
+                    self.vllm_rule.allocated(blocks)
             scheduled.append((r, r.computed, n))
             budget -= n
             i += 1
@@ -688,6 +694,7 @@ class Simulator:
             outputs.append((r, sampled))
         plan = None
         if self.sched is not None:
+            self.vllm_rule.step(self.finished_ids, preempted)
             inp = StepInput(
                 scheduled=[(r.id, r.computed) for r, _, _ in scheduled],
                 new_blocks=new_blocks,
@@ -697,6 +704,8 @@ class Simulator:
             )
             plan = self._sc(self.sched.schedule, inp)
             self.sched.take_events()  # nothing indexes the CPU tier here: drain every step
+            self.vllm_rule.stores((j.job_id, j.request_id, j.transfers) for j in plan.stores)
+            self.result.flushes_vllm_rule = self.vllm_rule.flushed
         self.finished_ids.clear()
 
         # 4. Workers: the data plane's step, then the forward pass.
@@ -825,6 +834,8 @@ class Simulator:
                 fresh = self.pool.take(c)
                 tables[g].extend(fresh)
                 written.extend(fresh)
+            # vLLM's rule counts prefix-cache re-use as a write.
+            self.vllm_rule.allocated(b for row in tables for b in row if b != NULL_BLOCK)
             r.tables = tables
             r.cached = [len(row) for row in hit_tables]
             r.computed = h
@@ -996,6 +1007,8 @@ class Simulator:
                 res_acc.failed_jobs += 1
             assert self.sched is not None
             done = self._sc(self.sched.complete, res.job_id, 0, res.ok)
+            if done is not None:
+                self.vllm_rule.completed(done.job_id)
             if done is None or kind != "load":
                 continue
             r = self.reqs[rid]
