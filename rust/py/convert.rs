@@ -200,7 +200,7 @@ pub fn completion(
 pub fn ok_flag(ok: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
     match ok {
         None => Ok(true),
-        Some(o) => o.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+        Some(o) => o.cast::<PyBool>().map(PyBoolMethods::is_true).map_err(|_| {
             CompletionError::new_err(format!("ok must be True or False, got {}", describe(o)))
         }),
     }
