@@ -57,6 +57,7 @@ class MJob:
     failed: bool = False
     reported: set[int] = field(default_factory=set)
     first_chunks: list[int] = field(default_factory=list)  # a load's first chunk per transfer
+    load_end: int = 0  # a load's end token
 
 
 class ModelScheduler:
@@ -282,6 +283,7 @@ class ModelScheduler:
         deferred = [b for tr in transfers if self.groups[tr[0]][1] is None for b in tr[1]]
         job = self.create_job("load", rid, transfers, eager, deferred)
         job.first_chunks = first_chunks
+        job.load_end = end
         for g, _, _, keys in transfers:
             for k in keys:
                 self.loading[(g, k)] = job.id
@@ -487,6 +489,8 @@ class ModelScheduler:
                 if not ok:
                     invalid += gpu
             r.load = None
+            if ok:  # the loaded tokens are computed now
+                r.computed = max(r.computed, j.load_end)
             if r.status in ("finished", "aborted") and not any(
                 rg.cursor < self.watermark(r) // self.ct(g) for g, rg in enumerate(r.groups)
             ):
