@@ -1,10 +1,10 @@
 """``kvoffload.JobTracker`` end to end: the job table and the fence from Python.
 
-Covers the README example, multi-worker completion, the eager / deferred lifecycle classes
-(release, reacquire, forget), reset and late reports, the counters, bad input (each bad call
-raises a specific ``kvoffload.errors`` exception naming the bad value and changes nothing), and
-a hypothesis state machine that drives the tracker next to a small Python model and checks the
-invariants of DESIGN.md §4 after every step.
+Covers the README example, multi-worker completion (each worker rank reports a job once), the
+eager / deferred lifecycle classes (release, reacquire, forget), reset and late reports, the
+counters, bad input (each bad call or report raises a specific ``kvoffload.errors`` exception
+naming the bad value and changes nothing), and a hypothesis state machine that drives the
+tracker next to a small Python model and checks the invariants of DESIGN.md §4 after every step.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvoffload import JobTracker, KvOffloadError
 from kvoffload.errors import (
     CompletionError,
     ConfigError,
+    DuplicateReportError,
     InvalidBlockError,
     InvalidRequestError,
     RequestStateError,
@@ -55,31 +56,48 @@ def test_readme_example() -> None:
     assert t.check(written=[10, 11]) == []
 
 
-def test_a_job_completes_after_every_worker_reported() -> None:
+def test_a_job_completes_after_every_worker_rank_reported() -> None:
     t = JobTracker(num_blocks=8, num_workers=3)
     job = t.create_store(0, eager=[1])
     assert t.remaining(job) == 3
-    assert t.complete(job) == "pending"
+    assert t.complete(job, 0) == "pending"
     assert t.remaining(job) == 2
     assert t.check([1]) == [job], "still armed until the last worker reported"
-    assert t.complete(job, count=2) == "done"
+    assert t.complete(job, worker=2) == "pending"
+    assert t.remaining(job) == 1
+    assert t.check([1]) == [job]
+    assert t.complete(job, 1) == "done"
     assert t.pending_jobs() == []
     assert t.check([1]) == []
     # Reports may arrive from the workers in any order, for jobs in any order.
     a, b, c = (t.create_store(o, eager=[o]) for o in (1, 2, 3))
     assert t.complete(c, 2) == "pending"
-    assert t.complete(a, 3) == "done"
-    assert t.complete(b) == "pending"
-    assert t.complete(c) == "done"
+    assert t.complete(a, 1) == "pending"
+    assert t.complete(c, 0) == "pending"
+    assert t.complete(a, 2) == "pending"
+    assert t.complete(b, 1) == "pending"
+    assert t.complete(a, 0) == "done"
+    assert t.complete(c, 1) == "done"
     assert t.pending_jobs() == [b]
+    assert t.remaining(b) == 2
     assert t.stats()["completed"] == 3
+
+
+def test_the_worker_rank_defaults_to_0() -> None:
+    t = JobTracker(num_blocks=8, num_workers=2)
+    job = t.create_store(0, eager=[1])
+    assert t.complete(job) == "pending"
+    with pytest.raises(DuplicateReportError, match=rf"job {job}: worker 0 already reported"):
+        t.complete(job, 0)
+    assert t.remaining(job) == 1
+    assert t.complete(job, 1) == "done"
 
 
 def test_one_failed_report_fails_the_job() -> None:
     t = JobTracker(num_blocks=8, num_workers=2)
     job = t.create_load(5, [2, 3])
-    assert t.complete(job, ok=False) == "pending"
-    assert t.complete(job, ok=True) == "failed"
+    assert t.complete(job, 1, ok=False) == "pending"
+    assert t.complete(job, 0, ok=True) == "failed"
     s = t.stats()
     assert (s["completed"], s["failed"], s["loads_created"]) == (1, 1, 1)
     assert t.armed_pairs == 0
@@ -155,8 +173,9 @@ def test_reset_flushes_everything_and_later_reports_are_late() -> None:
     c = t.create_store(3, deferred=[3])
     t.release(3)
     t.release(4)
-    assert t.complete(b, 2) == "done"
-    assert t.complete(a) == "pending"
+    assert t.complete(b, 0) == "pending"
+    assert t.complete(b, 1) == "done"
+    assert t.complete(a, 0) == "pending"
     assert t.reset() == [a, c], "every pending job, in creation order"
     assert len(t) == 0
     assert t.pending_jobs() == []
@@ -164,15 +183,17 @@ def test_reset_flushes_everything_and_later_reports_are_late() -> None:
     assert not t.is_released(3)
     assert not t.is_released(4)
     assert t.check(range(16)) == []
-    # Reports for jobs from before the reset are ignored, even ones that would be errors now.
-    assert t.complete(a) == "late"
-    assert t.complete(b) == "late"
-    assert t.complete(c, count=5, ok=False) == "late"
+    # Reports for jobs from before the reset are ignored, even ones that would be errors now:
+    # a duplicate rank, a completed job, a rank out of range.
+    assert t.complete(a, 0) == "late"
+    assert t.complete(b, 1) == "late"
+    assert t.complete(c, worker=5, ok=False) == "late"
     assert t.remaining(a) == 0
     # New ids keep growing and the new jobs complete normally.
     d = t.create_load(2, [2])
     assert d > c
-    assert t.complete(d, 2) == "done"
+    assert t.complete(d, 1) == "pending"
+    assert t.complete(d, 0) == "done"
     s = t.stats()
     assert (s["resets"], s["reset_flushed"], s["late_reports"]) == (1, 2, 3)
     assert (s["completed"], s["failed"]) == (2, 0)
@@ -293,39 +314,99 @@ def test_double_completion(busy: Busy, unchanged: Any) -> None:
         t.remaining(job)
 
 
-@pytest.mark.parametrize("count", [2, 3, 2**31, 2**32, 2**40, 2**100])
-def test_over_completion(busy: Busy, unchanged: Any, count: int) -> None:
-    t, job = busy.t, busy.eager_store  # one of two reports in: one remains
-    with unchanged(t), pytest.raises(CompletionError, match=rf"job {job} .*\b{count}\b.*\b1\b"):
-        t.complete(job, count)
+def test_duplicate_rank(busy: Busy, unchanged: Any) -> None:
+    t, job = busy.t, busy.eager_store  # rank 0 reported, rank 1 remains
+    for ok in (True, False):
+        with (
+            unchanged(t),
+            pytest.raises(DuplicateReportError, match=rf"job {job}: worker 0 already reported"),
+        ):
+            t.complete(job, 0, ok=ok)
+        assert t.remaining(job) == 1
+    # The rejected reports neither stood in for rank 1 nor marked the job failed.
+    pending, armed, stats = t.pending_jobs(), t.armed_pairs, t.stats()
+    assert job in pending
+    assert t.complete(job, 1) == "done"
+    assert t.pending_jobs() == [j for j in pending if j != job]
+    assert t.armed_pairs == armed - 1
+    after = t.stats()
+    assert (after["completed"], after["failed"]) == (stats["completed"] + 1, stats["failed"])
 
 
-@pytest.mark.parametrize("count", [0, -1, -(2**40)])
-def test_zero_or_negative_count(busy: Busy, unchanged: Any, count: int) -> None:
+def test_duplicate_rank_among_many_workers() -> None:
+    t = JobTracker(num_blocks=8, num_workers=4)
+    job = t.create_store(1, eager=[1, 2])
+    for rank in (3, 1):
+        assert t.complete(job, rank) == "pending"
+    for rank in (1, 3, 3):
+        before = (t.remaining(job), t.pending_jobs(), t.armed_pairs, t.stats())
+        with pytest.raises(DuplicateReportError, match=rf"job {job}: worker {rank} already"):
+            t.complete(job, rank, ok=False)
+        assert (t.remaining(job), t.pending_jobs(), t.armed_pairs, t.stats()) == before
+    assert t.remaining(job) == 2
+    assert t.complete(job, 0) == "pending"
+    assert t.complete(job, 2) == "done", "no failed report was recorded"
+
+
+@pytest.mark.parametrize("rank", [2, 3, 2**31, 2**32, 2**40, 2**100])
+def test_rank_out_of_range(busy: Busy, unchanged: Any, rank: int) -> None:
     t = busy.t
-    for job in (busy.running_store, busy.load):
-        with unchanged(t), pytest.raises(CompletionError, match=rf"job {job}\b.*got {count}\b"):
-            t.complete(job, count)
+    for job in (busy.running_store, busy.eager_store, busy.load):
+        with unchanged(t), pytest.raises(CompletionError) as e:
+            t.complete(job, rank, ok=False)
+        assert type(e.value) is CompletionError
+        assert re.search(
+            rf"job {job}: worker rank {rank} is out of range.*\b2 workers", str(e.value)
+        )
+    assert [t.remaining(j) for j in (busy.running_store, busy.eager_store, busy.load)] == [2, 1, 2]
 
 
-def test_a_bad_count_for_an_unknown_or_finished_job_names_the_job(
+@pytest.mark.parametrize("rank", [-1, -2, -(2**40)])
+def test_negative_rank(busy: Busy, unchanged: Any, rank: int) -> None:
+    t = busy.t
+    for job in (busy.running_store, busy.eager_store, busy.load):
+        with unchanged(t), pytest.raises(CompletionError) as e:
+            t.complete(job, rank)
+        assert type(e.value) is CompletionError
+        assert re.search(rf"job {job}: worker rank must be >= 0, got {rank}\b", str(e.value))
+
+
+def test_a_bad_rank_for_an_unknown_or_finished_job_names_the_job(
     busy: Busy, unchanged: Any
 ) -> None:
     t = busy.t
-    for count in (0, -1, 2**40):
+    # An unknown id is reported before the rank's range; the range before "already completed".
+    for rank in (0, 1, 2, 2**40):
         with unchanged(t), pytest.raises(UnknownJobError, match="unknown job 99"):
-            t.complete(99, count)
+            t.complete(99, rank)
+    for rank in (2, 2**40):
+        with (
+            unchanged(t),
+            pytest.raises(CompletionError, match=rf"job {busy.finished}: worker rank"),
+        ):
+            t.complete(busy.finished, rank)
+    for rank in (0, 1):
         with unchanged(t), pytest.raises(CompletionError, match=f"job {busy.finished} already"):
-            t.complete(busy.finished, count)
+            t.complete(busy.finished, rank)
+    # A negative rank is rejected with the arguments, before the id is looked up.
+    for job in (99, busy.finished):
+        with unchanged(t), pytest.raises(CompletionError, match=rf"job {job}: .*got -1\b"):
+            t.complete(job, -1)
 
 
-def test_reports_for_pre_reset_jobs_are_late_whatever_their_count(busy: Busy) -> None:
+def test_reports_for_pre_reset_jobs_are_late_whatever_their_rank(busy: Busy) -> None:
     t = busy.t
     old = t.reset()
-    for count in (0, -1, 1, 3, 2**40):
-        assert t.complete(old[0], count) == "late"
-    assert t.complete(busy.finished, -7) == "late"
-    assert t.stats()["late_reports"] == 6
+    # Rank 0 of eager_store had reported (a duplicate now); 2 and more are out of range.
+    for rank in (0, 1, 2, 3, 2**40):
+        assert t.complete(busy.eager_store, rank) == "late"
+    assert t.complete(old[0], 1, ok=False) == "late"
+    assert t.complete(busy.finished, 7) == "late"
+    assert t.stats()["late_reports"] == 7
+    # A negative rank is not a rank at all: an error, even for a late job, and not counted.
+    with pytest.raises(CompletionError, match=r"got -1\b"):
+        t.complete(old[0], -1)
+    assert t.stats()["late_reports"] == 7
 
 
 BAD_BLOCKS = [
@@ -427,7 +508,10 @@ def test_a_request_has_one_load_or_any_number_of_stores(busy: Busy, unchanged: A
         t.create_store(3, eager=[9])
     # Stores pile up; once the load is done, the request may store.
     assert t.create_store(1, deferred=[9]) > busy.finished
-    assert t.complete(busy.load, 2) == "done"
+    assert t.complete(busy.load, 0) == "pending"
+    with unchanged(t), pytest.raises(RequestStateError, match=r"request 3\b.*pending load"):
+        t.create_store(3, eager=[9])  # one of two ranks in: the load is still pending
+    assert t.complete(busy.load, 1) == "done"
     t.create_store(3, eager=[9])
     assert t.stats()["owners"] == 3
 
@@ -438,7 +522,9 @@ def test_a_rejected_call_among_valid_ones_leaves_the_tracker_as_before(busy: Bus
     bad_calls = [
         lambda: t.create_store(7, eager=[1], deferred=[-1]),
         lambda: t.create_load(1, [1]),
-        lambda: t.complete(busy.eager_store, 2),
+        lambda: t.complete(busy.eager_store, 0),  # duplicate rank
+        lambda: t.complete(busy.eager_store, 2),  # rank out of range
+        lambda: t.complete(busy.running_store, -1),
         lambda: t.complete(busy.finished),
         lambda: t.check([NUM_BLOCKS]),
     ]
@@ -467,7 +553,7 @@ class MJob:
     deferred: list[int]
     armed: bool
     held_in: int | None  # the owner's holding period at creation, if it held its blocks
-    remaining: int
+    reported: set[int] = field(default_factory=set)  # worker ranks that reported it
     failed: bool = False
 
 
@@ -497,6 +583,30 @@ class Model:
 
     def flush(self, written: list[int]) -> list[int]:
         return [j.id for j in self.jobs.values() if set(self.armed_blocks(j)) & set(written)]
+
+    def remaining(self, j: MJob) -> int:
+        return self.workers - len(j.reported)
+
+    def missing(self, j: MJob) -> list[int]:
+        """Ranks that have not reported ``j`` yet."""
+        return sorted(set(range(self.workers)) - j.reported)
+
+    def verdict(self, job: int, rank: int) -> str | tuple[type[KvOffloadError], str] | None:
+        """What ``complete(job, rank)`` does: ``None`` (recorded), ``"late"``, or the exception
+        and a pattern of its message, in the tracker's check order."""
+        if rank < 0:
+            return CompletionError, rf"job {job}: worker rank must be >= 0, got {rank}\b"
+        if job < self.floor:
+            return "late"
+        if job >= self.next:
+            return UnknownJobError, rf"unknown job {job}\b"
+        if rank >= self.workers:
+            return CompletionError, rf"job {job}: worker rank {rank} is out of range"
+        if job not in self.jobs:
+            return CompletionError, rf"job {job} already completed"
+        if rank in self.jobs[job].reported:
+            return DuplicateReportError, rf"job {job}: worker {rank} already reported"
+        return None
 
 
 class TrackerMachine(RuleBasedStateMachine):
@@ -539,7 +649,6 @@ class TrackerMachine(RuleBasedStateMachine):
             list(deferred),
             armed=released,
             held_in=None if released else m.period.get(owner, 0),
-            remaining=m.workers,
         )
 
     def _call_create(self, kind: str, owner: int, eager: list[int], deferred: list[int]) -> int:
@@ -591,55 +700,87 @@ class TrackerMachine(RuleBasedStateMachine):
                         assert j.id in flush, f"block {b}: job {j.id} not flushed"
         if drain:
             for job in flush:
-                self._report(job, self.m.jobs[job].remaining, True)
+                self._drain(job)
 
-    def _report(self, job: int, count: int, ok: bool) -> None:
-        j = self.m.jobs[job]
-        j.remaining -= count
+    def _drain(self, job: int) -> None:
+        """Every rank that has not reported ``job`` yet reports it."""
+        for rank in self.m.missing(self.m.jobs[job]):
+            self._report(job, rank, True)
+
+    def _report(self, job: int, rank: int, ok: bool) -> None:
+        """A report the model says is recorded."""
+        m = self.m
+        j = m.jobs[job]
+        assert m.verdict(job, rank) is None
+        j.reported.add(rank)
         j.failed |= not ok
-        expected = "pending" if j.remaining else ("failed" if j.failed else "done")
-        assert self.t.complete(job, count, ok) == expected
-        if not j.remaining:
-            del self.m.jobs[job]
-            self.m.completed.append(job)
+        done = not m.remaining(j)
+        expected = "pending" if not done else ("failed" if j.failed else "done")
+        assert self.t.complete(job, rank, ok) == expected
+        if done:
+            del m.jobs[job]
+            m.completed.append(job)
 
     @precondition(lambda self: self.m.jobs)
     @rule(data=st.data(), ok=st.booleans())
     def complete(self, data: st.DataObject, ok: bool) -> None:
+        """A valid report: a pending job, a rank that has not reported it."""
         job = data.draw(st.sampled_from(sorted(self.m.jobs)), label="job")
-        count = data.draw(st.integers(1, self.m.jobs[job].remaining), label="count")
-        self._report(job, count, ok)
+        rank = data.draw(st.sampled_from(self.m.missing(self.m.jobs[job])), label="rank")
+        self._report(job, rank, ok)
 
-    @rule(data=st.data())
-    def bad_report(self, data: st.DataObject) -> None:
+    @precondition(lambda self: any(j.reported for j in self.m.jobs.values()))
+    @rule(data=st.data(), ok=st.booleans())
+    def duplicate_report(self, data: st.DataObject, ok: bool) -> None:
+        """A rank reports a pending job a second time: rejected, nothing changes (not even the
+        job's failed flag, which shows when it completes)."""
         m = self.m
-        choices: list[tuple[int, int, type[KvOffloadError]]] = [
-            (m.next + data.draw(st.integers(0, 3)), 1, UnknownJobError)
-        ]
-        if m.completed:
-            choices.append((data.draw(st.sampled_from(m.completed)), 1, CompletionError))
-        if m.jobs:
-            job = data.draw(st.sampled_from(sorted(m.jobs)))
-            over = m.jobs[job].remaining + data.draw(st.integers(1, 3))
-            choices += [(job, over, CompletionError), (job, 0, CompletionError)]
-            choices.append((job, -data.draw(st.integers(1, 3)), CompletionError))
-        job, count, exc = data.draw(st.sampled_from(choices), label="bad report")
+        job = data.draw(st.sampled_from([j.id for j in m.jobs.values() if j.reported]))
+        rank = data.draw(st.sampled_from(sorted(m.jobs[job].reported)), label="rank")
         before = observe(self.t, SM_BLOCKS)
-        with pytest.raises(exc, match=rf"\b{job}\b"):
-            self.t.complete(job, count)
-        assert observe(self.t, SM_BLOCKS) == before
+        with pytest.raises(DuplicateReportError, match=rf"job {job}: worker {rank} already"):
+            self.t.complete(job, rank, ok)
+        assert observe(self.t, SM_BLOCKS) == before, "a duplicate report changed the tracker"
 
-    @precondition(lambda self: self.m.floor > 0)
-    @rule(data=st.data())
-    def late_report(self, data: st.DataObject) -> None:
-        job = data.draw(st.integers(0, self.m.floor - 1), label="late job")
-        before = self.t.stats()
-        assert self.t.complete(job, data.draw(st.integers(1, 4)), data.draw(st.booleans())) == (
-            "late"
-        )
-        after = self.t.stats()
-        assert after.pop("late_reports") == before.pop("late_reports") + 1
-        assert after == before
+    @rule(data=st.data(), ok=st.booleans())
+    def report(self, data: st.DataObject, ok: bool) -> None:
+        """Any report: pending, completed, late or never-issued ids; ranks that reported,
+        that did not, out of range or negative. Whatever is not recorded changes nothing."""
+        m = self.m
+        ids = [st.integers(m.next, m.next + 2)]  # never issued
+        if m.jobs:
+            ids.append(st.sampled_from(sorted(m.jobs)))
+        partial = [j.id for j in m.jobs.values() if j.reported]
+        if partial:
+            ids.append(st.sampled_from(partial))  # some ranks in: room for duplicates
+        if m.completed:
+            ids.append(st.sampled_from(m.completed))
+        if m.floor:
+            ids.append(st.integers(max(0, m.floor - 3), m.floor - 1))  # late
+        job = data.draw(st.one_of(ids), label="job")
+        ranks = [
+            st.integers(0, m.workers - 1),
+            st.integers(m.workers, m.workers + 2) | st.sampled_from([2**32, 2**40]),
+            st.sampled_from([-1, -2, -(2**40)]),
+        ]
+        if job in m.jobs and m.jobs[job].reported:
+            ranks.append(st.sampled_from(sorted(m.jobs[job].reported)))  # a duplicate
+        rank = data.draw(st.one_of(ranks), label="rank")
+        verdict = m.verdict(job, rank)
+        if verdict is None:
+            self._report(job, rank, ok)
+            return
+        before = observe(self.t, SM_BLOCKS)
+        if verdict == "late":
+            assert self.t.complete(job, rank, ok) == "late"
+            before["stats"]["late_reports"] += 1
+            assert observe(self.t, SM_BLOCKS) == before
+            return
+        exc, pattern = verdict
+        with pytest.raises(exc, match=pattern) as e:
+            self.t.complete(job, rank, ok)
+        assert type(e.value) is exc
+        assert observe(self.t, SM_BLOCKS) == before, "a rejected report changed the tracker"
 
     @rule()
     def reset(self) -> None:
@@ -656,7 +797,7 @@ class TrackerMachine(RuleBasedStateMachine):
         t, m = self.t, self.m
         assert t.pending_jobs() == list(m.jobs)
         assert len(t) == len(m.jobs)
-        assert [t.remaining(j) for j in m.jobs] == [j.remaining for j in m.jobs.values()]
+        assert [t.remaining(j) for j in m.jobs] == [m.remaining(j) for j in m.jobs.values()]
         index: list[list[int]] = [[] for _ in range(SM_BLOCKS)]
         for j in m.jobs.values():
             for b in m.armed_blocks(j):
@@ -681,7 +822,7 @@ class TrackerMachine(RuleBasedStateMachine):
         if not hasattr(self, "t"):
             return
         for job in list(self.m.jobs):
-            self._report(job, self.m.jobs[job].remaining, True)
+            self._drain(job)
         s = self.t.stats()
         assert (s["pending"], s["armed_pairs"], s["owners"]) == (0, 0, 0)
         assert self.t.pending_jobs() == []
@@ -692,7 +833,7 @@ test_tracker_state_machine = TrackerMachine.TestCase
 
 
 @pytest.mark.parametrize(
-    ("job", "count", "exc", "match"),
+    ("job", "worker", "exc", "match"),
     [
         ("0", 1, "UnknownJobError", "'0' \\(str\\)"),
         (0.0, 1, "UnknownJobError", "0.0 \\(float\\)"),
@@ -701,13 +842,13 @@ test_tracker_state_machine = TrackerMachine.TestCase
         (0, 1.0, "CompletionError", "1.0 \\(float\\)"),
     ],
 )
-def test_complete_with_wrong_types_names_the_value(job, count, exc, match):
+def test_complete_with_wrong_types_names_the_value(job, worker, exc, match):
     import kvoffload.errors as errors
 
     t = JobTracker(num_blocks=8)
     j = t.create_store(owner=1, deferred=[1])
     before = (t.stats(), t.pending_jobs())
     with pytest.raises(getattr(errors, exc), match=match):
-        t.complete(job, count)
+        t.complete(job, worker)
     assert (t.stats(), t.pending_jobs()) == before
     assert t.complete(j) == "done"
