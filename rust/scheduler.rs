@@ -1405,16 +1405,16 @@ impl Scheduler {
     /// jobs that completed.
     pub fn complete_many(&mut self, reports: &[(JobId, u32, bool)]) -> Result<Vec<CompletedJob>> {
         let jobs = self.tracker.jobs();
-        for (k, &(job, worker, _)) in reports.iter().enumerate() {
-            if !jobs.validate(job, worker)? {
-                continue;
+        let mut live = Vec::with_capacity(reports.len());
+        for &(job, worker, _) in reports {
+            if jobs.validate(job, worker)? {
+                live.push((job, worker));
             }
-            if reports[..k]
-                .iter()
-                .any(|(j, w, _)| *j == job && *w == worker)
-            {
-                return Err(Error::DuplicateReport { job, worker });
-            }
+        }
+        live.sort_unstable();
+        if let Some(w) = live.windows(2).find(|w| w[0] == w[1]) {
+            let (job, worker) = w[0];
+            return Err(Error::DuplicateReport { job, worker });
         }
         let mut done = Vec::new();
         for &(job, worker, ok) in reports {

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvoffload.sim import SimConfig, simulate
+from kvoffload.sim import simulate
 from kvoffload.sim.vllm_rule import VllmRuleFence
+from tests.test_sim import PRESSURE
 
 FA, SW = 0, 1
 
@@ -63,25 +64,19 @@ def test_completed_jobs_and_resets_leave_nothing_to_flush():
     assert f.step([], []) == 0
 
 
-# Small GPU pool, copies that take a while: blocks of pending stores get re-allocated.
-RUN = SimConfig(
-    num_requests=40,
-    scale=0.5,
-    num_gpu_blocks=96,
-    cpu_chunks=2048,
-    arrival_gap=0.5,
-    completion="poll",
-    copy_delay_s=0.002,
-)
+# test_sim's pressure run (small GPU pool, copies that take a while: blocks of pending stores
+# get re-allocated), with the CLI's default 128-token sliding-window group (its blocks need a
+# larger GPU pool).
+RUN = replace(PRESSURE, sliding_window=128, num_gpu_blocks=144)
 
 
 @pytest.mark.parametrize(
     "cfg",
     [
         RUN,
-        replace(RUN, sliding_window=None),
+        PRESSURE,
         replace(RUN, async_scheduling=True),
-        replace(RUN, num_gpu_blocks=88),  # more preemptions
+        replace(RUN, num_gpu_blocks=128),  # more preemptions
     ],
     ids=["window", "full", "async", "pressure"],
 )
