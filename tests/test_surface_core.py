@@ -749,7 +749,9 @@ def hammer():
 
 th = threading.Thread(target=hammer)
 th.start()
-for _ in range(100):
+for _ in range(3000):  # until the interleaving happened a few times (it depends on GC timing)
+    if interleaved[0] >= 3:
+        break
     for f in (s.stats, t.stats, p.stats):
         garbage()
         inside[0] = True
