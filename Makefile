@@ -15,7 +15,7 @@ $(STAMP_DEPS): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" "maturin>=1.9.4,<2" "pytest>=8" "hypothesis>=6.100" \
-		"pytest-benchmark>=4" "ruff>=0.6" "mypy>=1.11" "numpy>=1.24"
+		"pytest-benchmark>=4" "ruff>=0.6" "mypy>=1.11" "numpy>=1.24" "redis>=5"
 	touch $@
 
 install: $(STAMP_DEPS) ## create .venv and install the dependencies (torch included)
@@ -25,6 +25,12 @@ $(STAMP_BUILD): $(STAMP_DEPS) $(RUST_SRC)
 	touch $@
 
 build: $(STAMP_BUILD) ## build the Rust extension (release) into .venv
+
+# The shared-tier tests run a real redis-server from Debian's package; installed when missing.
+redis-server: ## install Debian's redis-server if it is not on PATH (needs root)
+	@command -v redis-server >/dev/null || { \
+		[ "$$(id -u)" = 0 ] || { echo "redis-server is missing and installing it needs root: run 'sudo apt-get install -y redis-server'" >&2; exit 1; }; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server; }
 
 lint: build ## rustfmt, clippy (pedantic), ruff, ruff format, stubtest
 	cargo fmt --check
@@ -38,7 +44,7 @@ fmt: $(STAMP_DEPS) ## format Rust and Python sources
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: build ## cargo test + pytest
+test: build redis-server ## cargo test + pytest (installs redis-server when missing)
 	cargo test -q
 	$(PY) -m pytest -q --ignore=tests/vllm
 
@@ -66,7 +72,7 @@ $(STAMP_VLLM_BUILD): $(STAMP_VLLM_DEPS) $(RUST_SRC) $(PY_SRC)
 	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall $(VLLM_VENV)/wheels/kvoffload-*.whl
 	touch $@
 
-test-vllm: $(STAMP_VLLM_BUILD) ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm
+test-vllm: $(STAMP_VLLM_BUILD) redis-server ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm
 	$(VLLM_PY) -m pytest -q tests/vllm
 
 bench-vllm: $(STAMP_VLLM_BUILD) ## both offload connectors in vLLM's scheduler, multi-turn chat (BENCH_VLLM_ARGS)
@@ -91,4 +97,4 @@ clean: ## remove build output
 	cargo clean
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
-.PHONY: help install build lint fmt test test-vllm bench-vllm fuzz bench demo clean
+.PHONY: help install redis-server build lint fmt test test-vllm bench-vllm fuzz bench demo clean

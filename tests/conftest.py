@@ -11,6 +11,9 @@ import pytest
 
 from kvoffload import JobTracker
 
+# Fixtures of the shared (Redis) tier: a real server, a delay proxy.
+pytest_plugins = ("tests.remote_support",)
+
 NUM_BLOCKS = 16
 NUM_WORKERS = 2
 OWNERS = range(8)

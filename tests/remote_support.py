@@ -1,0 +1,342 @@
+"""Test infrastructure for the shared (Redis) tier: a real server, a delay proxy, test hosts.
+
+- :class:`RedisServer` runs Debian's ``redis-server`` on 127.0.0.1 (and optionally on test-host
+  addresses) with a free port, a temporary directory, no persistence and ``maxmemory`` with
+  ``allkeys-lru``; it can be killed, restarted on the same port, flushed and inspected.
+- :class:`DelayProxy` is a loopback TCP proxy that holds every reply from the server for a
+  settable delay, so a client's deadline passes (the "slow server" fault).
+- :class:`NetnsHosts` creates simulated hosts: one network namespace each, joined to this
+  namespace by a veth pair with addresses it chose itself, and removes them all afterwards.
+
+Everything here talks only to 127.0.0.1 and to the addresses of hosts it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+REDIS_SERVER = "redis-server"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resp(*args: bytes | str) -> bytes:
+    """One command in the Redis protocol."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a.encode() if isinstance(a, str) else a
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+class RedisServer:
+    """A ``redis-server`` process for one test: started, stopped, restarted, flushed.
+
+    Args:
+        maxmemory: the server's memory limit in bytes (``allkeys-lru`` beyond it).
+        bind: extra addresses to listen on besides 127.0.0.1 (test hosts' gateways).
+    """
+
+    def __init__(self, maxmemory: int = 512 << 20, bind: Sequence[str] = ()) -> None:
+        if shutil.which(REDIS_SERVER) is None:
+            raise RuntimeError(
+                "redis-server is not installed: `make test` installs Debian's redis-server "
+                "package (apt-get, as root)"
+            )
+        self.maxmemory = maxmemory
+        self.bind = ["127.0.0.1", *bind]
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvoffload-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT``."""
+        return f"redis://127.0.0.1:{self.port}"
+
+    def url_at(self, host: str) -> str:
+        """The server's URL as seen from a test host whose gateway is ``host``."""
+        return f"redis://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Start the server (on the same port after a kill) and wait until it answers."""
+        assert self.proc is None, "already running"
+        self.proc = subprocess.Popen(
+            [
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                *self.bind,
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory",
+                str(self.maxmemory),
+                "--maxmemory-policy",
+                "allkeys-lru",
+                "--protected-mode",
+                "no",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.dir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                if self.command("PING") == b"+PONG\r\n":
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}:\n{log}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL): every connection breaks, every key is gone."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        """Stop the server if it runs."""
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        """Kill and start again on the same port, empty."""
+        self.kill()
+        self.start()
+
+    def command(self, *args: bytes | str) -> bytes:
+        """Send one command on a fresh connection and return the raw reply's first read."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+            s.sendall(resp(*args))
+            return s.recv(1 << 16)
+
+    def flushall(self) -> None:
+        """Delete every key."""
+        assert self.command("FLUSHALL") == b"+OK\r\n"
+
+    def dbsize(self) -> int:
+        """Number of keys the server holds."""
+        reply = self.command("DBSIZE")
+        assert reply.startswith(b":"), reply
+        return int(reply[1:].strip())
+
+    def keys(self) -> list[bytes]:
+        """Every key the server holds (small test servers only)."""
+        import redis  # redis-py, a dev dependency; only the tests use it
+
+        c = redis.Redis(host="127.0.0.1", port=self.port)
+        try:
+            return sorted(c.keys("*"))
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class DelayProxy:
+    """A loopback TCP proxy in front of a server; replies can be held back by ``delay`` seconds.
+
+    Requests go through at once; each chunk of reply bytes is forwarded ``delay`` seconds after
+    it arrived (order kept), so a client with a shorter deadline sees a late reply. ``delay`` can
+    change while connections are open. :meth:`close` ends every connection.
+    """
+
+    def __init__(self, target_port: int, delay: float = 0.0) -> None:
+        self.target_port = target_port
+        self.delay = delay
+        self.port = free_port()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.05)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        t = threading.Thread(target=self._accept, name="delay-proxy-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT`` of the proxy."""
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._socks += [client, server]
+            for src, dst, delayed in ((client, server, False), (server, client, True)):
+                t = threading.Thread(
+                    target=self._pump, args=(src, dst, delayed), name="delay-proxy", daemon=True
+                )
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, delayed: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                ready, _, _ = select.select([src], [], [], 0.05)
+                if not ready:
+                    continue
+                data = src.recv(1 << 20)
+                if not data:
+                    break
+                if delayed and self.delay > 0:
+                    due = time.monotonic() + self.delay
+                    while not self._stop.is_set() and time.monotonic() < due:
+                        time.sleep(min(0.01, max(0.0, due - time.monotonic())))
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Stop forwarding, close every socket and join the threads."""
+        self._stop.set()
+        self._listener.close()
+        for t in self._threads:
+            t.join(timeout=5)
+        with self._lock:
+            for s in self._socks:
+                s.close()
+
+
+class NetnsHosts:
+    """``count`` simulated hosts: network namespaces joined to this one by veth pairs.
+
+    Host ``i`` is namespace ``kvo<pid>h<i>`` with address ``10.213.<i>.2/24`` on its veth end;
+    this namespace's end has ``10.213.<i>.1`` (:meth:`gateway`), where a server can listen.
+    Every name and address is created here and removed by :meth:`close`.
+    """
+
+    def __init__(self, count: int) -> None:
+        if os.geteuid() != 0:
+            raise RuntimeError("network-namespace test hosts need root (ip netns)")
+        self.prefix = f"kvo{os.getpid() % 100000}h"
+        self.names: list[str] = []
+        self._links: list[str] = []
+        try:
+            for i in range(count):
+                self._add(i)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    def _add(self, i: int) -> None:
+        ns, outer, inner = f"{self.prefix}{i}", f"{self.prefix}{i}o", f"{self.prefix}{i}i"
+        self._ip("netns", "add", ns)
+        self.names.append(ns)
+        self._ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        self._links.append(outer)
+        self._ip("link", "set", inner, "netns", ns)
+        self._ip("addr", "add", f"{self.gateway(i)}/24", "dev", outer)
+        self._ip("link", "set", outer, "up")
+        self._ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", inner)
+        self._ip("-n", ns, "link", "set", inner, "up")
+        self._ip("-n", ns, "link", "set", "lo", "up")
+
+    @staticmethod
+    def gateway(i: int) -> str:
+        """This namespace's address on host ``i``'s link."""
+        return f"10.213.{i}.1"
+
+    @staticmethod
+    def address(i: int) -> str:
+        """Host ``i``'s own address."""
+        return f"10.213.{i}.2"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """Argument prefix that runs a command inside host ``i``."""
+        return ["ip", "netns", "exec", self.names[i]]
+
+    def close(self) -> None:
+        """Remove every link and namespace created (idempotent)."""
+        for link in self._links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=10)
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        self._links.clear()
+        self.names.clear()
+
+
+@contextlib.contextmanager
+def redis_server(**kwargs: object) -> Iterator[RedisServer]:
+    """A :class:`RedisServer` for the duration of a ``with`` block."""
+    server = RedisServer(**kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` on 127.0.0.1 for one test (64 MiB, ``allkeys-lru``)."""
+    with redis_server(maxmemory=64 << 20) as server:
+        yield server
+
+
+@pytest.fixture
+def delay_proxy(redis: RedisServer) -> Iterator[DelayProxy]:
+    """A :class:`DelayProxy` in front of the test's server, no delay to start with."""
+    proxy = DelayProxy(redis.port)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
