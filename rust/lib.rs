@@ -10,7 +10,8 @@
 //! - [`fence`]: the armed index `block -> pending jobs` and the one-pass check;
 //! - [`tracker`]: jobs and fence together, with the eager / deferred lifecycle classes;
 //! - [`pool`]: the CPU pool (slots, key states, pins, contiguous allocation, events);
-//! - [`policy`]: its eviction policies (LRU, ARC) behind one trait.
+//! - [`policy`]: its eviction policies (LRU, ARC) behind one trait;
+//! - [`tier`]: tiers below the CPU pool (the disk tier; the contract lower tiers share).
 //!
 //! Domain modules never import pyo3; the Python bindings live in `rust/py/` behind the
 //! `python` feature, so `cargo test` and `cargo bench` build plain Rust.
@@ -24,6 +25,7 @@ pub mod jobs;
 pub mod policy;
 pub mod pool;
 pub mod scheduler;
+pub mod tier;
 pub mod tracker;
 
 #[cfg(feature = "python")]
