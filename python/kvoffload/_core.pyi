@@ -20,6 +20,7 @@ __all__ = [
     "JobTracker",
     "KeyStateError",
     "KvOffloadError",
+    "RemoteClient",
     "RequestStateError",
     "Scheduler",
     "StepInputError",
@@ -50,6 +51,33 @@ class Copier:
         threads: int = 1,
     ) -> int: ...
     def layout(self) -> list[tuple[int, int, int]]: ...
+
+@final
+class RemoteClient:
+    """A client of the shared (Redis) tier: pipelined batches, deadlines, probation."""
+
+    def __new__(
+        cls,
+        url: str,
+        *,
+        deadline_ms: float = 1000.0,
+        connections: int = 4,
+        part_bytes: int = ...,
+        probation_after: int = 3,
+        probation_ms: float = 2000.0,
+    ) -> RemoteClient: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def on_probation(self) -> bool: ...
+    def write(
+        self, namespace: int, keys: Iterable[_Key], data: Any, group: int = 0
+    ) -> list[bool]: ...
+    def read(
+        self, namespace: int, keys: Iterable[_Key], out: Any, group: int = 0
+    ) -> list[Literal["hit", "miss", "corrupt", "failed"]]: ...
+    def exists(self, namespace: int, keys: Iterable[_Key]) -> list[bool] | None: ...
+    def stats(self) -> dict[str, int]: ...
 
 class KvOffloadError(Exception): ...
 class ConfigError(KvOffloadError): ...

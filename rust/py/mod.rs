@@ -8,6 +8,7 @@ mod convert;
 mod copy;
 mod errors;
 mod pool;
+mod remote;
 mod scheduler;
 mod sync;
 mod tracker;
@@ -27,6 +28,8 @@ mod _core {
     };
     #[pymodule_export]
     use super::pool::{CpuPool, StorePlan};
+    #[pymodule_export]
+    use super::remote::RemoteClient;
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
     #[pymodule_export]

@@ -29,6 +29,7 @@
 pub mod disk;
 pub mod header;
 pub mod namespace;
+pub mod remote;
 
 use crate::error::Result;
 use crate::ids::Key;

@@ -1,0 +1,149 @@
+"""Shared tier (Redis, loopback): our Rust client against redis-py on the same work, one run.
+
+Run::
+
+    .venv/bin/python benches/bench_remote.py            # table + JSON line
+    .venv/bin/python -m pytest benches/bench_remote.py -q -s   # same, as a test with the goals
+
+A fresh ``redis-server`` (Debian's package) is started on 127.0.0.1 with a free port. Each
+round writes ``CHUNKS`` chunks of ``CHUNK`` bytes from one numpy buffer and reads them back
+into another, with each client, interleaved round by round (best round of each counts).
+Rounds overwrite the same keys, as a full cache does in its steady state (the server reuses
+the memory it frees instead of faulting in new pages):
+
+- ``kvoffload``: :class:`kvoffload._core.RemoteClient`: header + CRC-32C per chunk, pipelined
+  sub-batches on pooled connections, GIL released, read verified and copied into the buffer.
+- ``redis-py``: the same keys and values (a 72-byte header + the chunk), one pipeline per
+  direction, a CRC-32 (zlib, in C) per chunk on both sides, the reply copied into the buffer.
+
+Then a 512-chunk prefix lookup with our client: the round trips it took (budget: one).
+Goals (DESIGN.md §7): ≥ 1 GB/s each direction and ≥ 3x redis-py in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.remote_support import redis_server
+
+from kvoffload._core import RemoteClient
+
+MIB = 1 << 20
+CHUNK = 2 * MIB
+CHUNKS = 64  # 128 MiB per round and direction
+ROUNDS = 5
+HEADER = 72
+NAMESPACE = 0x5EED
+GOAL_GBPS = 1.0
+GOAL_RATIO = 3.0
+
+
+def ours(
+    client: RemoteClient, src: np.ndarray, dst: np.ndarray, keys: list[int]
+) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    assert all(client.write(NAMESPACE, keys, src))
+    t1 = time.perf_counter()
+    assert client.read(NAMESPACE, keys, dst) == ["hit"] * len(keys)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def redis_py(
+    conn: object, src: np.ndarray, dst: np.ndarray, keys: list[int]
+) -> tuple[float, float]:
+    names = [f"kvo:{NAMESPACE + 1:032x}:{k:032x}" for k in keys]
+    t0 = time.perf_counter()
+    pipe = conn.pipeline(transaction=False)  # type: ignore[attr-defined]
+    for i, name in enumerate(names):
+        chunk = src[i * CHUNK : (i + 1) * CHUNK]
+        header = zlib.crc32(chunk).to_bytes(4, "little") * (HEADER // 4)
+        pipe.set(name, header + chunk.tobytes())
+    assert all(pipe.execute())
+    t1 = time.perf_counter()
+    pipe = conn.pipeline(transaction=False)  # type: ignore[attr-defined]
+    for name in names:
+        pipe.get(name)
+    for i, value in enumerate(pipe.execute()):
+        body = memoryview(value)[HEADER:]
+        assert zlib.crc32(body) == int.from_bytes(value[:4], "little")
+        dst[i * CHUNK : (i + 1) * CHUNK] = np.frombuffer(body, dtype=np.uint8)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def run(chunks: int = CHUNKS, rounds: int = ROUNDS) -> dict[str, float]:
+    """Runs the benchmark and returns its numbers (GB/s, ratios, lookup round trips)."""
+    import redis as redis_py_module
+
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, size=chunks * CHUNK, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    keys = list(range(1, chunks + 1))
+    best = {"ours_w": 1e9, "ours_r": 1e9, "py_w": 1e9, "py_r": 1e9}
+    with redis_server(maxmemory=4 * chunks * CHUNK + (256 << 20)) as server:
+        client = RemoteClient(server.url, deadline_ms=10_000)
+        conn = redis_py_module.Redis(host="127.0.0.1", port=server.port)
+        for _ in range(rounds):
+            dst[:] = 0
+            w, rd = ours(client, src, dst, keys)
+            assert np.array_equal(src, dst), "our client read other bytes"
+            best["ours_w"], best["ours_r"] = min(best["ours_w"], w), min(best["ours_r"], rd)
+            dst[:] = 0
+            w, rd = redis_py(conn, src, dst, keys)
+            assert np.array_equal(src, dst), "redis-py read other bytes"
+            best["py_w"], best["py_r"] = min(best["py_w"], w), min(best["py_r"], rd)
+        lookup_keys = list(range(1, 513))
+        client.write(NAMESPACE, lookup_keys, np.zeros(512 * 64, dtype=np.uint8))
+        before = client.stats()["round_trips"]
+        found = client.exists(NAMESPACE, lookup_keys)
+        trips = client.stats()["round_trips"] - before
+        assert found == [True] * 512
+        conn.close()
+    gb = chunks * CHUNK / 1e9
+    out = {
+        "chunk_bytes": CHUNK,
+        "chunks": chunks,
+        "ours_write_gbps": gb / best["ours_w"],
+        "ours_read_gbps": gb / best["ours_r"],
+        "redispy_write_gbps": gb / best["py_w"],
+        "redispy_read_gbps": gb / best["py_r"],
+        "lookup_512_round_trips": trips,
+    }
+    out["write_ratio"] = out["ours_write_gbps"] / out["redispy_write_gbps"]
+    out["read_ratio"] = out["ours_read_gbps"] / out["redispy_read_gbps"]
+    return out
+
+
+def report(out: dict[str, float]) -> None:
+    """Prints the table and the JSON line."""
+    print(f"\nshared tier, loopback, {out['chunks']} x {out['chunk_bytes'] >> 20} MiB chunks")
+    print(f"{'':8} {'kvoffload GB/s':>15} {'redis-py GB/s':>14} {'ratio':>6}")
+    for d in ("write", "read"):
+        print(
+            f"{d:8} {out[f'ours_{d}_gbps']:15.2f} {out[f'redispy_{d}_gbps']:14.2f} "
+            f"{out[f'{d}_ratio']:6.1f}"
+        )
+    print(f"512-chunk prefix lookup: {out['lookup_512_round_trips']} round trip(s)")
+    print(json.dumps(out))
+
+
+def test_bench_remote() -> None:
+    out = run()
+    report(out)
+    assert out["lookup_512_round_trips"] == 1
+    for d in ("write", "read"):
+        assert out[f"ours_{d}_gbps"] >= GOAL_GBPS, out
+        assert out[f"{d}_ratio"] >= GOAL_RATIO, out
+
+
+if __name__ == "__main__":
+    report(run())

@@ -1,0 +1,213 @@
+//! `kvoffload._core.RemoteClient`: the shared (Redis) tier's client, for benchmarks, tools and
+//! tests that move chunks held in Python buffers. Every call releases the GIL around its I/O.
+//!
+//! Chunks are given as one 1-D, C-contiguous `uint8` buffer holding `len(keys)` chunks of
+//! equal size back to back (e.g. a numpy array or a CPU tensor's numpy view).
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::convert::keys as extract_keys;
+use super::errors::{to_py, ConfigError, KvOffloadError};
+use crate::ids::Key;
+use crate::tier::remote::{ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem};
+
+/// The chunk buffer of a call, checked: its base address and the bytes of one chunk.
+fn chunk_buffer(buf: &PyBuffer<u8>, n: usize, writable: bool, what: &str) -> PyResult<usize> {
+    if (writable && buf.readonly()) || buf.dimensions() != 1 || !buf.is_c_contiguous() {
+        return Err(KvOffloadError::new_err(format!(
+            "{what} must be a one-dimensional, contiguous{} uint8 buffer",
+            if writable { ", writable" } else { "" }
+        )));
+    }
+    let len = buf.len_bytes();
+    if n == 0 || len % n != 0 {
+        return Err(KvOffloadError::new_err(format!(
+            "{what} holds {len} bytes, not a whole number of chunks for {n} keys"
+        )));
+    }
+    Ok(len / n)
+}
+
+fn duration(field: &str, ms: f64) -> PyResult<std::time::Duration> {
+    if ms.is_finite() && ms > 0.0 && ms <= 3_600_000.0 {
+        Ok(std::time::Duration::from_secs_f64(ms / 1000.0))
+    } else {
+        Err(ConfigError::new_err(format!(
+            "{field} must be a number of milliseconds in (0, 3600000], got {ms}"
+        )))
+    }
+}
+
+/// A client of one Redis server: pipelined batches, connection pool, deadlines, probation.
+#[pyclass(frozen, module = "kvoffload._core")]
+pub struct RemoteClient {
+    inner: Client,
+}
+
+#[pymethods]
+impl RemoteClient {
+    /// A client of `url` (`redis://host:port[/db]`). Connects lazily.
+    #[new]
+    #[pyo3(signature = (url, *, deadline_ms = 1000.0, connections = 4, part_bytes = 64 << 20,
+                        probation_after = 3, probation_ms = 2000.0))]
+    fn new(
+        url: &str,
+        deadline_ms: f64,
+        connections: usize,
+        part_bytes: usize,
+        probation_after: u32,
+        probation_ms: f64,
+    ) -> PyResult<Self> {
+        let cfg = RemoteConfig {
+            url: url.to_owned(),
+            deadline: duration("remote_deadline_ms", deadline_ms)?,
+            connections,
+            part_bytes,
+            probation_after,
+            probation: duration("remote_probation_ms", probation_ms)?,
+        };
+        Ok(Self {
+            inner: Client::new(cfg).map_err(to_py)?,
+        })
+    }
+
+    /// The server's URL.
+    #[getter]
+    fn url(&self) -> String {
+        self.inner.config().url.clone()
+    }
+
+    /// Whether the tier is on probation (operations skipped) now.
+    #[getter]
+    fn on_probation(&self) -> bool {
+        self.inner.on_probation()
+    }
+
+    /// Writes chunk `i` of `data` under `keys[i]` in `namespace`; per key, whether it was
+    /// stored.
+    #[pyo3(signature = (namespace, keys, data, group = 0))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        namespace: u128,
+        keys: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        group: u32,
+    ) -> PyResult<Vec<bool>> {
+        let keys = extract_keys(keys, "keys")?;
+        let buf = PyBuffer::<u8>::get(data)?;
+        let size = chunk_buffer(&buf, keys.len(), false, "data")?;
+        let base = buf.buf_ptr() as usize;
+        let total = buf.len_bytes();
+        py.detach(|| {
+            #[allow(unsafe_code)]
+            // SAFETY: `buf` holds the export of `total` bytes at `base` for this whole call, so
+            // the memory stays allocated and unresized; it is only read.
+            let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, total) };
+            let items: Vec<WriteItem<'_>> = keys
+                .iter()
+                .zip(bytes.chunks_exact(size))
+                .map(|(&key, chunk)| WriteItem {
+                    key,
+                    group,
+                    data: vec![chunk],
+                })
+                .collect();
+            Ok(self.inner.write(namespace, &items))
+        })
+    }
+
+    /// Reads `keys` of `namespace` into `out` (chunk `i` at `i * chunk size`) and verifies
+    /// them; per key `"hit"`, `"miss"`, `"corrupt"` (refused by verification) or `"failed"`
+    /// (error, deadline, probation). Only a `"hit"` chunk's bytes are meaningful.
+    #[pyo3(signature = (namespace, keys, out, group = 0))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        namespace: u128,
+        keys: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        group: u32,
+    ) -> PyResult<Vec<&'static str>> {
+        let keys = extract_keys(keys, "keys")?;
+        let buf = PyBuffer::<u8>::get(out)?;
+        let size = chunk_buffer(&buf, keys.len(), true, "out")?;
+        let base = buf.buf_ptr() as usize;
+        let total = buf.len_bytes();
+        let outcomes = py.detach(|| {
+            #[allow(unsafe_code)]
+            // SAFETY: `buf` holds the writable export of `total` bytes at `base` for this whole
+            // call; this is the only reference made to that memory here.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(base as *mut u8, total) };
+            let mut items: Vec<ReadItem<'_>> = keys
+                .iter()
+                .zip(bytes.chunks_exact_mut(size))
+                .map(|(&key, chunk)| ReadItem {
+                    key,
+                    group,
+                    dst: vec![chunk],
+                })
+                .collect();
+            self.inner.read(namespace, &mut items)
+        });
+        Ok(outcomes
+            .into_iter()
+            .map(|o| match o {
+                ReadOutcome::Hit => "hit",
+                ReadOutcome::Miss => "miss",
+                ReadOutcome::Corrupt => "corrupt",
+                ReadOutcome::Failed => "failed",
+            })
+            .collect())
+    }
+
+    /// Per key of `namespace`, whether it exists: one round trip. `None` when the operation
+    /// failed or the tier is on probation.
+    fn exists(
+        &self,
+        py: Python<'_>,
+        namespace: u128,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Vec<bool>>> {
+        let keys: Vec<Key> = extract_keys(keys, "keys")?;
+        Ok(py.detach(|| self.inner.exists(namespace, &keys)))
+    }
+
+    /// Counters so far, by name.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("writes", s.writes),
+            ("failed_writes", s.failed_writes),
+            ("dropped_writes", s.dropped_writes),
+            ("read_hits", s.read_hits),
+            ("read_misses", s.read_misses),
+            ("failed_reads", s.failed_reads),
+            ("checksum_mismatches", s.checksum_mismatches),
+            ("lookups", s.lookups),
+            ("lookup_hits", s.lookup_hits),
+            ("skipped_lookups", s.skipped_lookups),
+            ("round_trips", s.round_trips),
+            ("errors", s.errors),
+            ("deadline_misses", s.deadline_misses),
+            ("probations", s.probations),
+            ("recoveries", s.recoveries),
+            ("bytes_written", s.bytes_written),
+            ("bytes_read", s.bytes_read),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "RemoteClient({:?}, on_probation={})",
+            self.inner.config().url,
+            self.inner.on_probation()
+        )
+    }
+}

@@ -1,0 +1,804 @@
+//! The shared tier on Redis (DESIGN.md §9): the client every process of a fleet uses to write
+//! chunks behind, ask which chunks exist, and read them back, so a prefix computed by one engine
+//! is loaded by the others.
+//!
+//! It speaks to a real Redis server through the `redis` crate on Rust threads (the bindings
+//! release the GIL around every call); a Python client would cap the tier at a fraction of the
+//! link. How:
+//!
+//! - **Values**: one value per chunk, the [`header`](super::header) then the data; a chunk above
+//!   [`RemoteConfig::part_bytes`] is split into a small fixed set of parts (at most
+//!   [`MAX_PARTS`]), part 0 carrying the header. Parts are written last-to-first in one pipeline,
+//!   so part 0 (the header) is published last: the two-phase publish.
+//! - **Keys** carry the writer's namespace digest (model, layout, rank, group and the optional
+//!   per-request `cache_salt`): `kvo:<namespace>:<key>[:<part>]`. Tenants and layouts never
+//!   share a key, and every header is checked against the reader's namespace too.
+//! - **Pipelined batches**: a call's chunks are packed into sub-batches of about
+//!   [`BATCH_BYTES`], each one pipeline (one write of all its commands, then all replies) on a
+//!   connection from the pool; sub-batches run in parallel on up to
+//!   [`RemoteConfig::connections`] threads. Existence checks of any number of keys are one
+//!   pipeline: one round trip.
+//! - **Deadlines**: every pipeline has [`RemoteConfig::deadline`]; a reply later than that fails
+//!   the operation (socket timeouts bound the wait) and its connection is dropped.
+//! - **Probation**: after [`RemoteConfig::probation_after`] consecutive failed or late
+//!   operations the tier is on probation for [`RemoteConfig::probation`]: writes are dropped and
+//!   counted, lookups and reads answer "miss" without I/O. The first operation after that is a
+//!   trial: success ends the probation (a *recovery*, counted), failure starts another.
+//! - **Verification**: every read checks the header (magic, version, namespace, key, group,
+//!   length) and the data's checksum; any mismatch is a miss, counted, and the caller must not
+//!   serve the bytes.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use redis::Value;
+
+use super::header::{checksum, ChunkHeader, HEADER_LEN};
+use crate::error::{Error, Result};
+use crate::ids::Key;
+
+/// Most parts one chunk is split into.
+pub const MAX_PARTS: usize = 16;
+/// Target bytes of one pipelined sub-batch (one operation, one deadline).
+pub const BATCH_BYTES: usize = 8 << 20;
+
+/// How to reach the server and how patient to be.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteConfig {
+    /// `redis://host:port[/db]`.
+    pub url: String,
+    /// Longest wait for one pipelined operation (and for connecting).
+    pub deadline: Duration,
+    /// Connections in the pool: sub-batches of one call run on this many threads at most.
+    pub connections: usize,
+    /// Chunks with more data bytes than this are stored as several parts.
+    pub part_bytes: usize,
+    /// Consecutive failed or late operations that put the tier on probation.
+    pub probation_after: u32,
+    /// How long a probation lasts before the next trial.
+    pub probation: Duration,
+}
+
+impl RemoteConfig {
+    /// Defaults for `url`: 1 s deadline, 4 connections, 64 MiB parts, probation after 3
+    /// failures for 2 s.
+    pub fn new(url: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            deadline: Duration::from_secs(1),
+            connections: 4,
+            part_bytes: 64 << 20,
+            probation_after: 3,
+            probation: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Counters of one client (cumulative).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemoteStats {
+    /// Chunks written (every part acknowledged).
+    pub writes: u64,
+    /// Chunks whose write failed (error, deadline, server refusal).
+    pub failed_writes: u64,
+    /// Chunks not written because the tier was on probation.
+    pub dropped_writes: u64,
+    /// Chunks read and verified.
+    pub read_hits: u64,
+    /// Chunks asked for and not found (or found incomplete).
+    pub read_misses: u64,
+    /// Chunks whose read failed (error, deadline): not served.
+    pub failed_reads: u64,
+    /// Chunks found but refused by verification (header or checksum): not served.
+    pub checksum_mismatches: u64,
+    /// Keys looked up.
+    pub lookups: u64,
+    /// Keys found by lookups.
+    pub lookup_hits: u64,
+    /// Lookups answered "miss" without I/O because the tier was on probation.
+    pub skipped_lookups: u64,
+    /// Pipelines sent (each one round trip).
+    pub round_trips: u64,
+    /// Operations that failed with an error (connection refused or broken, server error).
+    pub errors: u64,
+    /// Operations that missed their deadline.
+    pub deadline_misses: u64,
+    /// Times the tier was put on probation.
+    pub probations: u64,
+    /// Trials that ended a probation.
+    pub recoveries: u64,
+    /// Value bytes written (headers included).
+    pub bytes_written: u64,
+    /// Value bytes read (headers included).
+    pub bytes_read: u64,
+}
+
+/// The outcome of one chunk's read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// Found and verified: the destination holds the chunk's data.
+    Hit,
+    /// Not there (never written, evicted, flushed; or a part of it is gone).
+    Miss,
+    /// Found but refused by verification: the destination holds garbage.
+    Corrupt,
+    /// The operation failed or was skipped (probation): the destination holds garbage.
+    Failed,
+}
+
+/// One chunk to write: its identity and its data as pieces (concatenated in order).
+#[derive(Clone, Debug)]
+pub struct WriteItem<'a> {
+    /// The chunk's key.
+    pub key: Key,
+    /// Its KV group.
+    pub group: u32,
+    /// The data, as pieces.
+    pub data: Vec<&'a [u8]>,
+}
+
+/// One chunk to read: its identity and where its data goes (pieces filled in order).
+#[derive(Debug)]
+pub struct ReadItem<'a> {
+    /// The chunk's key.
+    pub key: Key,
+    /// Its KV group.
+    pub group: u32,
+    /// Destination pieces; their total length is the data length expected.
+    pub dst: Vec<&'a mut [u8]>,
+}
+
+impl ReadItem<'_> {
+    fn len(&self) -> usize {
+        self.dst.iter().map(|d| d.len()).sum()
+    }
+}
+
+/// `(count, size)` of the parts of a chunk of `len` data bytes.
+pub fn parts(len: usize, part_bytes: usize) -> (usize, usize) {
+    let size = part_bytes.max(len.div_ceil(MAX_PARTS)).max(1);
+    (len.div_ceil(size).max(1), size)
+}
+
+/// The Redis key of part `part` of chunk `key` in namespace `namespace`.
+pub fn value_key(namespace: u128, key: Key, part: usize) -> Vec<u8> {
+    if part == 0 {
+        format!("kvo:{namespace:032x}:{:032x}", key.0).into_bytes()
+    } else {
+        format!("kvo:{namespace:032x}:{:032x}:{part}", key.0).into_bytes()
+    }
+}
+
+/// Pieces at least this long are sent from where they are instead of being copied.
+const SEND_IN_PLACE: usize = 64 << 10;
+
+/// Commands of one pipeline in the Redis protocol, as segments to send in order: small parts
+/// are packed together, large data pieces are sent from the caller's memory (no copy).
+#[derive(Default)]
+struct Packed<'a> {
+    segments: Vec<std::borrow::Cow<'a, [u8]>>,
+    small: Vec<u8>,
+    commands: usize,
+}
+
+impl<'a> Packed<'a> {
+    /// Appends one command; each argument is a list of pieces sent as one bulk string.
+    fn command(&mut self, args: &[&[&'a [u8]]]) {
+        self.small
+            .extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+        for arg in args {
+            let len: usize = arg.iter().map(|p| p.len()).sum();
+            self.small
+                .extend_from_slice(format!("${len}\r\n").as_bytes());
+            for &p in *arg {
+                if p.len() >= SEND_IN_PLACE {
+                    if !self.small.is_empty() {
+                        self.segments.push(std::mem::take(&mut self.small).into());
+                    }
+                    self.segments.push(p.into());
+                } else {
+                    self.small.extend_from_slice(p);
+                }
+            }
+            self.small.extend_from_slice(b"\r\n");
+        }
+        self.commands += 1;
+    }
+
+    /// The segments, ready to send.
+    fn finish(mut self) -> (Vec<std::borrow::Cow<'a, [u8]>>, usize) {
+        if !self.small.is_empty() {
+            self.segments.push(self.small.into());
+        }
+        (self.segments, self.commands)
+    }
+}
+
+/// Pieces of `data` covering bytes `start..end` of their concatenation.
+fn slice_pieces<'a>(data: &[&'a [u8]], start: usize, end: usize) -> Vec<&'a [u8]> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for p in data {
+        let (lo, hi) = (at, at + p.len());
+        at = hi;
+        if hi <= start || lo >= end {
+            continue;
+        }
+        out.push(&p[start.max(lo) - lo..end.min(hi) - lo]);
+    }
+    out
+}
+
+/// Copies `src` into the destination pieces starting at byte `offset` of their concatenation.
+fn scatter(dst: &mut [&mut [u8]], mut offset: usize, mut src: &[u8]) {
+    for d in dst.iter_mut() {
+        if src.is_empty() {
+            return;
+        }
+        if offset >= d.len() {
+            offset -= d.len();
+            continue;
+        }
+        let n = (d.len() - offset).min(src.len());
+        d[offset..offset + n].copy_from_slice(&src[..n]);
+        src = &src[n..];
+        offset = 0;
+    }
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    failures: u32,
+    until: Option<Instant>,
+    trial: bool,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    writes: AtomicU64,
+    failed_writes: AtomicU64,
+    dropped_writes: AtomicU64,
+    read_hits: AtomicU64,
+    read_misses: AtomicU64,
+    failed_reads: AtomicU64,
+    checksum_mismatches: AtomicU64,
+    lookups: AtomicU64,
+    lookup_hits: AtomicU64,
+    skipped_lookups: AtomicU64,
+    round_trips: AtomicU64,
+    errors: AtomicU64,
+    deadline_misses: AtomicU64,
+    probations: AtomicU64,
+    recoveries: AtomicU64,
+    bytes_written: AtomicU64,
+    bytes_read: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: usize) {
+    c.fetch_add(n as u64, Relaxed);
+}
+
+/// Why one pipelined operation failed.
+#[derive(Debug)]
+enum OpError {
+    Redis,
+    Late,
+}
+
+/// A client of one Redis server: connection pool, health, counters. Thread-safe; every
+/// method blocks its calling thread for at most about one deadline per sub-batch.
+pub struct RemoteClient {
+    cfg: RemoteConfig,
+    client: redis::Client,
+    idle: Mutex<Vec<redis::Connection>>,
+    health: Mutex<Health>,
+    counters: Counters,
+    generation: AtomicU64,
+}
+
+impl std::fmt::Debug for RemoteClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteClient")
+            .field("url", &self.cfg.url)
+            .field("on_probation", &self.on_probation())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteClient {
+    /// A client for `cfg.url`. Connects lazily: a server that is down now only makes the first
+    /// operations fail. Refuses a URL that is not a Redis URL and out-of-range settings.
+    pub fn new(cfg: RemoteConfig) -> Result<Self> {
+        let bad = |field: &str, why: String| Error::Config(format!("{field}: {why}"));
+        if !(cfg.url.starts_with("redis://") || cfg.url.starts_with("unix://")) {
+            return Err(bad(
+                "remote_url",
+                format!("{:?} is not a redis:// URL", cfg.url),
+            ));
+        }
+        let client = redis::Client::open(cfg.url.as_str())
+            .map_err(|e| bad("remote_url", format!("{:?}: {e}", cfg.url)))?;
+        if cfg.deadline.is_zero() || cfg.deadline > Duration::from_secs(3600) {
+            return Err(bad(
+                "remote_deadline",
+                format!("{:?} is not within (0, 1 h]", cfg.deadline),
+            ));
+        }
+        if !(1..=64).contains(&cfg.connections) {
+            return Err(bad(
+                "remote_connections",
+                format!("{} is not within 1..=64", cfg.connections),
+            ));
+        }
+        if !(4096..=(512 << 20) - HEADER_LEN).contains(&cfg.part_bytes) {
+            return Err(bad(
+                "remote_part_bytes",
+                format!("{} is not within 4096..=512 MiB - header", cfg.part_bytes),
+            ));
+        }
+        if cfg.probation_after == 0 {
+            return Err(bad("remote_probation_after", "0 is not >= 1".into()));
+        }
+        Ok(Self {
+            cfg,
+            client,
+            idle: Mutex::new(Vec::new()),
+            health: Mutex::new(Health::default()),
+            counters: Counters::default(),
+            generation: AtomicU64::new(0),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RemoteConfig {
+        &self.cfg
+    }
+
+    /// Whether the tier is on probation now (operations are skipped).
+    pub fn on_probation(&self) -> bool {
+        let h = self.health.lock().expect("health lock");
+        h.until.is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Whether an operation may run now: not on probation, or the probation is over (then this
+    /// operation is the trial).
+    fn admit(&self) -> bool {
+        let mut h = self.health.lock().expect("health lock");
+        match h.until {
+            Some(t) if Instant::now() < t => false,
+            Some(_) => {
+                h.until = None;
+                h.trial = true;
+                true
+            }
+            None => true,
+        }
+    }
+
+    fn record(&self, outcome: std::result::Result<(), &OpError>) {
+        let mut h = self.health.lock().expect("health lock");
+        match outcome {
+            Ok(()) => {
+                h.failures = 0;
+                if std::mem::take(&mut h.trial) {
+                    add(&self.counters.recoveries, 1);
+                }
+            }
+            Err(e) => {
+                add(
+                    match e {
+                        OpError::Redis => &self.counters.errors,
+                        OpError::Late => &self.counters.deadline_misses,
+                    },
+                    1,
+                );
+                h.failures += 1;
+                if h.until.is_none() && (h.trial || h.failures >= self.cfg.probation_after) {
+                    h.trial = false;
+                    h.until = Some(Instant::now() + self.cfg.probation);
+                    add(&self.counters.probations, 1);
+                    drop(h);
+                    // Pooled connections are likely broken too.
+                    self.idle.lock().expect("pool lock").clear();
+                }
+            }
+        }
+    }
+
+    /// Sends the commands of `packed` on a pooled connection and returns their replies, or
+    /// fails the operation (error or deadline), recording the outcome in the tier's health.
+    fn pipeline(&self, packed: Packed<'_>) -> std::result::Result<Vec<Value>, OpError> {
+        let (segments, count) = packed.finish();
+        let start = Instant::now();
+        let deadline = self.cfg.deadline;
+        let result = (|| {
+            let pooled = self.idle.lock().expect("pool lock").pop();
+            let mut con = match pooled {
+                Some(c) => c,
+                None => self
+                    .client
+                    .get_connection_with_timeout(deadline)
+                    .map_err(|e| {
+                        if e.is_timeout() {
+                            OpError::Late
+                        } else {
+                            OpError::Redis
+                        }
+                    })?,
+            };
+            let left = deadline
+                .checked_sub(start.elapsed())
+                .filter(|d| !d.is_zero())
+                .ok_or(OpError::Late)?;
+            con.set_read_timeout(Some(left))
+                .map_err(|_| OpError::Redis)?;
+            con.set_write_timeout(Some(left))
+                .map_err(|_| OpError::Redis)?;
+            add(&self.counters.round_trips, 1);
+            let fail = |e: redis::RedisError| {
+                if e.is_timeout() {
+                    OpError::Late
+                } else {
+                    OpError::Redis
+                }
+            };
+            for seg in &segments {
+                con.send_packed_command(seg).map_err(fail)?;
+            }
+            let mut replies = Vec::with_capacity(count);
+            for _ in 0..count {
+                replies.push(con.recv_response().map_err(fail)?);
+            }
+            if start.elapsed() > deadline {
+                return Err(OpError::Late);
+            }
+            if replies.len() != count {
+                return Err(OpError::Redis);
+            }
+            self.idle.lock().expect("pool lock").push(con);
+            Ok(replies)
+        })();
+        self.record(result.as_ref().map(|_| ()));
+        result
+    }
+
+    /// Runs `work` over `batches` on up to `connections` threads; results in batch order.
+    fn run_batches<B: Sync, R: Send>(
+        &self,
+        batches: &[B],
+        work: impl Fn(&B) -> R + Sync,
+    ) -> Vec<R> {
+        let threads = self.cfg.connections.min(batches.len());
+        if threads <= 1 {
+            return batches.iter().map(&work).collect();
+        }
+        let next = AtomicUsize::new(0);
+        let mut out: Vec<Option<R>> = (0..batches.len()).map(|_| None).collect();
+        let results = Mutex::new(&mut out);
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Relaxed);
+                    let Some(b) = batches.get(i) else { break };
+                    let r = work(b);
+                    results.lock().expect("results lock")[i] = Some(r);
+                });
+            }
+        });
+        out.into_iter()
+            .map(|r| r.expect("every batch ran"))
+            .collect()
+    }
+
+    /// Groups item indices into sub-batches of about [`BATCH_BYTES`].
+    fn batches(lens: impl Iterator<Item = usize>) -> Vec<Vec<usize>> {
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        let mut bytes = 0;
+        for (i, len) in lens.enumerate() {
+            if out.is_empty() || bytes + len > BATCH_BYTES && !out.last().expect("one").is_empty() {
+                out.push(Vec::new());
+                bytes = 0;
+            }
+            out.last_mut().expect("one").push(i);
+            bytes += len;
+        }
+        out
+    }
+
+    /// Writes `items` under namespace `namespace`; per item, whether every part was stored.
+    /// On probation nothing is sent and every item is counted as dropped.
+    pub fn write(&self, namespace: u128, items: &[WriteItem<'_>]) -> Vec<bool> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        if !self.admit() {
+            add(&self.counters.dropped_writes, items.len());
+            return vec![false; items.len()];
+        }
+        let lens: Vec<usize> = items
+            .iter()
+            .map(|it| it.data.iter().map(|p| p.len()).sum())
+            .collect();
+        let batches = Self::batches(lens.iter().copied());
+        let done = self.run_batches(&batches, |batch| {
+            let mut commands = Vec::with_capacity(batch.len());
+            let mut headers = Vec::with_capacity(batch.len());
+            for &i in batch {
+                let it = &items[i];
+                let len = lens[i];
+                headers.push(
+                    ChunkHeader {
+                        group: it.group,
+                        namespace,
+                        key: it.key,
+                        length: len as u64,
+                        generation: self.generation.fetch_add(1, Relaxed) + 1,
+                        checksum: checksum(it.data.iter().copied()),
+                    }
+                    .encode(),
+                );
+            }
+            let names: Vec<Vec<Vec<u8>>> = batch
+                .iter()
+                .map(|&i| {
+                    let (count, _) = parts(lens[i], self.cfg.part_bytes);
+                    (0..count)
+                        .map(|p| value_key(namespace, items[i].key, p))
+                        .collect()
+                })
+                .collect();
+            let mut packed = Packed::default();
+            for (b, &i) in batch.iter().enumerate() {
+                let it = &items[i];
+                let len = lens[i];
+                let (count, size) = parts(len, self.cfg.part_bytes);
+                // Last part first: part 0 (the header) is published after all the data.
+                for part in (0..count).rev() {
+                    let mut value =
+                        slice_pieces(&it.data, part * size, ((part + 1) * size).min(len));
+                    if part == 0 {
+                        value.insert(0, &headers[b][..]);
+                    }
+                    packed.command(&[&[b"SET"], &[&names[b][part]], &value]);
+                }
+                commands.push(count);
+            }
+            match self.pipeline(packed) {
+                Ok(replies) => {
+                    let mut at = 0;
+                    commands
+                        .iter()
+                        .map(|&n| {
+                            let ok = replies[at..at + n].iter().all(|v| matches!(v, Value::Okay));
+                            at += n;
+                            ok
+                        })
+                        .collect::<Vec<bool>>()
+                }
+                Err(_) => vec![false; batch.len()],
+            }
+        });
+        let mut out = vec![false; items.len()];
+        for (batch, oks) in batches.iter().zip(done) {
+            for (&i, ok) in batch.iter().zip(oks) {
+                out[i] = ok;
+                if ok {
+                    add(&self.counters.writes, 1);
+                    add(&self.counters.bytes_written, lens[i] + HEADER_LEN);
+                } else {
+                    add(&self.counters.failed_writes, 1);
+                }
+            }
+        }
+        out
+    }
+
+    /// How many of `keys` exist in namespace `namespace`, per key; one round trip. `None` when
+    /// the operation failed or the tier is on probation (the caller treats it as all-miss).
+    pub fn exists(&self, namespace: u128, keys: &[Key]) -> Option<Vec<bool>> {
+        if keys.is_empty() {
+            return Some(Vec::new());
+        }
+        add(&self.counters.lookups, keys.len());
+        if !self.admit() {
+            add(&self.counters.skipped_lookups, keys.len());
+            return None;
+        }
+        let names: Vec<Vec<u8>> = keys.iter().map(|&k| value_key(namespace, k, 0)).collect();
+        let mut packed = Packed::default();
+        for name in &names {
+            packed.command(&[&[b"EXISTS"], &[name]]);
+        }
+        let replies = self.pipeline(packed).ok()?;
+        let found: Vec<bool> = replies
+            .iter()
+            .map(|v| matches!(v, Value::Int(n) if *n > 0))
+            .collect();
+        add(
+            &self.counters.lookup_hits,
+            found.iter().filter(|&&f| f).count(),
+        );
+        Some(found)
+    }
+
+    /// Reads `items` of namespace `namespace` into their destinations and verifies them.
+    pub fn read(&self, namespace: u128, items: &mut [ReadItem<'_>]) -> Vec<ReadOutcome> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        if !self.admit() {
+            add(&self.counters.failed_reads, items.len());
+            return vec![ReadOutcome::Failed; items.len()];
+        }
+        let lens: Vec<usize> = items.iter().map(ReadItem::len).collect();
+        let batches = Self::batches(lens.iter().copied());
+        // Each batch fetches its values; verification and copies run on the same thread.
+        let slots: Vec<Mutex<Option<&mut ReadItem<'_>>>> =
+            items.iter_mut().map(|it| Mutex::new(Some(it))).collect();
+        let done = self.run_batches(&batches, |batch| {
+            let mut names = Vec::new();
+            let mut counts = Vec::with_capacity(batch.len());
+            for &i in batch {
+                let (count, _) = parts(lens[i], self.cfg.part_bytes);
+                let key = slots[i]
+                    .lock()
+                    .expect("item lock")
+                    .as_ref()
+                    .expect("item")
+                    .key;
+                names.extend((0..count).map(|part| value_key(namespace, key, part)));
+                counts.push(count);
+            }
+            let mut packed = Packed::default();
+            for name in &names {
+                packed.command(&[&[b"GET"], &[name]]);
+            }
+            let Ok(replies) = self.pipeline(packed) else {
+                return vec![ReadOutcome::Failed; batch.len()];
+            };
+            let mut replies = replies.into_iter();
+            batch
+                .iter()
+                .zip(&counts)
+                .map(|(&i, &count)| {
+                    let values: Vec<Value> = replies.by_ref().take(count).collect();
+                    let mut guard = slots[i].lock().expect("item lock");
+                    let item = guard.as_mut().expect("item");
+                    self.verify_into(namespace, item, lens[i], values)
+                })
+                .collect::<Vec<ReadOutcome>>()
+        });
+        let mut out = vec![ReadOutcome::Failed; items.len()];
+        for (batch, outcomes) in batches.iter().zip(done) {
+            for (&i, o) in batch.iter().zip(outcomes) {
+                out[i] = o;
+                match o {
+                    ReadOutcome::Hit => {
+                        add(&self.counters.read_hits, 1);
+                        add(&self.counters.bytes_read, lens[i] + HEADER_LEN);
+                    }
+                    ReadOutcome::Miss => add(&self.counters.read_misses, 1),
+                    ReadOutcome::Corrupt => add(&self.counters.checksum_mismatches, 1),
+                    ReadOutcome::Failed => add(&self.counters.failed_reads, 1),
+                }
+            }
+        }
+        out
+    }
+
+    /// Checks one chunk's part values against what the reader expects and copies its data.
+    fn verify_into(
+        &self,
+        namespace: u128,
+        item: &mut ReadItem<'_>,
+        len: usize,
+        values: Vec<Value>,
+    ) -> ReadOutcome {
+        let (count, size) = parts(len, self.cfg.part_bytes);
+        let mut bufs = Vec::with_capacity(count);
+        for v in values {
+            match v {
+                Value::BulkString(b) => bufs.push(b),
+                Value::Nil => return ReadOutcome::Miss,
+                _ => return ReadOutcome::Corrupt,
+            }
+        }
+        if bufs.len() != count {
+            return ReadOutcome::Miss;
+        }
+        let Ok(h) = ChunkHeader::decode(&bufs[0]) else {
+            return ReadOutcome::Corrupt;
+        };
+        if h.namespace != namespace
+            || h.key != item.key
+            || h.group != item.group
+            || h.length != len as u64
+        {
+            return ReadOutcome::Corrupt;
+        }
+        let mut crc = 0;
+        for (part, b) in bufs.iter().enumerate() {
+            let data = if part == 0 { &b[HEADER_LEN..] } else { &b[..] };
+            let want = ((part + 1) * size).min(len) - part * size;
+            if data.len() != want {
+                return ReadOutcome::Corrupt;
+            }
+            crc = crc32c::crc32c_append(crc, data);
+            scatter(&mut item.dst, part * size, data);
+        }
+        if crc == h.checksum {
+            ReadOutcome::Hit
+        } else {
+            ReadOutcome::Corrupt
+        }
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> RemoteStats {
+        let c = &self.counters;
+        let g = |a: &AtomicU64| a.load(Relaxed);
+        RemoteStats {
+            writes: g(&c.writes),
+            failed_writes: g(&c.failed_writes),
+            dropped_writes: g(&c.dropped_writes),
+            read_hits: g(&c.read_hits),
+            read_misses: g(&c.read_misses),
+            failed_reads: g(&c.failed_reads),
+            checksum_mismatches: g(&c.checksum_mismatches),
+            lookups: g(&c.lookups),
+            lookup_hits: g(&c.lookup_hits),
+            skipped_lookups: g(&c.skipped_lookups),
+            round_trips: g(&c.round_trips),
+            errors: g(&c.errors),
+            deadline_misses: g(&c.deadline_misses),
+            probations: g(&c.probations),
+            recoveries: g(&c.recoveries),
+            bytes_written: g(&c.bytes_written),
+            bytes_read: g(&c.bytes_read),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_are_few_and_cover_the_data() {
+        assert_eq!(parts(0, 4096), (1, 4096));
+        assert_eq!(parts(4096, 4096), (1, 4096));
+        assert_eq!(parts(4097, 4096), (2, 4096));
+        let (n, size) = parts(1 << 30, 4096);
+        assert!(n <= MAX_PARTS && n * size >= 1 << 30, "{n} x {size}");
+    }
+
+    #[test]
+    fn pieces_slice_and_scatter_round_trip() {
+        let a: Vec<u8> = (0..10).collect();
+        let b: Vec<u8> = (10..25).collect();
+        let data = [&a[..], &b[..]];
+        let got: Vec<u8> = slice_pieces(&data, 7, 13).concat();
+        assert_eq!(got, (7..13).collect::<Vec<u8>>());
+        let mut x = [0u8; 4];
+        let mut y = [0u8; 6];
+        let mut dst = [&mut x[..], &mut y[..]];
+        scatter(&mut dst, 2, &[1, 2, 3, 4, 5]);
+        assert_eq!((x, y), ([0, 0, 1, 2], [3, 4, 5, 0, 0, 0]));
+    }
+
+    #[test]
+    fn keys_carry_the_namespace() {
+        assert_ne!(value_key(1, Key(5), 0), value_key(2, Key(5), 0));
+        assert_ne!(value_key(1, Key(5), 0), value_key(1, Key(5), 1));
+    }
+
+    #[test]
+    fn bad_settings_are_refused_by_name() {
+        let err = |cfg: RemoteConfig| RemoteClient::new(cfg).unwrap_err().to_string();
+        assert!(err(RemoteConfig::new("http://x")).contains("remote_url"));
+        let mut c = RemoteConfig::new("redis://127.0.0.1:1");
+        c.connections = 0;
+        assert!(err(c).contains("remote_connections"));
+    }
+}

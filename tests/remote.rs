@@ -1,0 +1,329 @@
+//! The shared tier's client against a real `redis-server` (Debian's package; `make test`
+//! installs it): byte-exact round trips, namespaces, verification, probation and recovery.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use kvoffload::tier::remote::{
+    parts, value_key, ReadItem, ReadOutcome, RemoteClient, RemoteConfig, WriteItem,
+};
+use kvoffload::Key;
+
+/// A `redis-server` on 127.0.0.1, a free port and a temporary directory; no persistence,
+/// `maxmemory` with `allkeys-lru`. Killed and removed on drop.
+struct Server {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Server {
+    fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir =
+            std::env::temp_dir().join(format!("kvoffload-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut s = Self {
+            port,
+            dir,
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .args(["--save", "", "--appendonly", "no", "--maxmemory", "256mb"])
+            .args([
+                "--maxmemory-policy",
+                "allkeys-lru",
+                "--protected-mode",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (make test installs Debian's package)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut c) =
+                redis::Client::open(self.url().as_str()).and_then(|c| c.get_connection())
+            {
+                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    fn con(&self) -> redis::Connection {
+        redis::Client::open(self.url().as_str())
+            .unwrap()
+            .get_connection()
+            .unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn config(url: &str) -> RemoteConfig {
+    let mut c = RemoteConfig::new(url);
+    c.deadline = Duration::from_secs(5);
+    c.part_bytes = 4096;
+    c.probation = Duration::from_millis(200);
+    c
+}
+
+/// Deterministic chunk data for `key`, as two pieces (two regions).
+fn chunk(key: u64, len: usize) -> (Vec<u8>, Vec<u8>) {
+    let bytes: Vec<u8> = (0..len)
+        .map(|i| (key.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8)
+        .collect();
+    let (a, b) = bytes.split_at(len / 3);
+    (a.to_vec(), b.to_vec())
+}
+
+fn write(c: &RemoteClient, ns: u128, keys: &[u64], len: usize) -> Vec<bool> {
+    let data: Vec<(Vec<u8>, Vec<u8>)> = keys.iter().map(|&k| chunk(k, len)).collect();
+    let items: Vec<WriteItem<'_>> = keys
+        .iter()
+        .zip(&data)
+        .map(|(&k, (a, b))| WriteItem {
+            key: Key(u128::from(k)),
+            group: 0,
+            data: vec![a, b],
+        })
+        .collect();
+    c.write(ns, &items)
+}
+
+/// Reads `keys`; returns outcomes and the bytes read.
+fn read(c: &RemoteClient, ns: u128, keys: &[u64], len: usize) -> (Vec<ReadOutcome>, Vec<Vec<u8>>) {
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; len]).collect();
+    let mut items: Vec<ReadItem<'_>> = keys
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(&k, buf)| {
+            let (a, b) = buf.split_at_mut(len / 3);
+            ReadItem {
+                key: Key(u128::from(k)),
+                group: 0,
+                dst: vec![a, b],
+            }
+        })
+        .collect();
+    let out = c.read(ns, &mut items);
+    drop(items);
+    (out, bufs)
+}
+
+#[test]
+fn chunks_round_trip_byte_exact_single_and_multi_part() {
+    let server = Server::start();
+    let c = RemoteClient::new(config(&server.url())).unwrap();
+    for len in [100, 4096, 4097, 3 * 4096 + 17, 200_000] {
+        let keys: Vec<u64> = (0..5).map(|i| len as u64 * 10 + i).collect();
+        assert_eq!(write(&c, 7, &keys, len), vec![true; 5], "len {len}");
+        let (out, bufs) = read(&c, 7, &keys, len);
+        assert_eq!(out, vec![ReadOutcome::Hit; 5], "len {len}");
+        for (k, buf) in keys.iter().zip(&bufs) {
+            let (a, b) = chunk(*k, len);
+            assert_eq!(*buf, [a, b].concat(), "key {k} len {len}");
+        }
+        let (n, _) = parts(len, 4096);
+        let mut con = server.con();
+        for part in 0..n {
+            let exists: bool = redis::cmd("EXISTS")
+                .arg(value_key(7, Key(u128::from(keys[0])), part))
+                .query(&mut con)
+                .unwrap();
+            assert!(exists, "len {len}: part {part} of {n} stored under its key");
+        }
+    }
+    let s = c.stats();
+    assert_eq!(
+        (
+            s.writes,
+            s.read_hits,
+            s.failed_writes,
+            s.checksum_mismatches
+        ),
+        (25, 25, 0, 0)
+    );
+}
+
+#[test]
+fn other_namespaces_and_absent_keys_miss() {
+    let server = Server::start();
+    let c = RemoteClient::new(config(&server.url())).unwrap();
+    write(&c, 1, &[1, 2, 3], 1000);
+    assert_eq!(
+        c.exists(1, &[Key(1), Key(2), Key(9), Key(3)]),
+        Some(vec![true, true, false, true])
+    );
+    assert_eq!(c.exists(2, &[Key(1), Key(2)]), Some(vec![false, false]));
+    let (out, _) = read(&c, 2, &[1, 2], 1000);
+    assert_eq!(out, vec![ReadOutcome::Miss; 2]);
+    // A reader that expects another length refuses the chunk (another layout).
+    let (out, _) = read(&c, 1, &[1], 999);
+    assert_eq!(out, vec![ReadOutcome::Corrupt]);
+}
+
+#[test]
+fn a_512_chunk_lookup_is_one_round_trip() {
+    let server = Server::start();
+    let c = RemoteClient::new(config(&server.url())).unwrap();
+    let keys: Vec<u64> = (0..512).collect();
+    assert!(write(&c, 3, &keys[..300], 64).iter().all(|&ok| ok));
+    let before = c.stats().round_trips;
+    let found = c
+        .exists(
+            3,
+            &keys.iter().map(|&k| Key(u128::from(k))).collect::<Vec<_>>(),
+        )
+        .unwrap();
+    assert_eq!(c.stats().round_trips - before, 1);
+    assert_eq!(found.iter().take_while(|&&f| f).count(), 300);
+    assert_eq!(found.iter().filter(|&&f| f).count(), 300);
+}
+
+#[test]
+fn flipped_bytes_and_lost_parts_are_never_served() {
+    let server = Server::start();
+    let c = RemoteClient::new(config(&server.url())).unwrap();
+    let len = 3 * 4096;
+    write(&c, 5, &[1, 2, 3, 4], len);
+    let mut con = server.con();
+    // Flip one data byte of key 1 (part 1) and one header byte of key 2 (part 0).
+    for (key, part, at) in [(1u128, 1usize, 100usize), (2, 0, 40)] {
+        let name = value_key(5, Key(key), part);
+        let mut v: Vec<u8> = redis::cmd("GET").arg(&name).query(&mut con).unwrap();
+        v[at] ^= 0x10;
+        let () = redis::cmd("SET").arg(&name).arg(v).query(&mut con).unwrap();
+    }
+    // Key 3 loses its last part (eviction of one part).
+    let () = redis::cmd("DEL")
+        .arg(value_key(5, Key(3), 2))
+        .query(&mut con)
+        .map(|_: i64| ())
+        .unwrap();
+    let (out, bufs) = read(&c, 5, &[1, 2, 3, 4], len);
+    assert_eq!(
+        out,
+        vec![
+            ReadOutcome::Corrupt,
+            ReadOutcome::Corrupt,
+            ReadOutcome::Miss,
+            ReadOutcome::Hit
+        ]
+    );
+    let (a, b) = chunk(4, len);
+    assert_eq!(bufs[3], [a, b].concat());
+    let s = c.stats();
+    assert_eq!(
+        (s.checksum_mismatches, s.read_misses, s.read_hits),
+        (2, 1, 1)
+    );
+}
+
+#[test]
+fn a_dead_server_means_probation_then_recovery_after_restart() {
+    let mut server = Server::start();
+    let c = RemoteClient::new(config(&server.url())).unwrap();
+    assert_eq!(write(&c, 1, &[1], 500), vec![true]);
+    server.kill();
+    // probation_after = 3 failures: lookups fail (None), then writes are dropped without I/O.
+    for _ in 0..3 {
+        assert_eq!(c.exists(1, &[Key(1)]), None);
+    }
+    assert!(c.on_probation());
+    let trips = c.stats().round_trips;
+    assert_eq!(write(&c, 1, &[2], 500), vec![false]);
+    assert_eq!(c.exists(1, &[Key(1)]), None);
+    let (out, _) = read(&c, 1, &[1], 500);
+    assert_eq!(out, vec![ReadOutcome::Failed]);
+    let s = c.stats();
+    assert_eq!(s.round_trips, trips, "nothing sent on probation");
+    assert_eq!(
+        (
+            s.probations,
+            s.dropped_writes,
+            s.skipped_lookups,
+            s.recoveries
+        ),
+        (1, 1, 1, 0)
+    );
+    assert_eq!(s.errors, 3);
+    server.spawn();
+    sleep(Duration::from_millis(250));
+    // The trial succeeds: recovery; the restarted server is empty.
+    assert_eq!(c.exists(1, &[Key(1)]), Some(vec![false]));
+    assert!(!c.on_probation());
+    assert_eq!(c.stats().recoveries, 1);
+    assert_eq!(write(&c, 1, &[2], 500), vec![true]);
+    assert_eq!(read(&c, 1, &[2], 500).0, vec![ReadOutcome::Hit]);
+}
+
+#[test]
+fn a_failed_trial_starts_another_probation() {
+    let mut server = Server::start();
+    let c = RemoteClient::new(config(&server.url())).unwrap();
+    server.kill();
+    for _ in 0..3 {
+        assert_eq!(c.exists(1, &[Key(1)]), None);
+    }
+    sleep(Duration::from_millis(250));
+    assert_eq!(c.exists(1, &[Key(1)]), None, "the trial fails");
+    assert!(c.on_probation(), "one failed trial is enough");
+    assert_eq!(c.stats().probations, 2);
+}
+
+#[test]
+fn parallel_batches_keep_every_chunk_apart() {
+    let server = Server::start();
+    let mut cfg = config(&server.url());
+    cfg.part_bytes = 1 << 20;
+    cfg.deadline = Duration::from_secs(20); // a debug build on a loaded machine
+    let c = RemoteClient::new(cfg).unwrap();
+    // 40 chunks of 1 MiB: several sub-batches on several connections.
+    let keys: Vec<u64> = (100..140).collect();
+    let w = write(&c, 9, &keys, 1 << 20);
+    assert!(w.iter().all(|&ok| ok), "{w:?} {:?}", c.stats());
+    let (out, bufs) = read(&c, 9, &keys, 1 << 20);
+    assert!(out.iter().all(|&o| o == ReadOutcome::Hit));
+    for (k, buf) in keys.iter().zip(&bufs) {
+        let (a, b) = chunk(*k, 1 << 20);
+        assert!(*buf == [a, b].concat(), "key {k}");
+    }
+    assert!(c.stats().round_trips >= 2 * 5, "{:?}", c.stats());
+}
