@@ -327,3 +327,142 @@ fn parallel_batches_keep_every_chunk_apart() {
     }
     assert!(c.stats().round_trips >= 2 * 5, "{:?}", c.stats());
 }
+
+mod index {
+    use super::*;
+    use kvoffload::pool::KeyState;
+    use kvoffload::tier::remote_index::{RemoteIndex, RemoteIndexConfig};
+    use kvoffload::tier::TierIndex;
+    use std::sync::Arc;
+
+    fn index(url: &str, deadline: Duration) -> RemoteIndex {
+        let mut cfg = config(url);
+        cfg.deadline = deadline;
+        let client = Arc::new(RemoteClient::new(cfg).unwrap());
+        RemoteIndex::new(
+            client,
+            RemoteIndexConfig {
+                namespace: 11,
+                ttl: Duration::from_secs(60),
+                retry: Duration::from_secs(30),
+            },
+        )
+        .unwrap()
+    }
+
+    /// Looks `keys` up until the answer is no longer pending (bounded).
+    fn settle(ix: &mut RemoteIndex, keys: &[Key]) -> (usize, u32) {
+        let mut asks = 0;
+        loop {
+            let n = ix.lookup(keys);
+            asks += 1;
+            if !ix.lookup_pending(keys) {
+                return (n, asks);
+            }
+            assert!(asks < 1000, "lookup still pending after {asks} asks");
+            sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn keys(range: std::ops::Range<u64>) -> Vec<Key> {
+        range.map(|k| Key(u128::from(k))).collect()
+    }
+
+    #[test]
+    fn lookups_ask_later_then_see_another_writers_chunks() {
+        let server = Server::start();
+        let writer = RemoteClient::new(config(&server.url())).unwrap();
+        write(&writer, 11, &(0..6).collect::<Vec<_>>(), 256);
+        let mut ix = index(&server.url(), Duration::from_secs(5));
+        let ks = keys(0..10);
+        assert_eq!(ix.lookup(&ks), 0, "nothing is known yet");
+        assert!(ix.lookup_pending(&ks), "the request is told to ask later");
+        let (n, asks) = settle(&mut ix, &ks);
+        assert_eq!(n, 6);
+        assert!(asks >= 2);
+        assert_eq!(
+            ix.checks(),
+            (1, 0),
+            "one existence check for the whole prefix"
+        );
+        assert_eq!(ix.state(Key(3)), KeyState::Ready { pins: 0 });
+        assert_eq!(ix.state(Key(7)), KeyState::Absent);
+        // Known answers: no new check, no pending.
+        assert_eq!(ix.lookup(&ks), 6);
+        assert!(!ix.lookup_pending(&ks));
+        assert_eq!(ix.checks().0, 1);
+    }
+
+    #[test]
+    fn promotion_pins_and_a_vanished_chunk_becomes_absent() {
+        let server = Server::start();
+        let writer = RemoteClient::new(config(&server.url())).unwrap();
+        write(&writer, 11, &[1, 2], 256);
+        let mut ix = index(&server.url(), Duration::from_secs(5));
+        let ks = keys(1..3);
+        assert_eq!(settle(&mut ix, &ks).0, 2);
+        assert_eq!(ix.prepare_read(&ks).unwrap().len(), 2);
+        assert_eq!(ix.state(Key(1)), KeyState::Ready { pins: 1 });
+        // Unknown keys and wrong `bad` sets are refused without change.
+        assert!(ix.prepare_read(&keys(1..4)).is_err());
+        assert!(ix.complete_read(&ks, &[Key(9)]).is_err());
+        assert_eq!(ix.state(Key(1)), KeyState::Ready { pins: 1 });
+        ix.complete_read(&ks, &[Key(2)]).unwrap();
+        assert_eq!(ix.state(Key(1)), KeyState::Ready { pins: 0 });
+        assert_eq!(ix.state(Key(2)), KeyState::Absent);
+        assert!(ix.complete_read(&ks, &[]).is_err(), "not pinned any more");
+        let s = ix.stats();
+        assert_eq!((s.promotions, s.quarantined, s.reading), (2, 1, 0));
+        assert_eq!(ix.lookup(&ks), 1);
+    }
+
+    #[test]
+    fn our_writes_are_known_without_asking() {
+        let server = Server::start();
+        let mut ix = index(&server.url(), Duration::from_secs(5));
+        let ks = keys(5..8);
+        let plan = ix.prepare_write(&ks).unwrap();
+        assert_eq!(plan.keys, ks);
+        assert_eq!(ix.state(Key(5)), KeyState::Storing);
+        assert_eq!(ix.lookup(&ks), 0, "a write in flight is not readable");
+        assert!(!ix.lookup_pending(&ks));
+        assert_eq!(
+            ix.prepare_write(&ks).unwrap().keys,
+            Vec::<Key>::new(),
+            "no double write"
+        );
+        ix.complete_write(&ks[..2], true).unwrap();
+        ix.complete_write(&ks[2..], false).unwrap();
+        assert!(
+            ix.complete_write(&ks, true).is_err(),
+            "not writing any more"
+        );
+        assert_eq!(ix.lookup(&ks), 2);
+        assert_eq!(ix.checks().0, 1, "only the failed key is asked about");
+        let ev = ix.take_events();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(
+            (ev[0].medium, ev[0].keys.clone()),
+            ("remote", ks[..2].to_vec())
+        );
+    }
+
+    #[test]
+    fn a_silent_server_expires_the_question_and_the_lookup_is_a_miss() {
+        // A listener that accepts and never answers: every check outlives its deadline.
+        let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("redis://127.0.0.1:{}", silent.local_addr().unwrap().port());
+        let mut ix = index(&url, Duration::from_millis(100));
+        let ks = keys(0..4);
+        assert_eq!(ix.lookup(&ks), 0);
+        assert!(ix.lookup_pending(&ks));
+        let start = Instant::now();
+        let (n, _) = settle(&mut ix, &ks);
+        assert_eq!(n, 0);
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "bounded by the deadline"
+        );
+        assert_eq!(ix.checks().1, 1, "the question expired");
+    }
+}

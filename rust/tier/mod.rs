@@ -30,6 +30,7 @@ pub mod disk;
 pub mod header;
 pub mod namespace;
 pub mod remote;
+pub mod remote_index;
 
 use crate::error::Result;
 use crate::ids::Key;
@@ -110,6 +111,13 @@ pub trait TierIndex: Send + std::fmt::Debug {
 
     /// How many leading `keys` are readable now; counts hits and misses.
     fn lookup(&mut self, keys: &[Key]) -> usize;
+
+    /// Whether the answer about the keys after the readable prefix of `keys` is still being
+    /// fetched (a remote tier looks up asynchronously, bounded by its deadline): the request
+    /// should ask again later instead of counting them as misses. Local tiers know at once.
+    fn lookup_pending(&mut self, _keys: &[Key]) -> bool {
+        false
+    }
 
     /// Reserves places for the `keys` not present yet, evicting ready unpinned entries the
     /// policy chooses (never one of `keys`), all or nothing: `None` means no room and no change.

@@ -1,0 +1,364 @@
+//! The scheduler-side index of the shared (Redis) tier: what this process knows about which
+//! chunks the server holds, with lookups answered asynchronously.
+//!
+//! Unlike the disk tier, the truth lives on the server: other engines write chunks there and
+//! the server evicts them (LRU) at any time. The index therefore keeps *answers*, not the
+//! tier's contents: a key is known present (our own completed write, or an existence check),
+//! known absent, or unknown. [`TierIndex::lookup`] answers from what is known and never waits:
+//! for the first unknown key of a prefix it sends one batched existence check of the rest of
+//! the prefix to a lookup thread (one round trip, see [`RemoteClient::exists`]) and reports the
+//! lookup as pending ([`TierIndex::lookup_pending`]): the request is told "ask later". The
+//! check's answer arrives on a later lookup; a check that outlives the client's deadline is
+//! forgotten and the keys count as unknown again (asked again later), so a slow server costs
+//! recomputation, never a stalled step. Answers are trusted for [`RemoteIndexConfig::ttl`];
+//! keys pinned by a promotion stay present until it completes. A present key may still be gone
+//! when a worker reads it (evicted meanwhile): the read is a miss, the promotion fails and
+//! [`TierIndex::complete_read`] records the key absent.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
+
+use super::remote::RemoteClient;
+use super::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
+use crate::error::{Error, Result};
+use crate::ids::Key;
+use crate::pool::{KeyState, PoolEventKind};
+
+/// The medium events and stats of this tier carry.
+pub const MEDIUM: &str = "remote";
+/// Most keys one existence check asks about.
+pub const MAX_CHECK: usize = 4096;
+
+/// Settings of a [`RemoteIndex`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteIndexConfig {
+    /// Namespace digest of this index's chunks (model, layout, rank, group, salt).
+    pub namespace: u128,
+    /// How long a "present" answer is trusted.
+    pub ttl: Duration,
+    /// How long an "absent" answer (or a check that got none in time) stands before the key
+    /// is asked about again.
+    pub retry: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Entry {
+    /// On the server as far as we know (since `at`); `pins` promotions in flight.
+    Present { at: Instant, pins: u32 },
+    /// Our write is in flight: not readable.
+    Writing,
+    /// Not on the server (since `at`).
+    Absent { at: Instant },
+}
+
+type Answer = (Vec<Key>, Option<Vec<bool>>);
+
+/// The scheduler-side index of the shared tier for one namespace. See the module docs.
+#[derive(Debug)]
+pub struct RemoteIndex {
+    cfg: RemoteIndexConfig,
+    client: Arc<RemoteClient>,
+    entries: FxHashMap<Key, Entry>,
+    /// Keys asked about, and when the question expires.
+    inflight: FxHashMap<Key, Instant>,
+    ask: Sender<(Vec<Key>, Instant)>,
+    answers: Receiver<Answer>,
+    events: Vec<TierEvent>,
+    stats: TierStats,
+    checks: u64,
+    expired_checks: u64,
+}
+
+impl RemoteIndex {
+    /// An index over `client` for `cfg.namespace`, with its lookup thread.
+    pub fn new(client: Arc<RemoteClient>, cfg: RemoteIndexConfig) -> Result<Self> {
+        if cfg.ttl.is_zero() || cfg.retry.is_zero() {
+            return Err(Error::Config(format!(
+                "remote index: ttl {:?} and retry {:?} must be > 0",
+                cfg.ttl, cfg.retry
+            )));
+        }
+        let (ask, questions) = channel::<(Vec<Key>, Instant)>();
+        let (tell, answers) = channel::<Answer>();
+        let worker = Arc::clone(&client);
+        let ns = cfg.namespace;
+        std::thread::Builder::new()
+            .name("kvoffload-remote-lookup".into())
+            .spawn(move || {
+                // Ends when the index (the only sender) is dropped.
+                for (keys, due) in questions {
+                    // A question nobody waits for any more is not sent.
+                    let found = if Instant::now() < due {
+                        worker.exists(ns, &keys)
+                    } else {
+                        None
+                    };
+                    if tell.send((keys, found)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| Error::Config(format!("remote tier: cannot start a thread: {e}")))?;
+        Ok(Self {
+            cfg,
+            client,
+            entries: FxHashMap::default(),
+            inflight: FxHashMap::default(),
+            ask,
+            answers,
+            events: Vec::new(),
+            stats: TierStats::default(),
+            checks: 0,
+            expired_checks: 0,
+        })
+    }
+
+    /// The client this index asks.
+    pub fn client(&self) -> &Arc<RemoteClient> {
+        &self.client
+    }
+
+    /// Existence checks sent, and those forgotten after their deadline.
+    pub fn checks(&self) -> (u64, u64) {
+        (self.checks, self.expired_checks)
+    }
+
+    /// Takes in the answers that arrived and forgets questions past their deadline.
+    fn drain(&mut self) {
+        let now = Instant::now();
+        while let Ok((keys, found)) = self.answers.try_recv() {
+            for (i, k) in keys.iter().enumerate() {
+                if self.inflight.remove(k).is_none() {
+                    continue; // expired meanwhile: the late answer is not trusted
+                }
+                let Some(found) = &found else { continue };
+                if !matches!(
+                    self.entries.get(k),
+                    Some(Entry::Writing | Entry::Present { pins: 1.., .. })
+                ) {
+                    let e = if found[i] {
+                        Entry::Present { at: now, pins: 0 }
+                    } else {
+                        Entry::Absent { at: now }
+                    };
+                    self.entries.insert(*k, e);
+                }
+            }
+        }
+        // Unanswered in time: a miss until the retry time passes.
+        let mut expired = Vec::new();
+        self.inflight.retain(|k, due| {
+            let keep = *due > now;
+            if !keep {
+                expired.push(*k);
+            }
+            keep
+        });
+        if !expired.is_empty() {
+            self.expired_checks += 1;
+        }
+        for k in expired {
+            if !matches!(
+                self.entries.get(&k),
+                Some(Entry::Writing | Entry::Present { .. })
+            ) {
+                self.entries.insert(k, Entry::Absent { at: now });
+            }
+        }
+    }
+
+    fn fresh(&self, at: Instant, now: Instant) -> bool {
+        now.duration_since(at) < self.cfg.ttl
+    }
+
+    fn absent(&self, at: Instant, now: Instant) -> bool {
+        now.duration_since(at) < self.cfg.retry
+    }
+
+    /// Leading keys known readable, and the index of the first key whose answer is unknown
+    /// (or stale), if the prefix stopped there.
+    fn known_prefix(&self, keys: &[Key], now: Instant) -> (usize, Option<usize>) {
+        for (i, k) in keys.iter().enumerate() {
+            match self.entries.get(k) {
+                Some(Entry::Present { pins: 1.., .. }) => {}
+                Some(Entry::Present { at, .. }) if self.fresh(*at, now) => {}
+                Some(Entry::Writing) => return (i, None),
+                Some(Entry::Absent { at }) if self.absent(*at, now) => return (i, None),
+                _ => return (i, Some(i)),
+            }
+        }
+        (keys.len(), None)
+    }
+}
+
+impl TierIndex for RemoteIndex {
+    fn medium(&self) -> &'static str {
+        MEDIUM
+    }
+
+    fn state(&self, key: Key) -> KeyState {
+        match self.entries.get(&key) {
+            Some(Entry::Present { pins, .. }) => KeyState::Ready { pins: *pins },
+            Some(Entry::Writing) => KeyState::Storing,
+            Some(Entry::Absent { .. }) | None => KeyState::Absent,
+        }
+    }
+
+    fn lookup(&mut self, keys: &[Key]) -> usize {
+        self.drain();
+        let now = Instant::now();
+        let (n, unknown) = self.known_prefix(keys, now);
+        if let Some(first) = unknown {
+            let ask: Vec<Key> = keys[first..]
+                .iter()
+                .copied()
+                .filter(|k| !self.inflight.contains_key(k))
+                .take(MAX_CHECK)
+                .collect();
+            if !ask.is_empty() && !self.client.on_probation() {
+                let due = now + self.client.config().deadline;
+                for &k in &ask {
+                    self.inflight.insert(k, due);
+                }
+                self.checks += 1;
+                // The thread lives as long as the index; a send cannot fail before.
+                let _ = self.ask.send((ask, due));
+            }
+        }
+        self.stats.hits += n as u64;
+        self.stats.misses += (keys.len() - n) as u64;
+        n
+    }
+
+    fn lookup_pending(&mut self, keys: &[Key]) -> bool {
+        let (n, unknown) = self.known_prefix(keys, Instant::now());
+        unknown.is_some() && keys.get(n).is_some_and(|k| self.inflight.contains_key(k))
+    }
+
+    fn prepare_write(&mut self, keys: &[Key]) -> Option<TierWritePlan> {
+        let now = Instant::now();
+        let mut plan = TierWritePlan::default();
+        for &k in keys {
+            let skip = match self.entries.get(&k) {
+                Some(Entry::Writing | Entry::Present { pins: 1.., .. }) => true,
+                Some(Entry::Present { at, .. }) => self.fresh(*at, now),
+                _ => false,
+            };
+            if !skip && !plan.keys.contains(&k) {
+                plan.keys.push(k);
+                plan.locations.push(Location {
+                    place: 0,
+                    generation: 0,
+                });
+            }
+        }
+        for &k in &plan.keys {
+            self.entries.insert(k, Entry::Writing);
+        }
+        self.stats.writing += plan.keys.len() as u64;
+        Some(plan)
+    }
+
+    fn complete_write(&mut self, keys: &[Key], ok: bool) -> Result<()> {
+        if let Some(k) = keys
+            .iter()
+            .find(|k| self.entries.get(k) != Some(&Entry::Writing))
+        {
+            return Err(Error::UnknownKey(*k));
+        }
+        let now = Instant::now();
+        for &k in keys {
+            if ok {
+                self.entries.insert(k, Entry::Present { at: now, pins: 0 });
+            } else {
+                self.entries.remove(&k);
+            }
+        }
+        self.stats.writing -= keys.len() as u64;
+        if ok {
+            self.stats.writes += keys.len() as u64;
+            self.events.push(TierEvent {
+                medium: MEDIUM,
+                kind: PoolEventKind::Stored,
+                keys: keys.to_vec(),
+            });
+        } else {
+            self.stats.failed_writes += keys.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn prepare_read(&mut self, keys: &[Key]) -> Result<Vec<Location>> {
+        if let Some(k) = keys
+            .iter()
+            .find(|k| !matches!(self.entries.get(k), Some(Entry::Present { .. })))
+        {
+            return Err(Error::UnknownKey(*k));
+        }
+        for k in keys {
+            if let Some(Entry::Present { pins, .. }) = self.entries.get_mut(k) {
+                *pins += 1;
+            }
+        }
+        self.stats.promotions += keys.len() as u64;
+        self.stats.reading += keys.len() as u64;
+        Ok(vec![
+            Location {
+                place: 0,
+                generation: 0,
+            };
+            keys.len()
+        ])
+    }
+
+    fn complete_read(&mut self, keys: &[Key], bad: &[Key]) -> Result<()> {
+        if let Some(k) = bad.iter().find(|k| !keys.contains(k)) {
+            return Err(Error::UnknownKey(*k));
+        }
+        if let Some(k) = keys
+            .iter()
+            .find(|k| !matches!(self.entries.get(k), Some(Entry::Present { pins: 1.., .. })))
+        {
+            return Err(Error::KeyNotPinned(*k));
+        }
+        let now = Instant::now();
+        for k in keys {
+            if let Some(Entry::Present { pins, .. }) = self.entries.get_mut(k) {
+                *pins -= 1;
+            }
+        }
+        for &k in bad {
+            if matches!(self.entries.get(&k), Some(Entry::Present { pins: 0, .. })) {
+                self.entries.insert(k, Entry::Absent { at: now });
+                self.stats.quarantined += 1;
+            }
+        }
+        self.stats.reading -= keys.len() as u64;
+        if !bad.is_empty() {
+            self.events.push(TierEvent {
+                medium: MEDIUM,
+                kind: PoolEventKind::Removed,
+                keys: bad.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    fn take_events(&mut self) -> Vec<TierEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn stats(&self) -> TierStats {
+        TierStats {
+            used: self
+                .entries
+                .values()
+                .filter(|e| !matches!(e, Entry::Absent { .. }))
+                .count() as u64,
+            ..self.stats
+        }
+    }
+}
