@@ -24,7 +24,7 @@
 //!   operations the tier is on probation for [`RemoteConfig::probation`]: writes are dropped and
 //!   counted, lookups and reads answer "miss" without I/O. The first operation after that is a
 //!   trial: success ends the probation (a *recovery*, counted), failure starts another.
-//! - **Read path**: `GET` replies of chunk values are read by [`bulk`](super::bulk) straight into
+//! - **Read path**: `GET` replies of chunk values are read by the `tier::bulk` reader straight into
 //!   the destination (the crate's parser costs four times the CPU per byte); every other command
 //!   and reply goes through the crate.
 //! - **Verification**: every read checks the header (magic, version, namespace, key, group,
