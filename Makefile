@@ -15,7 +15,7 @@ $(STAMP_DEPS): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" "maturin>=1.9.4,<2" "pytest>=8" "hypothesis>=6.100" \
-		"pytest-benchmark>=4" "ruff>=0.6" "mypy>=1.11" "numpy>=1.24"
+		"pytest-benchmark>=4" "ruff>=0.6" "mypy>=1.11" "numpy>=1.24" "matplotlib>=3.8"
 	touch $@
 
 install: $(STAMP_DEPS) ## create .venv and install the dependencies (torch included)
@@ -84,8 +84,11 @@ bench: build ## criterion benches and pytest-benchmark benches
 	cargo bench
 	$(PY) -m pytest -q -s benches/bench_*.py --benchmark-enable -p no:cacheprovider
 
-demo: build ## run the simulated engine end to end
-	$(VENV)/bin/kvoffload simulate
+DEMO_PLOT ?= out/simulate.png
+
+demo: build ## run the simulated engine end to end, with its chart (DEMO_PLOT; the plot extra)
+	mkdir -p $(dir $(DEMO_PLOT))
+	$(VENV)/bin/kvoffload simulate --plot $(DEMO_PLOT)
 
 clean: ## remove build output
 	cargo clean

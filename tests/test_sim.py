@@ -146,6 +146,26 @@ def test_step_completion_is_reproducible_and_exact() -> None:
     assert one.timeline == two.timeline
 
 
+def test_timeline_ends_at_the_runs_totals() -> None:
+    """The chart draws the timeline: its last point must be the run's figures, copies that
+    completed after the last step included."""
+    r = simulate(replace(PRESSURE, workload="chat"))
+    steps = [p.step for p in r.timeline]
+    assert steps == sorted(steps)
+    assert steps[-1] == r.steps
+    last = r.timeline[-1]
+    assert last.bytes_stored == r.bytes_stored > 0
+    assert last.bytes_loaded == r.bytes_loaded > 0
+    assert last.prefill_tokens == r.prefill_tokens
+    assert last.lookup_tokens == r.lookup_tokens
+    assert last.cpu_hit_tokens == r.cpu_hit_tokens
+    assert last.flushed_jobs == r.flushed_jobs > 0
+    assert last.flushes_vllm_rule == r.flushes_vllm_rule
+    for field in last._fields:  # cumulative: never decreasing
+        col = [getattr(p, field) for p in r.timeline]
+        assert col == sorted(col), field
+
+
 def test_offload_saves_prefill_and_baseline_is_sane() -> None:
     on = simulate(replace(PRESSURE, workload="docs", completion="step", copy_delay_s=0.0))
     off = simulate(

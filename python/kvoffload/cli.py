@@ -5,7 +5,9 @@ offloading and without — and prints a table: GPU prefix hits, CPU hits, prefil
 bytes moved and bandwidth, flushes, scheduler time per step, and integrity mismatches. The exit
 status is 1 unless mismatches, torn stores and leaks are 0, and failed jobs too (unless
 ``--fail-loads`` / ``--fail-stores`` injects failures); 2 for a configuration that cannot run.
-``--json`` writes the same figures, ``--plot`` a PNG of hit rate and offloaded bytes over time.
+``--json`` writes the same figures; ``--plot`` a chart of prefill tokens with and without
+offloading, hit rate by tier, bytes moved and flushes over the run (needs the ``plot`` extra,
+matplotlib).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -154,7 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-budget", type=_positive, default=512, help="tokens per step")
     s.add_argument("--no-baseline", action="store_true", help="skip the run without offloading")
     s.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    s.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate and bytes over time")
+    s.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a chart (PNG): prefill tokens with and without offloading, hit rate by tier, "
+        "bytes moved and flushes over the run; needs pip install 'kvoffload[plot]'",
+    )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -189,8 +197,15 @@ class _Progress:
 
 def _simulate(args: argparse.Namespace) -> int:
     from kvoffload.sim import SimConfig, SimError, simulate
-    from kvoffload.sim.report import figures, format_table, write_png_plot
+    from kvoffload.sim.plot import check_plot_path, write_plot
+    from kvoffload.sim.report import figures, format_table
 
+    if args.plot:
+        try:  # before the runs, not after minutes of them
+            check_plot_path(args.plot)
+        except (ImportError, ValueError) as e:
+            print(f"kvoffload simulate: error: --plot: {e}", file=sys.stderr)
+            return 2
     try:
         cfg = SimConfig(
             workload=args.workload,
@@ -237,7 +252,8 @@ def _simulate(args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=2)
     if args.plot:
-        write_png_plot(run, args.plot)
+        write_plot(args.plot, run, base)
+        print(f"chart: {os.path.abspath(args.plot)}")
     problems = {
         "integrity mismatches": run.mismatches + run.hit_mismatches,
         "baseline GPU-hit mismatches": base.hit_mismatches if base else 0,

@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -47,7 +47,16 @@ from kvoffload.sim.vllm_rule import VllmRuleFence
 from kvoffload.sim.workloads import RequestSpec, make_workload
 from kvoffload.transfer import TransferEngine
 
-__all__ = ["BlockPool", "Mismatch", "SimConfig", "SimError", "SimResult", "Simulator", "simulate"]
+__all__ = [
+    "BlockPool",
+    "Mismatch",
+    "SimConfig",
+    "SimError",
+    "SimResult",
+    "Simulator",
+    "TimelinePoint",
+    "simulate",
+]
 
 FenceMode = Literal["exact", "conservative", "off"]
 Completion = Literal["step", "poll"]
@@ -218,6 +227,21 @@ class Mismatch:
     job: int | None
 
 
+class TimelinePoint(NamedTuple):
+    """Cumulative figures of a run at the end of one step (one entry of
+    :attr:`SimResult.timeline`)."""
+
+    step: int
+    lookup_tokens: int
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
+    prefill_tokens: int
+    bytes_stored: int
+    bytes_loaded: int
+    flushed_jobs: int
+    flushes_vllm_rule: int
+
+
 @dataclass
 class SimResult:
     """Figures of one run. :meth:`to_dict` gives them as plain JSON-able values."""
@@ -245,6 +269,8 @@ class SimResult:
     flushes_vllm_rule: int = 0
     """Store jobs vLLM's own offloading rule would have flushed on the same run
     (:mod:`kvoffload.sim.vllm_rule`)."""
+    flushed_jobs: int = 0
+    """Jobs in the plans' flush sets (our fence), whatever the fence mode."""
     flush_steps: int = 0
     flush_wait_seconds: float = 0.0
     sched_seconds: float = 0.0
@@ -259,9 +285,8 @@ class SimResult:
     leaked_requests: int = 0
     leaked_jobs: int = 0
     scheduler_stats: dict[str, Any] = field(default_factory=dict)
-    timeline: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
-    """Per step: (step, lookup tokens, GPU hit tokens, CPU hit tokens, bytes stored, bytes
-    loaded), cumulative."""
+    timeline: list[TimelinePoint] = field(default_factory=list)
+    """Per step, the cumulative figures at its end."""
 
     @property
     def hit_rate(self) -> float:
@@ -558,6 +583,7 @@ class Simulator:
                     raise SimError(f"gave up after {self.step_no} steps")
                 self.step()
             self._drain()
+            self._record_timeline(if_changed=True)  # copies completed after the last step
         finally:
             self.close()
         r = self.result
@@ -725,17 +751,25 @@ class Simulator:
 
         self.step_times.append(self._sched_t)
         self.result.sched_seconds += self._sched_t
+        self._record_timeline()
+
+    def _record_timeline(self, *, if_changed: bool = False) -> None:
+        """Appends the run's cumulative figures at this point (``if_changed``: unless they are
+        the last point's)."""
         res = self.result
-        res.timeline.append(
-            (
-                self.step_no,
-                res.lookup_tokens,
-                res.gpu_hit_tokens,
-                res.cpu_hit_tokens,
-                res.bytes_stored,
-                res.bytes_loaded,
-            )
+        point = TimelinePoint(
+            step=self.step_no,
+            lookup_tokens=res.lookup_tokens,
+            gpu_hit_tokens=res.gpu_hit_tokens,
+            cpu_hit_tokens=res.cpu_hit_tokens,
+            prefill_tokens=res.prefill_tokens,
+            bytes_stored=res.bytes_stored,
+            bytes_loaded=res.bytes_loaded,
+            flushed_jobs=res.flushed_jobs,
+            flushes_vllm_rule=res.flushes_vllm_rule,
         )
+        if not (if_changed and res.timeline and res.timeline[-1][1:] == point[1:]):
+            res.timeline.append(point)
 
     # ------------------------------------------------------------------ arrivals / admission
 
@@ -974,6 +1008,7 @@ class Simulator:
             self.jobs[job.job_id] = ("load", job.request_id, transfers)
             self.inflight_ids.add(job.job_id)
             loads.append((job.job_id, transfers))
+        self.result.flushed_jobs += len(plan.flush)
         flush = list(plan.flush) if self.cfg.fence != "off" else []
         t = time.perf_counter()
         self.xfer.step(stores, flush, loads)
