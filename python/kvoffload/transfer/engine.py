@@ -19,7 +19,6 @@ the pool's registration exactly once, from :meth:`~TransferEngine.shutdown` or t
 
 from __future__ import annotations
 
-import operator
 import os
 import threading
 import time
@@ -97,12 +96,7 @@ class _Resources:
 
 def _size(x: object, name: str, *, minimum: int = 1) -> int:
     """A size argument: an integer (not a bool) >= ``minimum``; raises ConfigError naming it."""
-    if isinstance(x, bool):
-        raise ConfigError(f"{name} must be an integer, got {x!r}")
-    try:
-        v = operator.index(x)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(f"{name} must be an integer, got {x!r} ({type(x).__name__})") from None
+    v = _index(x, name, ConfigError)
     if v < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {v}")
     return v
@@ -338,10 +332,9 @@ class TransferEngine:
             raise TransferError(f"group {group} has {len(regions)} tensors, not tensor {t}")
         return regions[t].cpu
 
-    @property
     def stats(self) -> dict[str, int]:
-        """Counters: jobs submitted; over polled jobs, ok/failed jobs, copies and bytes; plus
-        the number of queued jobs and of submitted jobs not yet polled."""
+        """A snapshot of the counters: jobs submitted; over polled jobs, ok/failed jobs, copies
+        and bytes; plus the number of queued jobs and of submitted jobs not yet polled."""
         with self._lock:
             return {**self._stats, "queued": len(self._queued), "in_flight": len(self._inflight)}
 

@@ -187,14 +187,7 @@ class _IdRanges:
 
 def _job_id(x: object, where: str) -> int:
     """A job id: an integer (not a bool); raises UnknownJobError naming ``x``."""
-    if isinstance(x, bool):
-        raise UnknownJobError(f"{where}: job id must be an integer, got {x!r}")
-    try:
-        return operator.index(x)  # type: ignore[arg-type]
-    except TypeError:
-        raise UnknownJobError(
-            f"{where}: job id must be an integer, got {x!r} ({type(x).__name__})"
-        ) from None
+    return _index(x, f"{where}: job id", UnknownJobError)
 
 
 def _id_list(xs: object, where: str) -> list[int]:
@@ -258,12 +251,7 @@ def _plan(
     groups: Sequence[_Group], job_id: SupportsIndex, transfers: Iterable[Transfer], kind: JobKind
 ) -> _Job:
     """Validate a job against the registered ``groups`` and compute its runs; changes nothing."""
-    if isinstance(job_id, bool):
-        raise TransferError(f"job id must be an integer, got {job_id!r}")
-    try:
-        jid = operator.index(job_id)
-    except TypeError:
-        raise TransferError(f"job id must be an integer, got {job_id!r}") from None
+    jid = _index(job_id, "job id", TransferError)
     runs: list[_Run] = []
     dests: dict[int, list[npt.NDArray[np.int64]]] = {}
     planned_bytes = 0
