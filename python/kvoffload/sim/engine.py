@@ -659,7 +659,7 @@ class Simulator:
             and not self.inflight_ids
             and not any(self.pending_outputs)
             and self.arrivals
-            and (self.xfer is None or self.xfer.stats["queued"] == 0)
+            and (self.xfer is None or self.xfer.stats()["queued"] == 0)
         ):
             # Idle until the next arrival: skip ahead.
             self.step_no = max(self.step_no, self.arrivals[0][0])
