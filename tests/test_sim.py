@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from kvoffload.errors import ConfigError
 from kvoffload.sim import BlockPool, SimConfig, SimError, Simulator, make_workload, simulate
 from kvoffload.sim.oracle import Stream, chained_hashes
 
@@ -211,23 +212,35 @@ def test_deferred_pairs_never_armed_is_caught(name: str) -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"num_gpu_blocks": 1}, "num_gpu_blocks"),
-        ({"fence": "sometimes"}, "fence"),
-        ({"policy": "fifo"}, "policy"),
-        ({"device": "tpu"}, "device"),
-        ({"token_budget": 0}, "token_budget"),
-        ({"sliding_window": 8}, "sliding_window"),
-        ({"workload": "nope"}, "unknown workload"),
+        ({"num_gpu_blocks": 0}, "num_gpu_blocks must be in 1..="),
+        ({"fence": "sometimes"}, "fence must be one of exact, conservative, off, got 'sometimes'"),
+        ({"completion": "never"}, "completion must be one of step, poll, got 'never'"),
+        ({"policy": "fifo"}, 'unknown eviction policy "fifo"'),
+        ({"device": "tpu"}, "device must be one of cpu, cuda, got 'tpu'"),
+        ({"token_budget": 0}, "token_budget must be a positive integer, got 0"),
+        ({"num_layers": True}, "num_layers must be a positive integer, got True"),
+        ({"sliding_window": 8}, "sliding_window 8 is smaller than a chunk"),
+        ({"sliding_window": 0}, "sliding_window must be in 1..="),
+        ({"block_size": 0}, "block_size must be in 1..="),
+        ({"blocks_per_chunk": -1}, "blocks_per_chunk must be in 1..="),
+        ({"cpu_chunks": 0}, "cpu_chunks must be at least 1, got 0"),
+        ({"max_loading_requests": -1}, "max_loading_requests must be in 0..="),
+        ({"workload": "nope"}, "workload must be one of chat, sysprompt, docs, mixed"),
     ],
 )
 def test_bad_config_is_rejected(change: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        Simulator(replace(PRESSURE, **change))
+    """The scheduler's values are checked by the core (its messages), the simulator's own here;
+    both raise ConfigError, also for a run without offloading."""
+    for offload in (True, False):
+        with pytest.raises(ConfigError, match=match):
+            Simulator(replace(PRESSURE, offload=offload, **change))
 
 
-def test_gpu_too_small_for_a_request_is_an_error() -> None:
+@pytest.mark.parametrize("num_gpu_blocks", [1, 16])
+def test_gpu_too_small_for_a_request_is_an_error(num_gpu_blocks: int) -> None:
+    """Block 0 is the engine's null block: one GPU block leaves none to allocate."""
     with pytest.raises(SimError, match="GPU blocks"):
-        Simulator(replace(PRESSURE, workload="docs", num_gpu_blocks=16))
+        Simulator(replace(PRESSURE, workload="docs", num_gpu_blocks=num_gpu_blocks))
 
 
 # ---------------------------------------------------------------------- injected faults
@@ -289,5 +302,5 @@ def test_tiny_cpu_pools_report_no_false_torn_stores_or_leaks(
     ],
 )
 def test_non_finite_or_out_of_range_numbers_are_rejected(change: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         Simulator(replace(PRESSURE, **change))

@@ -196,6 +196,7 @@ class _Progress:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from kvoffload.errors import ConfigError
     from kvoffload.sim import SimConfig, SimError, simulate
     from kvoffload.sim.plot import check_plot_path, write_plot
     from kvoffload.sim.report import figures, format_table
@@ -236,7 +237,7 @@ def _simulate(args: argparse.Namespace) -> int:
             base = simulate(
                 replace(cfg, offload=False), progress=_Progress("no offload", not args.quiet)
             )
-    except (ValueError, SimError) as e:
+    except (ConfigError, SimError) as e:
         print(f"kvoffload simulate: error: {e}", file=sys.stderr)
         return 2
     figs = figures(run, base)

@@ -33,18 +33,17 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvoffload._core import Scheduler
 from kvoffload.errors import ConfigError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.sim.oracle import Stream, token_bytes
 from kvoffload.sim.vllm_rule import VllmRuleFence
-from kvoffload.sim.workloads import RequestSpec, make_workload
+from kvoffload.sim.workloads import WORKLOADS, RequestSpec, make_workload
 from kvoffload.transfer import TransferEngine
 
 __all__ = [
@@ -137,69 +136,84 @@ class SimConfig:
     store_fault_rate: float = 0.0
     max_steps: int = 1_000_000
 
-    def validate(self) -> None:
-        """Raises ValueError naming the first bad value."""
-        positive = (
-            "num_requests",
-            "block_size",
-            "num_gpu_blocks",
-            "cpu_chunks",
-            "blocks_per_chunk",
-            "num_layers",
-            "token_bytes",
-            "max_num_seqs",
-            "token_budget",
-            "max_steps",
+    @property
+    def windows(self) -> list[int | None]:
+        """Per KV group, its sliding window (None: full attention): one full-attention group,
+        then the sliding-window group if there is one."""
+        return [None] if self.sliding_window is None else [None, self.sliding_window]
+
+    def offload_config(self) -> OffloadConfig:
+        """The scheduler's configuration for this run (the one mapping from the simulator's
+        values to the scheduler's)."""
+        bytes_per_block = self.num_layers * self.block_size * self.token_bytes
+        return OffloadConfig(
+            groups=tuple(
+                KvGroup(
+                    block_size=self.block_size, sliding_window=w, bytes_per_block=bytes_per_block
+                )
+                for w in self.windows
+            ),
+            num_gpu_blocks=self.num_gpu_blocks,
+            blocks_per_chunk=self.blocks_per_chunk,
+            hash_block_size=self.block_size,
+            cpu_chunks=self.cpu_chunks,
+            policy=self.policy,  # type: ignore[arg-type]
+            num_workers=1,
+            max_loading_requests=self.max_loading_requests,
+            null_block=NULL_BLOCK,
+            debug_skip_deferred_arming=self.skip_deferred_arming,
         )
-        for name in positive:
+
+    def validate(self) -> None:
+        """Raises :class:`~kvoffload.errors.ConfigError` naming the first bad value.
+
+        What the scheduler takes (block size, GPU blocks, CPU chunks, blocks per chunk, policy,
+        sliding window, load backpressure) is checked by the core, in one place, with its
+        messages, also for a run without offloading; the simulator checks only its own values.
+        """
+        for name in _POSITIVE:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.num_gpu_blocks < 2:
-            raise ValueError("num_gpu_blocks must be at least 2 (block 0 is the null block)")
-        if self.fence not in ("exact", "conservative", "off"):
-            raise ValueError(f"fence must be exact, conservative or off, got {self.fence!r}")
-        if self.completion not in ("step", "poll"):
-            raise ValueError(f"completion must be step or poll, got {self.completion!r}")
-        try:  # what the scheduler takes is checked by the core, in one place
-            windows = [None] + ([self.sliding_window] if self.sliding_window is not None else [])
-            Scheduler.check_config(
-                [(self.block_size, w, 0) for w in windows],
-                num_gpu_blocks=self.num_gpu_blocks,
-                blocks_per_chunk=self.blocks_per_chunk,
-                cpu_chunks=self.cpu_chunks,
-                policy=self.policy,
-                max_loading_requests=self.max_loading_requests,
-            )
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for, but CUDA is not available here")
-        if self.sliding_window is not None and self.sliding_window < (
-            self.block_size * self.blocks_per_chunk
-        ):
-            raise ValueError(
-                f"sliding_window {self.sliding_window} is smaller than a chunk "
-                f"({self.block_size * self.blocks_per_chunk} tokens)"
-            )
-        bounds = (
-            ("scale", 0.0, 1e6, False),
-            ("arrival_gap", 0.0, 1e9, True),
-            ("copy_delay_s", 0.0, 60.0, True),
-            ("load_fault_rate", 0.0, 1.0, True),
-            ("store_fault_rate", 0.0, 1.0, True),
-        )
-        for name, lo, hi, closed in bounds:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name, lo, hi, closed in _BOUNDED:
             v = getattr(self, name)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
             # also rejects nan and inf
             if not ok or not (lo <= v <= hi if closed else lo < v <= hi):
                 interval = f"[{lo:g}, {hi:g}]" if closed else f"({lo:g}, {hi:g}]"
-                raise ValueError(f"{name} must be a number in {interval}, got {v!r}")
-        if self.max_loading_requests < 0:
-            raise ValueError("max_loading_requests must be >= 0")
+                raise ConfigError(f"{name} must be a number in {interval}, got {v!r}")
+        for name, choices in _CHOICES:
+            v = getattr(self, name)
+            if v not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {v!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for, but CUDA is not available here")
+        self.offload_config().resolved_cpu_chunks()  # the core checks the scheduler's values
+
+
+_POSITIVE = (
+    "num_requests",
+    "num_layers",
+    "token_bytes",
+    "max_num_seqs",
+    "token_budget",
+    "max_steps",
+)
+"""The simulator's own integer values (the scheduler's are checked by the core)."""
+_BOUNDED = (
+    ("scale", 0.0, 1e6, False),
+    ("arrival_gap", 0.0, 1e9, True),
+    ("copy_delay_s", 0.0, 60.0, True),
+    ("load_fault_rate", 0.0, 1.0, True),
+    ("store_fault_rate", 0.0, 1.0, True),
+)
+"""The simulator's own numbers: (name, low, high, low included)."""
+_CHOICES = (
+    ("workload", tuple(WORKLOADS)),
+    ("fence", get_args(FenceMode)),
+    ("completion", get_args(Completion)),
+    ("device", ("cpu", "cuda")),
+)
 
 
 @dataclass(frozen=True)
@@ -440,7 +454,7 @@ class Simulator:
             progress: Called as ``progress(finished_requests, total_requests, step)``.
 
         Raises:
-            ValueError: A bad configuration value.
+            ConfigError: A bad configuration value.
             SimError: A request that can never fit in the GPU blocks.
         """
         cfg.validate()
@@ -460,9 +474,7 @@ class Simulator:
                 gap=cfg.arrival_gap,
             )
         )
-        self.windows: list[int | None] = [None]
-        if cfg.sliding_window is not None:
-            self.windows.append(cfg.sliding_window)
+        self.windows = cfg.windows
         self.ng = len(self.windows)
         self.vllm_rule = VllmRuleFence(self.windows)
         self._check_fits()
@@ -505,23 +517,7 @@ class Simulator:
         self.store_pos: dict[int, list[tuple[int, list[int], list[int]]]] = {}
         self.closed = False
         if cfg.offload:
-            bytes_per_block = cfg.num_layers * bs * self.width
-            ocfg = OffloadConfig(
-                groups=tuple(
-                    KvGroup(block_size=bs, sliding_window=w, bytes_per_block=bytes_per_block)
-                    for w in self.windows
-                ),
-                num_gpu_blocks=cfg.num_gpu_blocks,
-                blocks_per_chunk=cfg.blocks_per_chunk,
-                hash_block_size=bs,
-                cpu_chunks=cfg.cpu_chunks,
-                policy=cfg.policy,  # type: ignore[arg-type]
-                num_workers=1,
-                max_loading_requests=cfg.max_loading_requests,
-                null_block=NULL_BLOCK,
-                debug_skip_deferred_arming=cfg.skip_deferred_arming,
-            )
-            self.sched = OffloadScheduler(ocfg)
+            self.sched = OffloadScheduler(cfg.offload_config())
             hook = self._delay_hook if cfg.copy_delay_s > 0 else None
             faults = cfg.load_fault_rate > 0 or cfg.store_fault_rate > 0
             self.xfer = TransferEngine(
