@@ -32,6 +32,7 @@ __all__ = [
     "KvGroup",
     "OffloadConfig",
     "OffloadScheduler",
+    "ResetResult",
     "StepInput",
     "StepPlan",
     "TransferJob",
