@@ -148,7 +148,7 @@ def test_a_failed_copy_without_injected_faults_fails_the_command(
 ) -> None:
     """A data plane whose copies fail (here: every store, as --copy-delay-ms inf once made them)
     must not end in exit status 0."""
-    import kvoffload.sim.engine as sim_engine
+    import kvoffload.sim.offload as sim_offload
     from kvoffload.transfer import TransferEngine
 
     def fail(job_id: int) -> None:
@@ -159,7 +159,7 @@ def test_a_failed_copy_without_injected_faults_fails_the_command(
             kwargs["_fault_injector"] = fail
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(sim_engine, "TransferEngine", Failing)
+    monkeypatch.setattr(sim_offload, "TransferEngine", Failing)
     assert main([*SMALL, "--no-baseline"]) == 1
     err = capsys.readouterr().err
     assert "FAILED" in err

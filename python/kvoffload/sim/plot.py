@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.sim.engine import SimResult, TimelinePoint
+from kvoffload.sim.result import SimResult, TimelinePoint
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvoffload.sim.engine import SimResult
+from kvoffload.sim.result import SimResult
 
 __all__ = ["figures", "format_table"]
 
