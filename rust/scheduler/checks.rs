@@ -5,9 +5,9 @@
 use crate::error::{Error, Result};
 use crate::ids::BlockId;
 
-use super::{Scheduler, NULL};
+use super::Scheduler;
 
-/// The first value other than [`NULL`] that occurs twice in `values`, found with generation
+/// The first value other than [`BlockId::NULL`] that occurs twice in `values`, found with generation
 /// `stamps` indexed by value (no allocation, no clearing per call).
 fn first_repeated(
     stamps: &mut [u32],
@@ -20,7 +20,7 @@ fn first_repeated(
         *stamp = 1;
     }
     for v in values {
-        if v == NULL {
+        if v == BlockId::NULL.0 {
             continue;
         }
         let seen = &mut stamps[v as usize];
@@ -34,8 +34,12 @@ fn first_repeated(
 
 impl Scheduler {
     /// The first non-null block that occurs twice in `blocks`, if any.
-    pub(super) fn first_repeated(&mut self, blocks: impl IntoIterator<Item = u32>) -> Option<u32> {
-        first_repeated(&mut self.stamps, &mut self.stamp, blocks)
+    pub(super) fn first_repeated(
+        &mut self,
+        blocks: impl IntoIterator<Item = BlockId>,
+    ) -> Option<BlockId> {
+        let values = blocks.into_iter().map(|b| b.0);
+        first_repeated(&mut self.stamps, &mut self.stamp, values).map(BlockId)
     }
 
     /// The first request (slab index) that occurs twice in `reqs`, if any.
@@ -47,21 +51,21 @@ impl Scheduler {
         first_repeated(&mut self.req_stamps, &mut self.req_stamp, reqs)
     }
 
-    pub(super) fn engine_block(&self, b: u32) -> Result<u32> {
-        if b >= self.cfg.num_gpu_blocks {
+    pub(super) fn engine_block(&self, b: BlockId) -> Result<BlockId> {
+        if b.0 >= self.cfg.num_gpu_blocks {
             return Err(Error::BlockOutOfRange {
-                block: BlockId(b),
+                block: b,
                 num_blocks: self.cfg.num_gpu_blocks,
             });
         }
         Ok(if Some(b) == self.cfg.null_block {
-            NULL
+            BlockId::NULL
         } else {
             b
         })
     }
 
-    pub(super) fn engine_blocks(&self, blocks: &[u32]) -> Result<Vec<u32>> {
+    pub(super) fn engine_blocks(&self, blocks: &[BlockId]) -> Result<Vec<BlockId>> {
         blocks.iter().map(|b| self.engine_block(*b)).collect()
     }
 }

@@ -9,7 +9,7 @@ use crate::jobs::JobKind;
 
 use super::plan::{GroupTransfer, PlannedJob};
 use super::requests::Status;
-use super::{JobPayload, Scheduler, NULL};
+use super::{JobPayload, Scheduler};
 
 impl Scheduler {
     /// Records the blocks the engine allocated for an admitted request (its whole block table
@@ -18,7 +18,7 @@ impl Scheduler {
     pub fn allocate(
         &mut self,
         id: &str,
-        blocks: &[Vec<u32>],
+        blocks: &[Vec<BlockId>],
         hit_tokens: u32,
         load_tokens: u32,
     ) -> Result<Option<JobId>> {
@@ -87,7 +87,8 @@ impl Scheduler {
                 }
                 if self.cfg.groups[g].sliding_window.is_none() {
                     let from = (hit_tokens / bs) as usize;
-                    if let Some(pos) = (from..(end / bs) as usize).find(|p| t[*p] == NULL) {
+                    if let Some(pos) = (from..(end / bs) as usize).find(|p| t[*p] == BlockId::NULL)
+                    {
                         return Err(Error::RequestState {
                             request: id.to_owned(),
                             reason: format!(
@@ -116,16 +117,16 @@ impl Scheduler {
         let bpc = self.cfg.blocks_per_chunk;
         for (g, t) in tables.into_iter().enumerate() {
             self.allocated
-                .extend(t.iter().filter(|b| **b != NULL).map(|b| BlockId(*b)));
+                .extend(t.iter().filter(|b| **b != BlockId::NULL));
             // Beyond the engine's prefix hit the blocks get new content: re-allocations.
             let reused = (hit_tokens / self.cfg.groups[g].block_size) as usize;
             self.reallocated
-                .extend(t.iter().skip(reused).filter(|b| **b != NULL));
+                .extend(t.iter().skip(reused).filter(|b| **b != BlockId::NULL));
             let cursor = self.req(i).groups[g]
                 .cursor
                 .max(end / self.cfg.chunk_tokens(g));
             for (pos, b) in t.iter().enumerate() {
-                if *b != NULL && pos as u32 >= cursor * bpc {
+                if *b != BlockId::NULL && pos as u32 >= cursor * bpc {
                     self.pending_assign.push((i, g as u32, pos as u32));
                 }
             }
@@ -152,7 +153,7 @@ impl Scheduler {
             } else {
                 &mut deferred
             };
-            class.extend(t.gpu_blocks.iter().map(|b| BlockId(*b)));
+            class.extend_from_slice(&t.gpu_blocks);
         }
         let payload = JobPayload {
             req: i,
@@ -191,7 +192,7 @@ impl Scheduler {
     pub(super) fn pin_load(
         &mut self,
         i: u32,
-        tables: &[Vec<u32>],
+        tables: &[Vec<BlockId>],
         hit: u32,
         end: u32,
     ) -> Result<Vec<GroupTransfer>> {
@@ -211,7 +212,7 @@ impl Scheduler {
             let mut last_chunk = u32::MAX;
             for pos in first_pos..end / bs {
                 let b = t[pos as usize];
-                if b == NULL {
+                if b == BlockId::NULL {
                     continue;
                 }
                 let c = pos / bpc;

@@ -61,9 +61,6 @@ pub use requests::Status;
 use positions::PosEntry;
 use requests::Request;
 
-/// Internal null block (dropped position, or the engine's null block).
-const NULL: u32 = u32::MAX;
-
 #[derive(Debug, Clone)]
 pub(super) struct JobPayload {
     pub(super) req: u32,
@@ -89,7 +86,7 @@ pub struct Scheduler {
     pos_index: Vec<Vec<PosEntry>>,
     pending_assign: Vec<(u32, u32, u32)>,
     /// Blocks re-allocated by `allocate` since the previous step (applied in `schedule`).
-    reallocated: Vec<u32>,
+    reallocated: Vec<BlockId>,
     /// Generation stamps per block, for duplicate checks without allocation.
     stamps: Vec<u32>,
     /// Generation stamps per request slab index.

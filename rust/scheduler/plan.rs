@@ -1,7 +1,7 @@
 //! What crosses the scheduler's surface: the step's input, the plan it returns (jobs and their
 //! per-group copies, the flush set), completed jobs, pool events and the counters.
 
-use crate::ids::{JobId, Key};
+use crate::ids::{BlockId, JobId, Key};
 use crate::jobs::JobKind;
 use crate::pool::PoolEventKind;
 
@@ -11,7 +11,7 @@ pub struct GroupTransfer {
     /// KV group index.
     pub group: u32,
     /// GPU blocks, one per copied block.
-    pub gpu_blocks: Vec<u32>,
+    pub gpu_blocks: Vec<BlockId>,
     /// Block positions in the group's CPU region: `slot * blocks_per_chunk + offset`.
     pub cpu_blocks: Vec<u32>,
     /// Keys of the chunks touched, in order.
@@ -54,7 +54,7 @@ pub struct CompletedJob {
     /// Whether every worker succeeded.
     pub ok: bool,
     /// For a failed load: the GPU blocks whose content is invalid (the engine recomputes).
-    pub invalid_blocks: Vec<u32>,
+    pub invalid_blocks: Vec<BlockId>,
 }
 
 /// A pool event with its group.
@@ -77,7 +77,7 @@ pub struct StepInput<S = String> {
     pub computed: Vec<u32>,
     /// Blocks appended to a request's block table in one group this step. For a resumed
     /// request: its whole new block table.
-    pub new_blocks: Vec<(S, u32, Vec<u32>)>,
+    pub new_blocks: Vec<(S, u32, Vec<BlockId>)>,
     /// Requests resumed from preemption this step.
     pub resumed: Vec<S>,
     /// Requests that finished normally.
@@ -88,7 +88,7 @@ pub struct StepInput<S = String> {
     pub preempted: Vec<S>,
     /// Blocks written this step; `None`: every block allocated since the previous step
     /// (conservative, still correct).
-    pub written: Option<Vec<u32>>,
+    pub written: Option<Vec<BlockId>>,
 }
 
 /// Counters of the scheduler.

@@ -4,9 +4,9 @@
 //! whose content was replaced. Entries die lazily: one whose request, epoch, block or cursor
 //! no longer matches is skipped and pruned.
 
-use crate::ids::OwnerId;
+use crate::ids::{BlockId, OwnerId};
 
-use super::{Scheduler, NULL};
+use super::Scheduler;
 
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PosEntry {
@@ -26,11 +26,11 @@ impl Scheduler {
         let Some(&b) = r.groups[g as usize].blocks.get(pos as usize) else {
             return;
         };
-        if b == NULL {
+        if b == BlockId::NULL {
             return;
         }
         let (owner, epoch) = (r.owner, r.epoch);
-        let mut entries = std::mem::take(&mut self.pos_index[b as usize]);
+        let mut entries = std::mem::take(&mut self.pos_index[b.index()]);
         entries.retain(|e| self.entry_live(e, b));
         entries.push(PosEntry {
             req: i,
@@ -39,11 +39,11 @@ impl Scheduler {
             group: g,
             pos,
         });
-        self.pos_index[b as usize] = entries;
+        self.pos_index[b.index()] = entries;
     }
 
     /// Whether an index entry still refers to an unstored position holding block `b`.
-    pub(super) fn entry_live(&self, e: &PosEntry, b: u32) -> bool {
+    pub(super) fn entry_live(&self, e: &PosEntry, b: BlockId) -> bool {
         let Some(r) = self.reqs[e.req as usize].as_ref() else {
             return false;
         };
@@ -54,9 +54,9 @@ impl Scheduler {
             && e.pos >= rg.cursor * self.cfg.blocks_per_chunk
     }
 
-    /// Block `b` is written this step: drop every unstored position still holding it.
-    pub(super) fn invalidate(&mut self, b: u32) {
-        let Some(slot) = self.pos_index.get_mut(b as usize) else {
+    /// Block `b` is re-allocated this step: drop every unstored position still holding it.
+    pub(super) fn invalidate(&mut self, b: BlockId) {
+        let Some(slot) = self.pos_index.get_mut(b.index()) else {
             return;
         };
         if slot.is_empty() {
@@ -65,10 +65,10 @@ impl Scheduler {
         let mut entries = std::mem::take(slot);
         for e in &entries {
             if self.entry_live(e, b) {
-                self.req_mut(e.req).groups[e.group as usize].blocks[e.pos as usize] = NULL;
+                self.req_mut(e.req).groups[e.group as usize].blocks[e.pos as usize] = BlockId::NULL;
             }
         }
         entries.clear();
-        self.pos_index[b as usize] = entries;
+        self.pos_index[b.index()] = entries;
     }
 }

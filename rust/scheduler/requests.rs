@@ -4,7 +4,7 @@
 //! once it finished and nothing is pending for it.
 
 use crate::error::{Error, Result};
-use crate::ids::{JobId, Key, OwnerId};
+use crate::ids::{BlockId, JobId, Key, OwnerId};
 
 use super::lookup::LookupResult;
 use super::Scheduler;
@@ -39,7 +39,7 @@ impl Status {
 
 #[derive(Debug, Clone)]
 pub(super) struct ReqGroup {
-    pub(super) blocks: Vec<u32>,
+    pub(super) blocks: Vec<BlockId>,
     /// Chunks handled (stored, skipped, hit or loaded): the next chunk to consider.
     pub(super) cursor: u32,
 }

@@ -7,7 +7,7 @@ use crate::ids::{BlockId, JobId};
 
 use super::plan::{StepInput, StepPlan};
 use super::requests::Status;
-use super::{Scheduler, NULL};
+use super::Scheduler;
 
 impl Scheduler {
     /// Applies one engine step and returns its plan: loads created since the previous plan,
@@ -16,11 +16,10 @@ impl Scheduler {
     pub fn schedule<S: AsRef<str>>(&mut self, input: &StepInput<S>) -> Result<StepPlan> {
         // Validate.
         if input.scheduled.len() != input.computed.len() {
-            return Err(Error::Config(format!(
-                "step input: {} scheduled requests but {} computed-token counts",
-                input.scheduled.len(),
-                input.computed.len()
-            )));
+            return Err(Error::StepInputLength {
+                scheduled: input.scheduled.len(),
+                computed: input.computed.len(),
+            });
         }
         let resumed = self.ids(&input.resumed)?;
         let finished = self.ids(&input.finished)?;
@@ -153,11 +152,11 @@ impl Scheduler {
             }
         }
         let written: Vec<BlockId> = if let Some(w) = explicit {
-            w.into_iter().filter(|b| *b != NULL).map(BlockId).collect()
+            w.into_iter().filter(|b| *b != BlockId::NULL).collect()
         } else {
             let mut w = std::mem::take(&mut self.allocated);
             for (_, _, blocks) in &new_blocks {
-                w.extend(blocks.iter().filter(|b| **b != NULL).map(|b| BlockId(*b)));
+                w.extend(blocks.iter().filter(|b| **b != BlockId::NULL));
             }
             w
         };
@@ -200,7 +199,7 @@ impl Scheduler {
             rg.blocks.extend_from_slice(&blocks);
             for (k, b) in blocks.iter().enumerate() {
                 let pos = start + k as u32;
-                if *b != NULL && pos >= from {
+                if *b != BlockId::NULL && pos >= from {
                     self.pending_assign.push((i, g as u32, pos));
                 }
             }

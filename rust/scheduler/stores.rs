@@ -8,7 +8,7 @@ use crate::jobs::JobKind;
 
 use super::plan::{GroupTransfer, PlannedJob};
 use super::requests::Status;
-use super::{JobPayload, Scheduler, NULL};
+use super::{JobPayload, Scheduler};
 
 impl Scheduler {
     /// Plans the stores of each request of `work` once per step and drops the finished ones
@@ -62,7 +62,7 @@ impl Scheduler {
                 else {
                     break;
                 };
-                if blocks.contains(&NULL) {
+                if blocks.contains(&BlockId::NULL) {
                     dropped += 1;
                 } else {
                     keys.push(key);
@@ -115,7 +115,7 @@ impl Scheduler {
             } else {
                 &mut deferred
             };
-            class.extend(tr.gpu_blocks.iter().map(|b| BlockId(*b)));
+            class.extend_from_slice(&tr.gpu_blocks);
             self.stats.store_chunks += tr.keys.len() as u64;
             self.stats.store_bytes += tr.keys.len() as u64 * self.cfg.groups[g].bytes_per_chunk;
             transfers.push(tr);
