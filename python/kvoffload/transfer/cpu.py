@@ -118,10 +118,10 @@ def _build_copier(groups: Sequence[_Group]) -> Copier:
             regions.append(
                 (
                     buffer_of(r.gpu),
-                    r.gpu.storage_offset(),
+                    int(r.gpu.storage_offset()),
                     r.gpu.stride(0),
                     buffer_of(r.cpu),
-                    r.cpu.storage_offset(),
+                    int(r.cpu.storage_offset()),
                     r.cpu.stride(0),
                     r.bytes_per_block,
                 )

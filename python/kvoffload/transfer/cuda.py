@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import mmap
 import time
+from typing import Any
 
 import torch
 
@@ -25,7 +26,8 @@ from kvoffload.transfer.jobs import _Completions, _Job
 
 def _cuda_ok(err: object) -> bool:
     """Whether a ``torch.cuda.cudart()`` return value is ``cudaSuccess``."""
-    return int(getattr(err, "value", err)) == 0  # type: ignore[call-overload]
+    code: Any = getattr(err, "value", err)
+    return int(code) == 0
 
 
 def _clear_cuda_last_error() -> None:

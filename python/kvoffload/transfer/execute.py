@@ -66,7 +66,7 @@ class _CancelledError(Exception):
     """Raised inside a copy loop when shutdown(wait=False) cancels the job."""
 
 
-def _core_runs(job: _Job) -> list[tuple[int, None, list[int], list[int], list[int]]]:
+def _core_runs(job: _Job) -> list[tuple[int, int | None, list[int], list[int], list[int]]]:
     """A job's runs in the form :meth:`Copier.copy` takes (every region of each group)."""
     return [(g, None, gs.tolist(), cs.tolist(), ns.tolist()) for g, gs, cs, ns in job.runs]
 
