@@ -26,12 +26,13 @@ $(STAMP_BUILD): $(STAMP_DEPS) $(RUST_SRC)
 
 build: $(STAMP_BUILD) ## build the Rust extension (release) into .venv
 
-lint: build ## rustfmt, clippy (pedantic), ruff, ruff format, stubtest
+lint: build ## rustfmt, clippy (pedantic), ruff, ruff format, stubtest, mypy
 	cargo fmt --check
 	cargo clippy --all-targets --all-features -- -D warnings
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m mypy.stubtest kvoffload._core
+	$(PY) -m mypy
 
 fmt: $(STAMP_DEPS) ## format Rust and Python sources
 	cargo fmt
