@@ -8,7 +8,8 @@ registration before a byte moves, so no call can read or write outside registere
 lane takes the GIL once per job: a caller that holds the GIL (an engine loop spinning while it
 waits for a load) cannot stall the copies. A lane holds the engine's runtime only while a job
 runs, never the engine itself, so an engine dropped without ``shutdown`` (even in a reference
-cycle, even collected on its own copy thread) stops its lanes and frees its pool.
+cycle, even collected on its own copy thread) stops its lanes and frees its pool. Why the CPU copy
+runs in the core rather than in torch: ``docs/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the one correct order (DESIGN.md §3, step 4). It is the only call an engine ada
 besides :meth:`~TransferEngine.poll`; an id the engine never saw in a flush set or in
 :meth:`~TransferEngine.wait` / :meth:`~TransferEngine.fence` raises
 :class:`~kvoffload.errors.UnknownJobError` instead of being skipped. A failed job is reported
-only once nothing of it is still running.
+only once nothing of it is still running. A load in its own plan's flush set (its request was
+released in the same step) is submitted first and waited for (``docs/design-notes.md``).
 
 **Several workers.** Under tensor parallelism each worker holds its shard of the KV cache and
 its own engine; all state is per instance, completions are per worker, and the scheduler counts

@@ -5,7 +5,8 @@ value against the registered groups (nothing is queued for a bad job) and finds,
 runs where both the GPU block ids and the CPU positions are consecutive: each run is one copy
 per registered tensor (:attr:`TransferResult.copies` counts them). Executors record progress on
 the :class:`_Job`; finished jobs go to a :class:`_Completions` list that ``poll`` drains, each
-exactly once. :class:`_IdRanges` remembers which job ids an engine has seen, in bounded memory.
+exactly once. :class:`_IdRanges` remembers which job ids an engine has seen, in bounded memory
+(``docs/design-notes.md``, "Bounded memory of job ids").
 """
 
 from __future__ import annotations
