@@ -97,6 +97,37 @@ def test_json_has_every_figure_of_the_table(tmp_path, capsys: pytest.CaptureFixt
     assert_png(png.read_bytes())
 
 
+def test_options_set_the_config_fields_they_name(tmp_path) -> None:
+    out = tmp_path / "fig.json"
+    argv = [
+        *SMALL,
+        "--sliding-window",
+        "0",
+        "--copy-delay-ms",
+        "0.5",
+        "--fail-loads",
+        "0.25",
+        "--fail-stores",
+        "0.125",
+        "--seed",
+        "3",
+        "--no-baseline",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["num_requests"] == 12
+    assert cfg["num_gpu_blocks"] == 96
+    assert cfg["scale"] == 0.3
+    assert cfg["sliding_window"] is None
+    assert cfg["copy_delay_s"] == pytest.approx(0.0005)
+    assert cfg["load_fault_rate"] == 0.25
+    assert cfg["store_fault_rate"] == 0.125
+    assert cfg["seed"] == 3
+    assert cfg["completion"] == "poll"  # the command's default, not SimConfig's
+
+
 def test_broken_fence_fails_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "simulate",

@@ -288,17 +288,8 @@ class Simulator:
         """Appends the run's cumulative figures at this point (``if_changed``: unless they are
         the last point's)."""
         res = self.result
-        point = TimelinePoint(
-            step=self.step_no,
-            lookup_tokens=res.lookup_tokens,
-            gpu_hit_tokens=res.gpu_hit_tokens,
-            cpu_hit_tokens=res.cpu_hit_tokens,
-            prefill_tokens=res.prefill_tokens,
-            bytes_stored=res.bytes_stored,
-            bytes_loaded=res.bytes_loaded,
-            flushed_jobs=res.flushed_jobs,
-            flushes_vllm_rule=res.flushes_vllm_rule,
-        )
+        # Every field but the step is the result's figure of the same name.
+        point = TimelinePoint(self.step_no, *(getattr(res, f) for f in TimelinePoint._fields[1:]))
         if not (if_changed and res.timeline and res.timeline[-1][1:] == point[1:]):
             res.timeline.append(point)
 

@@ -36,7 +36,7 @@ class Mismatch:
 
 class TimelinePoint(NamedTuple):
     """Cumulative figures of a run at the end of one step (one entry of
-    :attr:`SimResult.timeline`)."""
+    :attr:`SimResult.timeline`): the step, then :class:`SimResult` figures of the same names."""
 
     step: int
     lookup_tokens: int
