@@ -20,16 +20,20 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
-from typing import Any
+from typing import TypeVar
 
 __all__ = ["build_parser", "main"]
 
+_N = TypeVar("_N", int, float)
 
-def _number(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Any:
+
+def _number(
+    convert: Callable[[str], _N], ok: Callable[[_N], bool], expected: str
+) -> Callable[[str], _N]:
     """An argparse type: ``convert`` the text, accept it if ``ok``, else say what was
     ``expected``."""
 
-    def parse(text: str) -> Any:
+    def parse(text: str) -> _N:
         try:
             v = convert(text)
         except ValueError:
