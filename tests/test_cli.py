@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvoffload.cli import main
-from kvoffload.sim import simulate
+from kvoffload.sim import SimResult, simulate
 from kvoffload.sim.plot import PlotUnavailableError, check_plot_path, make_figure, write_plot
 from tests.test_sim import PRESSURE
 
@@ -309,3 +309,12 @@ def test_plot_to_an_unknown_format_is_refused_before_the_run(
     assert "unknown format 'xyz'" in err
     assert out == ""
     assert not path.exists()
+
+
+def test_plot_of_an_empty_timeline_still_has_every_panel_and_legend(tmp_path) -> None:
+    fig = write_plot(str(tmp_path / "empty.png"), SimResult(config={"workload": "chat"}))
+    ax = panels(fig)
+    assert len(ax) == 4
+    assert legend(ax["Hit rate by tier"]) == ["GPU prefix cache", "CPU tier", "all tiers"]
+    assert all(len(line.get_xdata()) == 0 for a in ax.values() for line in a.get_lines())
+    assert (tmp_path / "empty.png").read_bytes().startswith(b"\x89PNG")

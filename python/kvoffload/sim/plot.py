@@ -87,9 +87,7 @@ def _windowed_rates(
     clipped to the lookups the tiers above it left unserved.
     """
     n = len(c["step"])
-    if n == 0:
-        return np.zeros(0), [(label, np.zeros(0)) for label, _ in HIT_TIERS]
-    idx = np.unique(np.append(np.arange(0, n, max(1, n // _WINDOWS)), n - 1))
+    idx = np.unique(np.append(np.arange(0, n, max(1, n // _WINDOWS)), n - 1)) if n else []
     looked = np.diff(c["lookup_tokens"][idx], prepend=0.0)
     left = looked.copy()
     series = []
