@@ -1,5 +1,6 @@
 //! Read-only views of the scheduler for engines and tests: counters, pools, pending jobs, the
-//! fence's size, request status; and the pools' events.
+//! fence's size, request status and sizes; and the pools' events (and whether they are
+//! recorded).
 
 use crate::error::Result;
 use crate::ids::JobId;
@@ -68,5 +69,27 @@ impl Scheduler {
     /// The engine step counter (number of `schedule` calls).
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// Number of chained hashes request `id` holds (an engine appends only the ones beyond).
+    pub fn num_hashes(&self, id: &str) -> Result<usize> {
+        Ok(self.req(self.idx(id)?).hashes.len())
+    }
+
+    /// Length of request `id`'s block table in group `g` (0 for a group it has no table in).
+    pub fn table_len(&self, id: &str, g: usize) -> Result<usize> {
+        Ok(self
+            .req(self.idx(id)?)
+            .groups
+            .get(g)
+            .map_or(0, |t| t.blocks.len()))
+    }
+
+    /// Bounds every pool's event queue to `limit` keys; 0 records no events (an engine that
+    /// publishes no KV events).
+    pub fn set_event_limit(&mut self, limit: usize) {
+        for p in &mut self.pools {
+            p.set_event_limit(limit);
+        }
     }
 }

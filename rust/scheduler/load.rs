@@ -22,15 +22,7 @@ impl Scheduler {
         hit_tokens: u32,
         load_tokens: u32,
     ) -> Result<Option<JobId>> {
-        let i = self.idx(id)?;
-        let r = self.req(i);
-        if !matches!(r.status, Status::Waiting | Status::Preempted) {
-            return Err(Self::state_err(
-                id,
-                r.status,
-                "only waiting requests are allocated",
-            ));
-        }
+        let i = self.waiting(id, "only waiting requests are allocated")?;
         if blocks.len() != self.cfg.groups.len() {
             return Err(Error::RequestState {
                 request: id.to_owned(),

@@ -21,15 +21,7 @@ impl Scheduler {
     /// Tokens loadable from the CPU tier beyond the engine's prefix hit of `hit_tokens`;
     /// `Ok(None)` means "ask again later".
     pub fn lookup(&mut self, id: &str, hit_tokens: u32) -> Result<Option<u32>> {
-        let i = self.idx(id)?;
-        let r = self.req(i);
-        if !matches!(r.status, Status::Waiting | Status::Preempted) {
-            return Err(Self::state_err(
-                id,
-                r.status,
-                "only waiting requests are looked up",
-            ));
-        }
+        let i = self.waiting(id, "only waiting requests are looked up")?;
         self.stats.lookups += 1;
         // Work on the request outside the slab so the pools and the tracker stay borrowable.
         let mut r = self.reqs[i as usize]

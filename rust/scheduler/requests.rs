@@ -71,6 +71,17 @@ impl Scheduler {
             .ok_or_else(|| Error::UnknownRequest(id.to_owned()))
     }
 
+    /// The slab index of a waiting (or preempted) request; else an error saying `what`.
+    pub(super) fn waiting(&self, id: &str, what: &str) -> Result<u32> {
+        let i = self.idx(id)?;
+        let status = self.req(i).status;
+        if matches!(status, Status::Waiting | Status::Preempted) {
+            Ok(i)
+        } else {
+            Err(Self::state_err(id, status, what))
+        }
+    }
+
     pub(super) fn req(&self, i: u32) -> &Request {
         self.reqs[i as usize]
             .as_ref()

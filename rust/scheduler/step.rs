@@ -1,11 +1,12 @@
-//! The step (DESIGN.md §3.3): one call validates the whole step input, then applies it in the
-//! order documented in the parent module and returns the plan with the single fence check's
-//! flush set.
+//! The step (DESIGN.md §3.3): one call checks the whole step input (`checks.rs`), then applies
+//! it in the five phases documented in the parent module, one function each, and returns the
+//! plan with the single fence check's flush set.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ids::{BlockId, JobId};
 
-use super::plan::{StepInput, StepPlan};
+use super::checks::CheckedStep;
+use super::plan::{PlannedJob, StepInput, StepPlan};
 use super::requests::Status;
 use super::Scheduler;
 
@@ -14,135 +15,59 @@ impl Scheduler {
     /// stores for chunks that became full, and the flush set of the single fence check.
     /// Everything is validated before anything changes.
     pub fn schedule<S: AsRef<str>>(&mut self, input: &StepInput<S>) -> Result<StepPlan> {
-        // Validate.
-        if input.scheduled.len() != input.computed.len() {
-            return Err(Error::StepInputLength {
-                scheduled: input.scheduled.len(),
-                computed: input.computed.len(),
-            });
-        }
-        let resumed = self.ids(&input.resumed)?;
-        let finished = self.ids(&input.finished)?;
-        let aborted = self.ids(&input.aborted)?;
-        let preempted = self.ids(&input.preempted)?;
-        for &i in &resumed {
-            let r = self.req(i);
-            if !matches!(r.status, Status::Preempted | Status::Running) {
-                return Err(Self::state_err(
-                    &r.id,
-                    r.status,
-                    "only a preempted request resumes",
-                ));
-            }
-        }
-        // A request is released at most once per step, and a released request is not
-        // scheduled in the same step.
-        let released: Vec<u32> = finished
-            .iter()
-            .chain(&aborted)
-            .chain(&preempted)
-            .copied()
-            .collect();
-        if let Some(i) = self.first_repeated_req(released.iter().copied()) {
-            return Err(Error::RequestState {
-                request: self.req(i).id.clone(),
-                reason: "is listed twice among finished, aborted and preempted in one step".into(),
-            });
-        }
-        let live = |s: &Self, i: u32| s.req(i).status == Status::Running || resumed.contains(&i);
-        let mut scheduled = Vec::with_capacity(input.scheduled.len());
-        for (id, computed) in input.scheduled.iter().zip(&input.computed) {
-            let id = id.as_ref();
-            let i = self.idx(id)?;
-            if !live(self, i) {
-                let r = self.req(i);
-                return Err(Self::state_err(
-                    id,
-                    r.status,
-                    "allocate it before scheduling it",
-                ));
-            }
-            scheduled.push((i, *computed));
-        }
-        let ids = scheduled
-            .iter()
-            .map(|(i, _)| *i)
-            .chain(released.iter().copied());
-        if let Some(i) = self.first_repeated_req(ids) {
-            let id = self.req(i).id.clone();
-            return Err(Error::RequestState {
-                reason: if released.contains(&i) {
-                    "is scheduled and released (finished, aborted or preempted) in one step".into()
-                } else {
-                    "is scheduled twice in one step".into()
-                },
-                request: id,
-            });
-        }
-        let mut new_blocks = Vec::with_capacity(input.new_blocks.len());
-        for (id, g, blocks) in &input.new_blocks {
-            let id = id.as_ref();
-            let i = self.idx(id)?;
-            if *g as usize >= self.cfg.groups.len() {
-                return Err(Error::RequestState {
-                    request: id.to_owned(),
-                    reason: format!(
-                        "got blocks for group {g}, but the engine has {} KV groups",
-                        self.cfg.groups.len()
-                    ),
-                });
-            }
-            if !live(self, i) {
-                let r = self.req(i);
-                return Err(Self::state_err(
-                    id,
-                    r.status,
-                    "only running requests get blocks",
-                ));
-            }
-            new_blocks.push((i, *g as usize, self.engine_blocks(blocks)?));
-        }
-        let fresh = new_blocks.iter().flat_map(|(_, _, b)| b.iter().copied());
-        if let Some(b) = self.first_repeated(fresh) {
-            let (i, _, _) = new_blocks
-                .iter()
-                .find(|(_, _, bl)| bl.contains(&b))
-                .expect("a repeated block was given");
-            return Err(Error::RequestState {
-                request: self.req(*i).id.clone(),
-                reason: format!(
-                    "got block {b}, which this step allocates twice; a block holds one position"
-                ),
-            });
-        }
-        for &i in finished.iter().chain(&aborted) {
-            let r = self.req(i);
-            if matches!(r.status, Status::Finished | Status::Aborted) {
-                return Err(Self::state_err(&r.id, r.status, "it cannot finish again"));
-            }
-        }
-        for &i in &preempted {
-            let r = self.req(i);
-            if !matches!(r.status, Status::Running | Status::Preempted) {
-                return Err(Self::state_err(
-                    &r.id,
-                    r.status,
-                    "only running requests are preempted",
-                ));
-            }
-        }
-        let explicit = match &input.written {
-            Some(w) => Some(self.engine_blocks(w)?),
-            None => None,
-        };
-
-        // Apply. 1: releases arm their requests' deferred fence pairs.
+        let step = self.check_step(input)?;
         self.step += 1;
         self.stats.steps += 1;
+        // 1: releases arm their requests' deferred fence pairs.
+        self.release(&step);
+        let written = self.written_blocks(&step);
+        // 2: stores of released requests read their blocks as they are before this step's
+        // re-allocations; armed at creation, the fence check flushes them if need be.
+        let mut retry = std::mem::take(&mut self.retry);
+        let mut stores = Vec::new();
+        let mut work = step.released;
+        work.extend(retry.iter().copied().filter(|i| {
+            self.reqs[*i as usize]
+                .as_ref()
+                .is_some_and(|r| r.status != Status::Running)
+        }));
+        self.plan_all(&work, &mut stores);
+        // 3: re-allocations drop the positions whose content they replace.
+        self.reallocate(&step.resumed, step.new_blocks);
+        // 4: stores of running requests, for chunks this step's forward pass completes.
+        let released_stores = stores.len();
+        work.clear();
+        for (i, computed) in step.scheduled {
+            self.req_mut(i).computed = computed;
+            work.push(i);
+        }
+        retry.retain(|i| {
+            self.reqs[*i as usize]
+                .as_ref()
+                .is_some_and(|r| r.status == Status::Running)
+        });
+        work.append(&mut retry);
+        self.plan_all(&work, &mut stores);
+        // 5: the single fence check, after this step's stores exist.
+        let flush = self.fence_check(
+            &written,
+            &stores[released_stores..],
+            input.written.is_some(),
+        );
+        Ok(StepPlan {
+            loads: std::mem::take(&mut self.new_loads),
+            stores,
+            flush,
+        })
+    }
+
+    /// Phase 1: finished, aborted and preempted requests take their new status and release
+    /// their blocks (the tracker arms their deferred pairs).
+    fn release(&mut self, step: &CheckedStep) {
         for (list, status) in [
-            (&finished, Status::Finished),
-            (&aborted, Status::Aborted),
-            (&preempted, Status::Preempted),
+            (&step.finished, Status::Finished),
+            (&step.aborted, Status::Aborted),
+            (&step.preempted, Status::Preempted),
         ] {
             for &i in list {
                 let r = self.req_mut(i);
@@ -151,28 +76,28 @@ impl Scheduler {
                 self.tracker.release(owner);
             }
         }
-        let written: Vec<BlockId> = if let Some(w) = explicit {
-            w.into_iter().filter(|b| *b != BlockId::NULL).collect()
+    }
+
+    /// The blocks this step writes: the explicit set, or every block allocated since the
+    /// previous step (conservative).
+    fn written_blocks(&mut self, step: &CheckedStep) -> Vec<BlockId> {
+        let written = if let Some(w) = &step.written {
+            w.iter().copied().filter(|b| *b != BlockId::NULL).collect()
         } else {
             let mut w = std::mem::take(&mut self.allocated);
-            for (_, _, blocks) in &new_blocks {
+            for (_, _, blocks) in &step.new_blocks {
                 w.extend(blocks.iter().filter(|b| **b != BlockId::NULL));
             }
             w
         };
         self.allocated.clear();
-        // 2: stores of released requests read their blocks as they are before this step's
-        // re-allocations; armed at creation, the fence check flushes them if need be.
-        let mut retry = std::mem::take(&mut self.retry);
-        let mut stores = Vec::new();
-        let mut work = released;
-        work.extend(retry.iter().copied().filter(|i| {
-            self.reqs[*i as usize]
-                .as_ref()
-                .is_some_and(|r| r.status != Status::Running)
-        }));
-        self.plan_all(&work, &mut stores);
-        // 3: re-allocations drop the positions whose content they replace.
+        written
+    }
+
+    /// Phase 3: this step's re-allocations (by `allocate` since the previous step, and
+    /// `new_blocks`) drop the unstored positions they replace; resumed requests start a new
+    /// block table; the new blocks are appended and their unstored positions indexed.
+    fn reallocate(&mut self, resumed: &[u32], new_blocks: Vec<(u32, usize, Vec<BlockId>)>) {
         for b in std::mem::take(&mut self.reallocated) {
             self.invalidate(b);
         }
@@ -181,7 +106,7 @@ impl Scheduler {
                 self.invalidate(*b);
             }
         }
-        for &i in &resumed {
+        for &i in resumed {
             let owner = self.req(i).owner;
             self.tracker.reacquire(owner);
             let r = self.req_mut(i);
@@ -207,29 +132,24 @@ impl Scheduler {
         for (i, g, pos) in std::mem::take(&mut self.pending_assign) {
             self.assign(i, g, pos);
         }
-        // 4: stores of running requests, for chunks this step's forward pass completes.
-        let released_stores = stores.len();
-        work.clear();
-        for (i, computed) in scheduled {
-            self.req_mut(i).computed = computed;
-            work.push(i);
-        }
-        retry.retain(|i| {
-            self.reqs[*i as usize]
-                .as_ref()
-                .is_some_and(|r| r.status == Status::Running)
-        });
-        work.append(&mut retry);
-        self.plan_all(&work, &mut stores);
-        // 5: the single fence check, after this step's stores exist. Neither a store of step 4
-        // (it runs after this step's forward pass) nor a load of this plan (it writes its own
-        // blocks) is flushed by the step that creates it.
+    }
+
+    /// Phase 5: the single fence check over `written`. Neither a store of a running request
+    /// (`running_stores`: it runs after this step's forward pass) nor a load of this plan (it
+    /// writes its own blocks) is flushed by the step that creates it. Jobs flushed by a reset
+    /// since the previous plan are added.
+    fn fence_check(
+        &mut self,
+        written: &[BlockId],
+        running_stores: &[PlannedJob],
+        explicit: bool,
+    ) -> Vec<JobId> {
         let mut flush = Vec::new();
         self.tracker
-            .check_into(&written, &mut flush)
+            .check_into(written, &mut flush)
             .expect("written blocks validated");
         if !flush.is_empty() {
-            let first_running = stores.get(released_stores).map(|j| j.id);
+            let first_running = running_stores.first().map(|j| j.id);
             // A load whose request released its blocks in this very step no longer writes
             // blocks of its own: the fence decides for it as for any job.
             let own_loads: Vec<JobId> = self
@@ -247,7 +167,7 @@ impl Scheduler {
             flush.retain(|j| first_running.is_none_or(|f| *j < f) && !own_loads.contains(j));
         }
         let n = flush.len() as u64;
-        if input.written.is_some() {
+        if explicit {
             self.stats.flushes_necessary += n;
         } else {
             self.stats.flushes_conservative += n;
@@ -257,10 +177,6 @@ impl Scheduler {
             flush.sort_unstable();
             flush.dedup();
         }
-        Ok(StepPlan {
-            loads: std::mem::take(&mut self.new_loads),
-            stores,
-            flush,
-        })
+        flush
     }
 }
