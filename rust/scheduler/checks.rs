@@ -53,6 +53,8 @@ impl Scheduler {
         first_repeated(&mut self.req_stamps, &mut self.req_stamp, reqs)
     }
 
+    /// An engine block id checked against the range, the engine's null block mapped to
+    /// [`BlockId::NULL`].
     pub(super) fn engine_block(&self, b: BlockId) -> Result<BlockId> {
         if b.0 >= self.cfg.num_gpu_blocks {
             return Err(Error::BlockOutOfRange {
@@ -67,6 +69,7 @@ impl Scheduler {
         })
     }
 
+    /// [`Scheduler::engine_block`] of each block.
     pub(super) fn engine_blocks(&self, blocks: &[BlockId]) -> Result<Vec<BlockId>> {
         blocks.iter().map(|b| self.engine_block(*b)).collect()
     }

@@ -10,6 +10,7 @@ use crate::pool::KeyState;
 use super::requests::{Request, Status};
 use super::Scheduler;
 
+/// The answer of a request's last lookup, which `allocate` must match.
 #[derive(Debug, Clone)]
 pub(super) struct LookupResult {
     pub(super) step: u64,
@@ -35,6 +36,8 @@ impl Scheduler {
         Ok(answer)
     }
 
+    /// The lookup of a request taken out of the slab: remembers its first ask and the loads
+    /// it waits for, and records the answer.
     pub(super) fn lookup_inner(&mut self, r: &mut Request, hit: u32) -> Option<u32> {
         r.lookup = None;
         if self.tracker.jobs().owner(r.owner).is_some() {

@@ -61,29 +61,41 @@ pub use requests::Status;
 use positions::PosEntry;
 use requests::Request;
 
+/// What the tracker carries with each job: what its completion must apply.
 #[derive(Debug, Clone)]
-pub(super) struct JobPayload {
-    pub(super) req: u32,
-    pub(super) transfers: Vec<GroupTransfer>,
+struct JobPayload {
+    /// Slab index of the request.
+    req: u32,
+    /// Copies per group (keys to publish or unpin).
+    transfers: Vec<GroupTransfer>,
     /// For a load: per group, the first chunk it fills (a failed load rewinds the store
     /// cursor there, so the recomputed chunks are stored again).
-    pub(super) first_chunks: Vec<u32>,
+    first_chunks: Vec<u32>,
     /// For a load: the token it loads up to (the request's computed tokens once it is done).
-    pub(super) load_end: u32,
+    load_end: u32,
 }
 
 /// The scheduler core. See the module documentation.
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
+    /// Least common multiple of the groups' chunk sizes in tokens: lookups answer multiples.
     align: u32,
+    /// One CPU pool per KV group.
     pools: Vec<Pool>,
+    /// Jobs and the fence.
     tracker: Tracker<JobPayload>,
+    /// The request slab (`requests.rs`); `None`: a free index.
     reqs: Vec<Option<Request>>,
+    /// Free slab indices.
     free: Vec<u32>,
+    /// External request id -> slab index.
     index: FxHashMap<String, u32>,
+    /// The next request's tracker owner id (never reused).
     next_owner: u64,
+    /// Unstored positions by block (`positions.rs`).
     pos_index: Vec<Vec<PosEntry>>,
+    /// Positions `(request, group, pos)` to index once this step's re-allocations are applied.
     pending_assign: Vec<(u32, u32, u32)>,
     /// Blocks re-allocated by `allocate` since the previous step (applied in `schedule`).
     reallocated: Vec<BlockId>,
@@ -91,15 +103,25 @@ pub struct Scheduler {
     stamps: Vec<u32>,
     /// Generation stamps per request slab index.
     req_stamps: Vec<u32>,
+    /// Current generation of `stamps`.
     stamp: u32,
+    /// Current generation of `req_stamps`.
     req_stamp: u32,
+    /// `(group, key)` -> the load in flight that reads it (lookups wait for it).
     loading: FxHashMap<(u32, Key), JobId>,
+    /// Requests with a pending load (for load backpressure).
     loading_requests: u32,
+    /// `schedule` calls so far.
     step: u64,
+    /// Loads created since the previous plan.
     new_loads: Vec<PlannedJob>,
+    /// Blocks allocated since the previous step (the conservative written set).
     allocated: Vec<BlockId>,
+    /// Requests whose store planning is retried next step (no room, or a load pending).
     retry: Vec<u32>,
+    /// Jobs flushed by a reset, added to the next plan's flush set.
     reset_flush: Vec<JobId>,
+    /// Counters.
     stats: SchedulerStats,
 }
 

@@ -8,6 +8,8 @@ use crate::ids::{BlockId, OwnerId};
 
 use super::Scheduler;
 
+/// An unstored position of a request's block table; valid while the request's owner, epoch,
+/// block and store cursor still match.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PosEntry {
     pub(super) req: u32,

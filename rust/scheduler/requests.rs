@@ -37,6 +37,7 @@ impl Status {
     }
 }
 
+/// A request's block table in one KV group.
 #[derive(Debug, Clone)]
 pub(super) struct ReqGroup {
     pub(super) blocks: Vec<BlockId>,
@@ -44,6 +45,7 @@ pub(super) struct ReqGroup {
     pub(super) cursor: u32,
 }
 
+/// A tracked request.
 #[derive(Debug, Clone)]
 pub(super) struct Request {
     pub(super) id: String,
@@ -64,6 +66,7 @@ pub(super) struct Request {
 }
 
 impl Scheduler {
+    /// The slab index of request `id`.
     pub(super) fn idx(&self, id: &str) -> Result<u32> {
         self.index
             .get(id)
@@ -82,18 +85,21 @@ impl Scheduler {
         }
     }
 
+    /// The request at slab index `i` (which must be live).
     pub(super) fn req(&self, i: u32) -> &Request {
         self.reqs[i as usize]
             .as_ref()
             .expect("indexed request exists")
     }
 
+    /// The request at slab index `i`, mutably.
     pub(super) fn req_mut(&mut self, i: u32) -> &mut Request {
         self.reqs[i as usize]
             .as_mut()
             .expect("indexed request exists")
     }
 
+    /// The error for an operation `what` that a request's status does not allow.
     pub(super) fn state_err(id: &str, status: Status, what: &str) -> Error {
         Error::RequestState {
             request: id.to_owned(),
@@ -158,6 +164,7 @@ impl Scheduler {
         Ok(())
     }
 
+    /// The key of chunk `chunk` of group `g`, if the request has its hash yet.
     pub(super) fn key(&self, r: &Request, g: usize, chunk: u32) -> Option<Key> {
         let end = (u64::from(chunk) + 1) * u64::from(self.cfg.chunk_tokens(g));
         let h = (end / u64::from(self.cfg.hash_block_size)) as usize;
@@ -176,6 +183,7 @@ impl Scheduler {
         wm
     }
 
+    /// Slab indices of request ids.
     pub(super) fn ids<S: AsRef<str>>(&self, ids: &[S]) -> Result<Vec<u32>> {
         ids.iter().map(|id| self.idx(id.as_ref())).collect()
     }
