@@ -9,7 +9,7 @@ RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 .DEFAULT_GOAL := help
 
 help: ## list the targets
-	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 $(STAMP_DEPS): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
