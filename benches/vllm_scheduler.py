@@ -126,10 +126,10 @@ def run(n: int, steps: int, connector: bool) -> dict[str, float]:
             assert isinstance(meta, KvOffloadMetadata)
             kv_out = KVConnectorOutput(
                 finished_recving=prev_loads,
-                kv_connector_worker_meta=KvOffloadWorkerMetadata(done=dict.fromkeys(prev_jobs, 1)),
+                kv_connector_worker_meta=KvOffloadWorkerMetadata(done={0: prev_jobs}),
             )
-            prev_jobs = [j for j, *_ in meta.loads] + [j for j, _ in meta.stores]
-            prev_loads = {rid for _, rid, _ in meta.loads}
+            prev_jobs = [j for j, _ in meta.load_requests()] + meta.store_ids()
+            prev_loads = {rid for _, rid in meta.load_requests()}
         ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in ids:

@@ -415,8 +415,6 @@ class FakeWorker:
             from kvoffload.integrations.vllm import KvOffloadWorkerMetadata
 
             self._ours_meta = KvOffloadWorkerMetadata
-            done_type = str(KvOffloadWorkerMetadata.__dataclass_fields__["done"].type)
-            self._ranks = "list" in done_type  # job -> reporting ranks (else a count)
 
     def _count(self, into: dict[int, int], group: int, n: int) -> None:
         into[group] = into.get(group, 0) + n
@@ -433,18 +431,18 @@ class FakeWorker:
                         self._count(into, g, int(n))
             loads = [(j, t.req_id) for j, t in meta.load_jobs.items()]
             return loads, list(meta.store_jobs), list(meta.jobs_to_flush or ())
-        for job in meta.loads:
-            for g, gpu, _ in job[2]:
-                self._count(self.loaded_blocks, g, len(gpu))
-        for job in meta.stores:
-            for g, gpu, _ in job[1]:
-                self._count(self.stored_blocks, g, len(gpu))
-        return [(j, rid) for j, rid, _ in meta.loads], [j for j, _ in meta.stores], list(meta.flush)
+        loads = meta.load_requests()
+        stores = meta.store_ids()
+        for jobs, into in ((loads, self.loaded_blocks), (stores, self.stored_blocks)):
+            for j in jobs:
+                for g, gpu, _ in meta.transfers(j[0] if isinstance(j, tuple) else j):
+                    self._count(into, g, len(gpu))
+        return loads, stores, list(meta.flush)
 
     def _report(self, jobs: list[int]) -> Any:
         if self.connector == "vllm":
             return self._vllm_meta(completed_jobs=dict.fromkeys(jobs, 1))
-        return self._ours_meta(done={j: [0] if self._ranks else 1 for j in jobs})
+        return self._ours_meta(done={0: jobs})
 
     def _add(self, step: int, job: int, rid: str | None, delay: int) -> None:
         self.due.setdefault(step + delay, []).append((job, rid))

@@ -14,6 +14,7 @@
 use std::fmt::Display;
 
 use crate::error::{Error, Result};
+use crate::ids::BlockId;
 use crate::policy::PolicyKind;
 use crate::pool::PoolConfig;
 
@@ -184,7 +185,7 @@ impl SchedulerArgs {
         let num_gpu_blocks = check_u32("num_gpu_blocks", self.num_gpu_blocks, 1, MAX_GPU_BLOCKS)?;
         let null_block = self
             .null_block
-            .map(|n| check_u32("null_block", n, 0, num_gpu_blocks - 1))
+            .map(|n| check_u32("null_block", n, 0, num_gpu_blocks - 1).map(BlockId))
             .transpose()?;
         let max_slots = MAX_CPU_SLOTS / groups.len() as u32;
         let cpu_chunks = match (self.cpu_chunks, self.cpu_bytes) {
@@ -286,7 +287,7 @@ pub struct SchedulerConfig {
     /// GPU blocks of the engine (block ids are `0..num_gpu_blocks`).
     pub num_gpu_blocks: u32,
     /// The engine's null block id, if it has one (never stored, never loaded).
-    pub null_block: Option<u32>,
+    pub null_block: Option<BlockId>,
     /// CPU slots per group (one slot holds one chunk).
     pub cpu_chunks: u32,
     /// Eviction policy of the CPU pools.
@@ -342,7 +343,7 @@ impl SchedulerConfig {
         check_u32("cpu_chunks", n(self.cpu_chunks), 1, max_slots)?;
         check_u32("num_workers", n(self.num_workers), 1, MAX_WORKERS)?;
         if let Some(b) = self.null_block {
-            check_u32("null_block", n(b), 0, self.num_gpu_blocks - 1)?;
+            check_u32("null_block", n(b.0), 0, self.num_gpu_blocks - 1)?;
         }
         for (g, grp) in self.groups.iter().enumerate() {
             check_u32(

@@ -62,6 +62,15 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// A step input whose scheduled requests and computed-token counts differ in number.
+    #[error("step input: {scheduled} scheduled request ids but {computed} computed-token counts")]
+    StepInputLength {
+        /// Scheduled requests given.
+        scheduled: usize,
+        /// Computed-token counts given.
+        computed: usize,
+    },
+
     /// A request id that is not registered.
     #[error("unknown request {0:?}: add it before using it (or it finished and was dropped)")]
     UnknownRequest(String),

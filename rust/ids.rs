@@ -24,6 +24,17 @@ pub struct SlotId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Key(pub u128);
 
+impl BlockId {
+    /// The scheduler's null block: a dropped position, or the engine's own null block. Never a
+    /// real block (`num_gpu_blocks` is at most `2**24 - 1`).
+    pub const NULL: BlockId = BlockId(u32::MAX);
+
+    /// The block as an index into per-block arrays.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
 impl Key {
     /// A key from an opaque hash given as bytes: up to 16 bytes are taken as a big-endian
     /// integer; longer hashes (e.g. SHA-256 digests) are folded to 128 bits with FNV-1a.

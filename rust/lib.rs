@@ -5,13 +5,17 @@
 //! data structures over dense integer ids:
 //!
 //! - [`ids`]: newtypes for the ids that cross module boundaries;
-//! - [`jobs`]: the job table (monotonic ids, per-worker completion counting, reset epochs) and
-//!   the per-request rule "one pending load or any number of pending stores";
+//! - [`error`]: the one error type, whose messages name the ids involved;
+//! - [`config`]: the scheduler's configuration, validated once;
+//! - [`jobs`]: the job table (monotonic ids, per-worker completion, reset epochs);
 //! - [`fence`]: the armed index `block -> pending jobs` and the one-pass check;
 //! - [`tracker`]: jobs and fence together, with the eager / deferred lifecycle classes;
 //! - [`pool`]: the CPU pool (slots, key states, pins, contiguous allocation, events);
-//! - [`policy`]: its eviction policies (LRU, ARC) behind one trait;
-//! - [`tier`]: tiers below the CPU pool (the disk tier; the contract lower tiers share).
+//! - [`policy`]: the pool's eviction policies (LRU, ARC) behind one trait;
+//! - [`scheduler`]: requests, lookups, loads, store planning and the per-step plan;
+//! - [`copy`]: bounded byte copies between registered KV tensors and the CPU pool;
+//! - [`tier`]: tiers below the CPU pool (the disk tier; the contract lower tiers share);
+//! - `py` (feature `python`): the Python bindings, the only place that mentions pyo3.
 //!
 //! Domain modules never import pyo3; the Python bindings live in `rust/py/` behind the
 //! `python` feature, so `cargo test` and `cargo bench` build plain Rust.

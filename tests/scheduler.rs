@@ -9,7 +9,7 @@ use kvoffload::policy::PolicyKind;
 use kvoffload::pool::KeyState;
 use kvoffload::scheduler::{CompletedJob, Scheduler, SchedulerStats, Status, StepInput};
 use kvoffload::tracker::FenceStats;
-use kvoffload::{Error, JobId, Key};
+use kvoffload::{BlockId, Error, JobId, Key};
 
 fn config(window: Option<u32>) -> SchedulerConfig {
     let mut groups = vec![GroupConfig {
@@ -29,7 +29,7 @@ fn config(window: Option<u32>) -> SchedulerConfig {
         blocks_per_chunk: 1,
         hash_block_size: 4,
         num_gpu_blocks: 64,
-        null_block: Some(0),
+        null_block: Some(BlockId(0)),
         cpu_chunks: 16,
         policy: PolicyKind::Lru,
         num_workers: 1,
@@ -39,6 +39,11 @@ fn config(window: Option<u32>) -> SchedulerConfig {
         store_threshold: 0,
         debug_skip_deferred_arming: false,
     }
+}
+
+/// Block ids from plain integers.
+fn bl(ids: &[u32]) -> Vec<BlockId> {
+    ids.iter().copied().map(BlockId).collect()
 }
 
 fn keys(n: u128) -> Vec<Key> {
@@ -58,14 +63,20 @@ fn workers(n: u32) -> SchedulerConfig {
 
 /// Adds request `id` (9 tokens, `hashes`), gives it `blocks` and computes 8 tokens: returns
 /// its store job of 2 chunks.
-fn stored(s: &mut Scheduler, id: &str, hashes: Vec<Key>, blocks: Vec<u32>) -> JobId {
+fn stored(s: &mut Scheduler, id: &str, hashes: Vec<Key>, blocks: &[u32]) -> JobId {
+    let blocks = bl(blocks);
     s.add_request(id, 9, hashes).unwrap();
     assert_eq!(s.lookup(id, 0).unwrap(), Some(0));
     assert_eq!(
         s.allocate(id, std::slice::from_ref(&blocks), 0, 0).unwrap(),
         None
     );
-    let plan = s.schedule(&step(&[(id, 8)], &[], blocks)).unwrap();
+    let plan = s
+        .schedule(&StepInput {
+            written: Some(blocks),
+            ..step(&[(id, 8)], &[], &[])
+        })
+        .unwrap();
     assert_eq!(plan.stores.len(), 1);
     assert!(plan.flush.is_empty());
     plan.stores[0].id
@@ -103,7 +114,7 @@ fn ids(done: &[CompletedJob]) -> Vec<JobId> {
     done.iter().map(|d| d.id).collect()
 }
 
-fn step(scheduled: &[(&str, u32)], finished: &[&str], written: Vec<u32>) -> StepInput<String> {
+fn step(scheduled: &[(&str, u32)], finished: &[&str], written: &[u32]) -> StepInput<String> {
     StepInput {
         scheduled: scheduled.iter().map(|(r, _)| (*r).to_owned()).collect(),
         computed: scheduled.iter().map(|(_, c)| *c).collect(),
@@ -112,7 +123,7 @@ fn step(scheduled: &[(&str, u32)], finished: &[&str], written: Vec<u32>) -> Step
         finished: finished.iter().map(|r| (*r).to_owned()).collect(),
         aborted: Vec::new(),
         preempted: Vec::new(),
-        written: Some(written),
+        written: Some(bl(written)),
     }
 }
 
@@ -121,21 +132,21 @@ fn store_finish_flush_load_and_drain() {
     let mut s = Scheduler::new(config(None)).unwrap();
     s.add_request("a", 9, keys(2)).unwrap();
     assert_eq!(s.lookup("a", 0).unwrap(), Some(0));
-    assert_eq!(s.allocate("a", &[vec![1, 2, 3]], 0, 0).unwrap(), None);
-    let plan = s.schedule(&step(&[("a", 8)], &[], vec![1, 2, 3])).unwrap();
+    assert_eq!(s.allocate("a", &[bl(&[1, 2, 3])], 0, 0).unwrap(), None);
+    let plan = s.schedule(&step(&[("a", 8)], &[], &[1, 2, 3])).unwrap();
     assert_eq!(plan.stores.len(), 1);
-    assert_eq!(plan.stores[0].transfers[0].gpu_blocks, vec![1, 2]);
+    assert_eq!(plan.stores[0].transfers[0].gpu_blocks, bl(&[1, 2]));
     assert!(plan.flush.is_empty());
     let store = plan.stores[0].id;
 
     // a finishes; block 2 is re-allocated and written: its pending store must flush.
     assert!(s
-        .schedule(&step(&[], &["a"], vec![]))
+        .schedule(&step(&[], &["a"], &[]))
         .unwrap()
         .flush
         .is_empty());
     assert_eq!(
-        s.schedule(&step(&[], &[], vec![2])).unwrap().flush,
+        s.schedule(&step(&[], &[], &[2])).unwrap().flush,
         vec![store]
     );
     let done = s.complete(store, 0, true).unwrap().unwrap();
@@ -145,15 +156,15 @@ fn store_finish_flush_load_and_drain() {
     // b shares the prefix: both chunks come back from the CPU tier.
     s.add_request("b", 9, keys(2)).unwrap();
     assert_eq!(s.lookup("b", 0).unwrap(), Some(8));
-    let load = s.allocate("b", &[vec![5, 6, 7]], 0, 8).unwrap().unwrap();
-    let plan = s.schedule(&step(&[("b", 9)], &[], vec![5, 6, 7])).unwrap();
+    let load = s.allocate("b", &[bl(&[5, 6, 7])], 0, 8).unwrap().unwrap();
+    let plan = s.schedule(&step(&[("b", 9)], &[], &[5, 6, 7])).unwrap();
     assert_eq!(plan.loads[0].id, load);
-    assert_eq!(plan.loads[0].transfers[0].gpu_blocks, vec![5, 6]);
+    assert_eq!(plan.loads[0].transfers[0].gpu_blocks, bl(&[5, 6]));
     assert_eq!(s.status("b").unwrap(), Status::Running);
     assert!(s.complete(load, 0, true).unwrap().unwrap().ok);
 
     // Drain: no leaks.
-    s.schedule(&step(&[], &["b"], vec![])).unwrap();
+    s.schedule(&step(&[], &["b"], &[])).unwrap();
     assert!(s.pending_jobs().is_empty());
     assert_eq!(s.num_requests(), 0);
     assert_eq!(s.armed_pairs(), 0);
@@ -163,25 +174,25 @@ fn store_finish_flush_load_and_drain() {
 fn failed_load_reports_blocks_drops_chunks_and_preempt_makes_it_lookable() {
     let mut s = Scheduler::new(config(Some(8))).unwrap();
     s.add_request("a", 9, keys(2)).unwrap();
-    s.allocate("a", &[vec![1, 2, 3], vec![11, 12, 13]], 0, 0)
+    s.allocate("a", &[bl(&[1, 2, 3]), bl(&[11, 12, 13])], 0, 0)
         .unwrap();
-    let plan = s.schedule(&step(&[("a", 8)], &[], vec![])).unwrap();
+    let plan = s.schedule(&step(&[("a", 8)], &[], &[])).unwrap();
     // Window blocks are armed at creation, full-attention blocks are not.
     assert_eq!(s.armed_pairs(), 2);
     for j in &plan.stores {
         s.complete(j.id, 0, true).unwrap();
     }
-    s.schedule(&step(&[], &["a"], vec![])).unwrap();
+    s.schedule(&step(&[], &["a"], &[])).unwrap();
     s.add_request("b", 9, keys(2)).unwrap();
     let n = s.lookup("b", 0).unwrap().unwrap();
     assert_eq!(n, 8);
     let load = s
-        .allocate("b", &[vec![5, 6, 7], vec![15, 16, 17]], 0, n)
+        .allocate("b", &[bl(&[5, 6, 7]), bl(&[15, 16, 17])], 0, n)
         .unwrap()
         .unwrap();
     let done = s.complete(load, 0, false).unwrap().unwrap();
     assert!(!done.ok);
-    assert_eq!(done.invalid_blocks, vec![5, 6, 15, 16]);
+    assert_eq!(done.invalid_blocks, bl(&[5, 6, 15, 16]));
     assert!(matches!(s.lookup("b", 0), Err(Error::RequestState { .. })));
     s.preempt("b").unwrap();
     assert_eq!(s.lookup("b", 0).unwrap(), Some(0)); // the failed chunks were dropped
@@ -192,21 +203,36 @@ fn failed_load_reports_blocks_drops_chunks_and_preempt_makes_it_lookable() {
 fn bad_input_changes_nothing() {
     let mut s = Scheduler::new(config(None)).unwrap();
     s.add_request("a", 8, keys(2)).unwrap();
-    s.allocate("a", &[vec![1, 2]], 0, 0).unwrap();
+    s.allocate("a", &[bl(&[1, 2])], 0, 0).unwrap();
     let before = s.stats();
     assert!(matches!(
-        s.schedule(&step(&[("a", 8), ("zz", 1)], &[], vec![])),
+        s.schedule(&step(&[("a", 8), ("zz", 1)], &[], &[])),
         Err(Error::UnknownRequest(_))
     ));
     assert!(matches!(
-        s.schedule(&step(&[("a", 8)], &[], vec![64])),
+        s.schedule(&step(&[("a", 8)], &[], &[64])),
         Err(Error::BlockOutOfRange { .. })
     ));
+    let mut uneven = step(&[("a", 8)], &[], &[]);
+    uneven.computed.push(4);
+    let err = s.schedule(&uneven).unwrap_err();
+    assert_eq!(
+        err,
+        Error::StepInputLength {
+            scheduled: 1,
+            computed: 2
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "step input: 1 scheduled request ids but 2 computed-token counts"
+    );
     assert_eq!(
         s.complete(JobId(9), 0, true),
         Err(Error::UnknownJob(JobId(9)))
     );
     assert_eq!(s.stats(), before);
+    assert_eq!(s.step(), 0, "no rejected step was applied");
     let mut bad = config(None);
     bad.blocks_per_chunk = 3;
     bad.hash_block_size = 8;
@@ -219,7 +245,7 @@ fn a_duplicated_report_does_not_publish_a_torn_store() {
     // worker 1's, whose copy may still be running.
     let mut s = Scheduler::new(workers(2)).unwrap();
     let ks = keys(2);
-    let store = stored(&mut s, "a", ks.clone(), vec![1, 2, 3]);
+    let store = stored(&mut s, "a", ks.clone(), &[1, 2, 3]);
     assert_eq!(states(&s, &ks), vec![KeyState::Storing; 2]);
     assert_eq!(s.complete(store, 0, true), Ok(None));
     let before = view(&s, &ks);
@@ -268,7 +294,7 @@ fn a_duplicated_report_does_not_publish_a_torn_store() {
 
     // The same rule for a load: a duplicated report does not unpin its slots.
     assert_eq!(s.lookup("b", 0).unwrap(), Some(8));
-    let load = s.allocate("b", &[vec![5, 6, 7]], 0, 8).unwrap().unwrap();
+    let load = s.allocate("b", &[bl(&[5, 6, 7])], 0, 8).unwrap().unwrap();
     assert_eq!(states(&s, &ks), vec![KeyState::Ready { pins: 1 }; 2]);
     assert_eq!(s.complete(load, 1, true), Ok(None));
     let before = view(&s, &ks);
@@ -292,7 +318,7 @@ fn a_duplicated_report_does_not_publish_a_torn_store() {
 fn a_failed_report_from_either_worker_keeps_the_store_unreadable() {
     let mut s = Scheduler::new(workers(2)).unwrap();
     let ks = keys(2);
-    let store = stored(&mut s, "a", ks.clone(), vec![1, 2, 3]);
+    let store = stored(&mut s, "a", ks.clone(), &[1, 2, 3]);
     assert_eq!(s.complete(store, 1, false), Ok(None));
     assert_eq!(states(&s, &ks), vec![KeyState::Storing; 2]);
     let done = s.complete(store, 0, true).unwrap().unwrap();
@@ -307,9 +333,9 @@ fn complete_many_is_all_or_nothing() {
     let ka = keys_from(1000, 2);
     let kb = keys_from(2000, 2);
     let kc = keys_from(3000, 2);
-    let a = stored(&mut s, "a", ka.clone(), vec![1, 2, 3]);
-    let b = stored(&mut s, "b", kb.clone(), vec![4, 5, 6]);
-    let c = stored(&mut s, "c", kc.clone(), vec![7, 8, 9]);
+    let a = stored(&mut s, "a", ka.clone(), &[1, 2, 3]);
+    let b = stored(&mut s, "b", kb.clone(), &[4, 5, 6]);
+    let c = stored(&mut s, "c", kc.clone(), &[7, 8, 9]);
     assert_eq!(s.complete(c, 0, true), Ok(None));
     let all: Vec<Key> = [&ka[..], &kb, &kc].concat();
     let before = view(&s, &all);

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from kvoffload.cli import main
+from kvoffload.sim import SimResult, simulate
+from kvoffload.sim.plot import PlotUnavailableError, check_plot_path, make_figure, write_plot
+from tests.test_sim import PRESSURE
 
 SMALL = ["simulate", "--requests", "12", "--scale", "0.3", "--gpu-blocks", "96", "--quiet"]
 FIGURES = {
@@ -87,10 +93,39 @@ def test_json_has_every_figure_of_the_table(tmp_path, capsys: pytest.CaptureFixt
     assert doc["config"]["num_gpu_blocks"] == 96
     for label in ("GPU prefix hits", "CPU hits", "prefill tokens saved", "flushes", "mismatches"):
         assert label in table
-    data = png.read_bytes()
-    assert data.startswith(b"\x89PNG\r\n\x1a\n")
-    assert b"IDAT" in data
-    assert len(data) > 1000
+    assert f"chart: {png}" in table
+    assert_png(png.read_bytes())
+
+
+def test_options_set_the_config_fields_they_name(tmp_path) -> None:
+    out = tmp_path / "fig.json"
+    argv = [
+        *SMALL,
+        "--sliding-window",
+        "0",
+        "--copy-delay-ms",
+        "0.5",
+        "--fail-loads",
+        "0.25",
+        "--fail-stores",
+        "0.125",
+        "--seed",
+        "3",
+        "--no-baseline",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["num_requests"] == 12
+    assert cfg["num_gpu_blocks"] == 96
+    assert cfg["scale"] == 0.3
+    assert cfg["sliding_window"] is None
+    assert cfg["copy_delay_s"] == pytest.approx(0.0005)
+    assert cfg["load_fault_rate"] == 0.25
+    assert cfg["store_fault_rate"] == 0.125
+    assert cfg["seed"] == 3
+    assert cfg["completion"] == "poll"  # the command's default, not SimConfig's
 
 
 def test_broken_fence_fails_the_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,7 +179,7 @@ def test_a_failed_copy_without_injected_faults_fails_the_command(
 ) -> None:
     """A data plane whose copies fail (here: every store, as --copy-delay-ms inf once made them)
     must not end in exit status 0."""
-    import kvoffload.sim.engine as sim_engine
+    import kvoffload.sim.offload as sim_offload
     from kvoffload.transfer import TransferEngine
 
     def fail(job_id: int) -> None:
@@ -155,8 +190,131 @@ def test_a_failed_copy_without_injected_faults_fails_the_command(
             kwargs["_fault_injector"] = fail
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(sim_engine, "TransferEngine", Failing)
+    monkeypatch.setattr(sim_offload, "TransferEngine", Failing)
     assert main([*SMALL, "--no-baseline"]) == 1
     err = capsys.readouterr().err
     assert "FAILED" in err
     assert "failed jobs" in err
+
+
+# ---------------------------------------------------------------------- --plot
+
+
+def assert_png(data: bytes) -> None:
+    """A complete PNG of a size a screen shows whole, with drawn content."""
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert 800 <= width <= 2500
+    assert 500 <= height <= 2000
+    assert data.endswith(b"IEND\xaeB`\x82")
+    assert len(data) > 20_000  # four panels of lines and text, not a blank canvas
+
+
+PLOT_RUN = replace(PRESSURE, workload="docs", completion="step", copy_delay_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """A small run with offloading and its baseline without."""
+    return simulate(PLOT_RUN), simulate(replace(PLOT_RUN, offload=False))
+
+
+def panels(fig) -> dict:
+    return {ax.get_title(): ax for ax in fig.axes}
+
+
+def legend(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_plot_writes_a_png_with_the_four_comparisons(tmp_path, runs) -> None:
+    run, base = runs
+    path = tmp_path / "run.png"
+    fig = write_plot(str(path), run, base)
+    assert_png(path.read_bytes())
+    ax = panels(fig)
+    assert set(ax) == {
+        "Prefill tokens computed",
+        "Hit rate by tier",
+        "Bytes moved",
+        "Flushes: store jobs waited for",
+    }
+    for a in ax.values():
+        assert a.get_xlabel() == "engine step"
+    assert ax["Prefill tokens computed"].get_ylabel() == "tokens (cumulative)"
+    assert ax["Hit rate by tier"].get_ylabel() == "% of looked-up prompt tokens"
+    assert ax["Bytes moved"].get_ylabel() in {"kB (cumulative)", "MB (cumulative)"}
+    assert ax["Flushes: store jobs waited for"].get_ylabel() == "jobs (cumulative)"
+    assert legend(ax["Prefill tokens computed"]) == ["with offloading", "without offloading"]
+    assert legend(ax["Hit rate by tier"]) == ["GPU prefix cache", "CPU tier", "all tiers"]
+    assert legend(ax["Bytes moved"]) == ["stored (GPU to CPU)", "loaded (CPU to GPU)"]
+    assert legend(ax["Flushes: store jobs waited for"]) == [
+        "kvoffload fence",
+        "vLLM's rule (same run)",
+    ]
+
+
+def test_plot_lines_end_at_the_runs_totals(runs) -> None:
+    run, base = runs
+    assert base.prefill_tokens > run.prefill_tokens  # the comparison has something to show
+    ax = panels(make_figure(run, base))
+    ends = {line.get_label(): line.get_ydata()[-1] for a in ax.values() for line in a.get_lines()}
+    assert ends["with offloading"] == run.prefill_tokens
+    assert ends["without offloading"] == base.prefill_tokens
+    assert ends["kvoffload fence"] == run.flushed_jobs
+    assert ends["vLLM's rule (same run)"] == run.flushes_vllm_rule
+    scale = 1e6 if ax["Bytes moved"].get_ylabel().startswith("MB") else 1e3
+    assert ends["stored (GPU to CPU)"] == pytest.approx(run.bytes_stored / scale)
+    assert ends["loaded (CPU to GPU)"] == pytest.approx(run.bytes_loaded / scale)
+    rates = [line.get_ydata() for line in ax["Hit rate by tier"].get_lines()]
+    for pct in rates:
+        seen = pct[~np.isnan(pct)]
+        assert len(seen) > 0
+        assert ((seen >= 0) & (seen <= 100)).all()
+    gpu, cpu, total = rates
+    assert np.nanmax(cpu) > 0  # the CPU tier served something
+    assert np.allclose(gpu + cpu, total, equal_nan=True)
+
+
+def test_plot_without_baseline_draws_the_offloaded_run_only(runs) -> None:
+    ax = panels(make_figure(runs[0]))
+    assert legend(ax["Prefill tokens computed"]) == ["with offloading"]
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], runs
+) -> None:
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    with pytest.raises(PlotUnavailableError, match=r"pip install 'kvoffload\[plot\]'"):
+        check_plot_path("x.png")
+    with pytest.raises(ImportError, match="matplotlib"):
+        make_figure(runs[0])
+    path = tmp_path / "run.png"
+    assert main([*SMALL, "--plot", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "--plot" in err
+    assert "pip install 'kvoffload[plot]'" in err
+    assert out == ""  # refused before running anything
+    assert not path.exists()
+
+
+def test_plot_to_an_unknown_format_is_refused_before_the_run(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.xyz"
+    assert main([*SMALL, "--plot", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "unknown format 'xyz'" in err
+    assert out == ""
+    assert not path.exists()
+
+
+def test_plot_of_an_empty_timeline_still_has_every_panel_and_legend(tmp_path) -> None:
+    fig = write_plot(str(tmp_path / "empty.png"), SimResult(config={"workload": "chat"}))
+    ax = panels(fig)
+    assert len(ax) == 4
+    assert legend(ax["Hit rate by tier"]) == ["GPU prefix cache", "CPU tier", "all tiers"]
+    assert all(len(line.get_xdata()) == 0 for a in ax.values() for line in a.get_lines())
+    assert (tmp_path / "empty.png").read_bytes().startswith(b"\x89PNG")

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+import subprocess
+import sys
+
 import pytest
 
+from kvoffload._core import Scheduler
 from kvoffload.errors import (
     CompletionError,
     ConfigError,
@@ -379,3 +384,93 @@ def test_preempt_outside_a_step_after_a_failed_load():
     s.schedule(StepInput(aborted=["b"], written=[]))
     with pytest.raises(UnknownRequestError, match="b"):
         s.preempt("b")  # aborted with nothing pending: dropped
+
+
+BAD_CONFIG = [
+    ("num_gpu_blocks", -1, "-1"),
+    ("num_gpu_blocks", True, "True"),
+    ("blocks_per_chunk", 0, "0"),
+    ("blocks_per_chunk", 2.5, "2.5"),
+    ("hash_block_size", 0, "0"),
+    ("cpu_chunks", -3, "-3"),
+    ("policy", "fifo", "fifo"),
+    ("num_workers", 0, "0"),
+    ("max_loading_requests", -1, "-1"),
+    ("offload_prompt_only", 1, "1"),
+    ("max_offload_tokens", -5, "-5"),
+    ("store_threshold", -1, "-1"),
+    ("null_block", 64, "64"),
+    ("debug_skip_deferred_arming", "yes", "yes"),
+    ("groups", (KvGroup(0),), "block_size"),
+    ("groups", (KvGroup(BS, sliding_window=0),), "sliding_window"),
+    ("groups", [(BS,)], "(4,)"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), BAD_CONFIG)
+def test_config_is_validated_by_the_core_alone(field, value, shown):
+    """One validator: OffloadConfig holds values as given, and the facade's error is exactly the
+    core's (Scheduler.check_config), naming the field and the value."""
+    cfg = OffloadConfig(
+        **{"groups": (KvGroup(BS),), "num_gpu_blocks": 64, "cpu_chunks": 16, field: value}
+    )
+    with pytest.raises(ConfigError) as core:
+        Scheduler.check_config(**cfg._core_kwargs())
+    for build in (
+        OffloadScheduler,
+        lambda c: c.resolved_cpu_chunks(),
+        lambda c: c.bytes_per_chunk(0),
+    ):
+        with pytest.raises(ConfigError) as facade:
+            build(cfg)
+        assert str(facade.value) == str(core.value)
+    assert field in str(core.value)
+    assert shown in str(core.value)
+
+
+FACE = ["OffloadScheduler", "OffloadConfig", "KvGroup", "StepInput", "TransferEngine"]
+
+
+def test_package_face_imports_from_the_top_level():
+    import kvoffload
+    import kvoffload.scheduler
+    import kvoffload.transfer
+
+    homes = [kvoffload.scheduler, kvoffload.transfer, kvoffload._core, kvoffload.errors]
+    for name in kvoffload.__all__:  # accurate: each name is the object of its home module
+        value = getattr(kvoffload, name)
+        assert any(getattr(m, name, None) is value for m in homes), name
+    for name in FACE:
+        assert name in kvoffload.__all__
+    assert kvoffload.OffloadScheduler is kvoffload.scheduler.OffloadScheduler
+    assert set(kvoffload.__all__) <= set(dir(kvoffload))
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = kvoffload.no_such_name
+
+
+def test_import_kvoffload_needs_no_torch_until_the_data_plane_is_used():
+    code = (
+        "import sys, kvoffload\n"
+        "from kvoffload import OffloadScheduler, OffloadConfig, KvGroup, StepInput\n"
+        "assert 'torch' not in sys.modules, 'torch imported too early'\n"
+        "from kvoffload import TransferEngine\n"
+        "assert 'torch' in sys.modules and TransferEngine.__name__ == 'TransferEngine'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_stats_is_a_method_on_every_class():
+    """``stats`` is the same kind of thing everywhere: a method returning a snapshot dict."""
+    import kvoffload
+
+    classes = [kvoffload.OffloadScheduler, kvoffload.TransferEngine]
+    classes += [kvoffload.Scheduler, kvoffload.JobTracker, kvoffload.CpuPool]
+    for cls in classes:
+        attr = inspect.getattr_static(cls, "stats")
+        assert callable(attr), cls
+        assert not isinstance(attr, property), cls
+    s = make()
+    snap = s.stats()
+    admit(s, "a", [[1, 2, 3]], prompt=9)
+    s.schedule(StepInput(scheduled=[("a", 9)]))
+    assert snap != s.stats()  # a snapshot, not a live view

@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from kvoffload.errors import ConfigError
 from kvoffload.sim import BlockPool, SimConfig, SimError, Simulator, make_workload, simulate
 from kvoffload.sim.oracle import Stream, chained_hashes
 
@@ -146,6 +147,26 @@ def test_step_completion_is_reproducible_and_exact() -> None:
     assert one.timeline == two.timeline
 
 
+def test_timeline_ends_at_the_runs_totals() -> None:
+    """The chart draws the timeline: its last point must be the run's figures, copies that
+    completed after the last step included."""
+    r = simulate(replace(PRESSURE, workload="chat"))
+    steps = [p.step for p in r.timeline]
+    assert steps == sorted(steps)
+    assert steps[-1] == r.steps
+    last = r.timeline[-1]
+    assert last.bytes_stored == r.bytes_stored > 0
+    assert last.bytes_loaded == r.bytes_loaded > 0
+    assert last.prefill_tokens == r.prefill_tokens
+    assert last.lookup_tokens == r.lookup_tokens
+    assert last.cpu_hit_tokens == r.cpu_hit_tokens
+    assert last.flushed_jobs == r.flushed_jobs > 0
+    assert last.flushes_vllm_rule == r.flushes_vllm_rule
+    for field in last._fields:  # cumulative: never decreasing
+        col = [getattr(p, field) for p in r.timeline]
+        assert col == sorted(col), field
+
+
 def test_offload_saves_prefill_and_baseline_is_sane() -> None:
     on = simulate(replace(PRESSURE, workload="docs", completion="step", copy_delay_s=0.0))
     off = simulate(
@@ -191,23 +212,35 @@ def test_deferred_pairs_never_armed_is_caught(name: str) -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"num_gpu_blocks": 1}, "num_gpu_blocks"),
-        ({"fence": "sometimes"}, "fence"),
-        ({"policy": "fifo"}, "policy"),
-        ({"device": "tpu"}, "device"),
-        ({"token_budget": 0}, "token_budget"),
-        ({"sliding_window": 8}, "sliding_window"),
-        ({"workload": "nope"}, "unknown workload"),
+        ({"num_gpu_blocks": 0}, "num_gpu_blocks must be in 1..="),
+        ({"fence": "sometimes"}, "fence must be one of exact, conservative, off, got 'sometimes'"),
+        ({"completion": "never"}, "completion must be one of step, poll, got 'never'"),
+        ({"policy": "fifo"}, 'unknown eviction policy "fifo"'),
+        ({"device": "tpu"}, "device must be one of cpu, cuda, got 'tpu'"),
+        ({"token_budget": 0}, "token_budget must be a positive integer, got 0"),
+        ({"num_layers": True}, "num_layers must be a positive integer, got True"),
+        ({"sliding_window": 8}, "sliding_window 8 is smaller than a chunk"),
+        ({"sliding_window": 0}, "sliding_window must be in 1..="),
+        ({"block_size": 0}, "block_size must be in 1..="),
+        ({"blocks_per_chunk": -1}, "blocks_per_chunk must be in 1..="),
+        ({"cpu_chunks": 0}, "cpu_chunks must be at least 1, got 0"),
+        ({"max_loading_requests": -1}, "max_loading_requests must be in 0..="),
+        ({"workload": "nope"}, "workload must be one of chat, sysprompt, docs, mixed"),
     ],
 )
 def test_bad_config_is_rejected(change: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        Simulator(replace(PRESSURE, **change))
+    """The scheduler's values are checked by the core (its messages), the simulator's own here;
+    both raise ConfigError, also for a run without offloading."""
+    for offload in (True, False):
+        with pytest.raises(ConfigError, match=match):
+            Simulator(replace(PRESSURE, offload=offload, **change))
 
 
-def test_gpu_too_small_for_a_request_is_an_error() -> None:
+@pytest.mark.parametrize("num_gpu_blocks", [1, 16])
+def test_gpu_too_small_for_a_request_is_an_error(num_gpu_blocks: int) -> None:
+    """Block 0 is the engine's null block: one GPU block leaves none to allocate."""
     with pytest.raises(SimError, match="GPU blocks"):
-        Simulator(replace(PRESSURE, workload="docs", num_gpu_blocks=16))
+        Simulator(replace(PRESSURE, workload="docs", num_gpu_blocks=num_gpu_blocks))
 
 
 # ---------------------------------------------------------------------- injected faults
@@ -269,5 +302,5 @@ def test_tiny_cpu_pools_report_no_false_torn_stores_or_leaks(
     ],
 )
 def test_non_finite_or_out_of_range_numbers_are_rejected(change: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         Simulator(replace(PRESSURE, **change))

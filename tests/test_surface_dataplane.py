@@ -381,11 +381,11 @@ def test_step_runs_a_plan_in_the_one_correct_order() -> None:
         # store), a load into block 2 submitted only after the flush completed.
         eng.step(stores=[(1, [(0, [1], [1])]), (2, [(0, [2], [2])])], flush=[2])
         assert calls == [2]  # the flushed store ran; store 1 waits for the next step
-        assert eng.stats["queued"] == 1
+        assert eng.stats()["queued"] == 1
         for i in range(len(t)):
             assert torch.equal(eng.cpu_region(0, i)[2], old[i])
         eng.step(loads=[(3, [(0, [2], [5])])])  # the next step submits store 1 first
-        assert eng.stats["queued"] == 0
+        assert eng.stats()["queued"] == 0
         eng.wait([1, 2, 3])
         assert sorted(calls) == [1, 2, 3]
         results = {r.job_id: r for r in eng.poll()}
@@ -480,7 +480,7 @@ def test_wait_and_fence_reject_unknown_ids_but_accept_finished_ones(
 
 
 def test_known_ids_are_remembered_in_bounded_memory() -> None:
-    from kvoffload.transfer import _IdRanges
+    from kvoffload.transfer.jobs import _IdRanges
 
     r = _IdRanges(limit=8)
     for x in range(0, 1000, 2):  # 500 gaps

@@ -327,7 +327,7 @@ def test_copies_are_coalesced_into_runs(device: str) -> None:
         # fully scattered: one copy per block per tensor
         eng.submit_load(3, [(0, [0, 2, 4], [5, 3, 1])])
         assert run_one(eng, 3).copies == 3 * 4
-        assert eng.stats["copies"] == (4 + 1 + 3) * 4
+        assert eng.stats()["copies"] == (4 + 1 + 3) * 4
 
 
 @settings(max_examples=50, deadline=None)
@@ -514,13 +514,13 @@ def test_queued_store_starts_only_when_submitted_or_flushed(device: str, flush: 
     with engine_for(cache, blocks_per_chunk=2, num_slots=2, _fault_injector=calls.append) as eng:
         eng.queue_store(5, [(0, [2, 3], [0, 1])])
         eng.queue_store(6, [(0, [4], [2])])
-        assert eng.stats["queued"] == 2
+        assert eng.stats()["queued"] == 2
         assert eng.poll() == []
         assert calls == []  # accepted, not started
         if flush == "wait":
             with pytest.raises(UnknownJobError, match="job 99 was never"):
                 eng.wait([5, 99])  # 99: unknown, so nothing is submitted or waited for
-            assert eng.stats["queued"] == 2
+            assert eng.stats()["queued"] == 2
             eng.wait([5])
         elif flush == "fence":
             eng.fence([5])
@@ -534,9 +534,9 @@ def test_queued_store_starts_only_when_submitted_or_flushed(device: str, flush: 
         assert results[5].ok
         for i, rb in enumerate(cache.region_bytes()):
             assert torch.equal(eng.cpu_region(0, i)[:2], rb[2:4])
-        assert eng.stats["queued"] == (0 if flush == "submit_queued" else 1)
+        assert eng.stats()["queued"] == (0 if flush == "submit_queued" else 1)
         eng.wait([5, 6], timeout=WAIT_S)  # finished (polled) ids are fine too
-        assert eng.stats["queued"] == 0
+        assert eng.stats()["queued"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -582,8 +582,8 @@ def test_injected_failure_fails_only_its_job(device: str) -> None:
         eng.submit_store(4, [(0, [6], [1])])
         assert run_one(eng, 4).ok
         assert torch.equal(eng.cpu_region(0, 0)[1], cache.region_bytes()[0][6])
-        assert eng.stats["jobs_failed"] == 1
-        assert eng.stats["jobs_ok"] == 3
+        assert eng.stats()["jobs_failed"] == 1
+        assert eng.stats()["jobs_ok"] == 3
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,9 @@ offloading and without — and prints a table: GPU prefix hits, CPU hits, prefil
 bytes moved and bandwidth, flushes, scheduler time per step, and integrity mismatches. The exit
 status is 1 unless mismatches, torn stores and leaks are 0, and failed jobs too (unless
 ``--fail-loads`` / ``--fail-stores`` injects failures); 2 for a configuration that cannot run.
-``--json`` writes the same figures, ``--plot`` a PNG of hit rate and offloaded bytes over time.
+``--json`` writes the same figures; ``--plot`` a chart of prefill tokens with and without
+offloading, hit rate by tier, bytes moved and flushes over the run (needs the ``plot`` extra,
+matplotlib).
 """
 
 from __future__ import annotations
@@ -13,51 +15,40 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
+from typing import TypeVar
 
 __all__ = ["build_parser", "main"]
 
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+_N = TypeVar("_N", int, float)
 
 
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+def _number(
+    convert: Callable[[str], _N], ok: Callable[[_N], bool], expected: str
+) -> Callable[[str], _N]:
+    """An argparse type: ``convert`` the text, accept it if ``ok``, else say what was
+    ``expected``."""
+
+    def parse(text: str) -> _N:
+        try:
+            v = convert(text)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return v
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
+_positive = _number(int, lambda v: v > 0, "a positive integer")
+_non_negative = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: v > 0 and math.isfinite(v), "a finite positive number")
+_non_negative_float = _number(float, lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0")
 
 
 def _rate(text: str) -> float:
@@ -65,6 +56,14 @@ def _rate(text: str) -> float:
     if v > 1:
         raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}")
     return v
+
+
+def _window(text: str) -> int | None:
+    return _non_negative(text) or None  # 0: no sliding-window group
+
+
+def _milliseconds(text: str) -> float:
+    return _non_negative_float(text) / 1e3  # to seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,13 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
         default="mixed",
         help="request mix (default: mixed)",
     )
-    s.add_argument("--requests", type=_positive, default=400, help="requests (default: 400)")
-    s.add_argument(
-        "--gpu-blocks", type=_positive, default=512, help="GPU blocks of 16 tokens (default: 512)"
+    # Each option's dest is the SimConfig field it sets (converted by its type).
+    sizes = (
+        ("--requests", "num_requests", 400, "requests"),
+        ("--gpu-blocks", "num_gpu_blocks", 512, "GPU blocks of 16 tokens"),
+        ("--cpu-chunks", "cpu_chunks", 8192, "CPU slots per KV group"),
+        ("--token-bytes", "token_bytes", 64, "KV bytes per token per layer"),
+        ("--max-num-seqs", "max_num_seqs", 32, "requests holding blocks"),
+        ("--token-budget", "token_budget", 512, "tokens computed per step"),
     )
-    s.add_argument(
-        "--cpu-chunks", type=_positive, default=8192, help="CPU slots per KV group (default: 8192)"
-    )
+    for flag, dest, default, what in sizes:
+        s.add_argument(
+            flag,
+            dest=dest,
+            type=_positive,
+            default=default,
+            metavar="N",
+            help=f"{what} (default: {default})",
+        )
     s.add_argument("--policy", choices=["lru", "arc"], default="lru", help="CPU eviction policy")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="KV tensors' device")
     s.add_argument("--seed", type=_non_negative, default=0, help="workload seed (default: 0)")
@@ -109,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--sliding-window",
-        type=_non_negative,
+        type=_window,
         default=128,
         metavar="TOKENS",
         help="window of the second, sliding-window KV group (default: 128; 0: none)",
@@ -126,35 +136,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--copy-delay-ms",
-        type=_non_negative_float,
+        dest="copy_delay_s",
+        type=_milliseconds,
+        metavar="MS",
         default=0.0,
         help="sleep before each store job's first copy (default: 0)",
     )
-    s.add_argument(
-        "--fail-loads",
-        type=_rate,
-        default=0.0,
-        metavar="SHARE",
-        help="fail this share of load jobs on purpose (seeded; default: 0)",
-    )
-    s.add_argument(
-        "--fail-stores",
-        type=_rate,
-        default=0.0,
-        metavar="SHARE",
-        help="fail this share of store jobs on purpose (seeded; default: 0)",
-    )
+    for kind in ("load", "store"):
+        s.add_argument(
+            f"--fail-{kind}s",
+            dest=f"{kind}_fault_rate",
+            type=_rate,
+            default=0.0,
+            metavar="SHARE",
+            help=f"fail this share of {kind} jobs on purpose (seeded; default: 0)",
+        )
     s.add_argument(
         "--scale", type=_positive_float, default=1.0, help="multiply every length (default: 1)"
     )
-    s.add_argument(
-        "--token-bytes", type=_positive, default=64, help="KV bytes per token per layer (64)"
-    )
-    s.add_argument("--max-num-seqs", type=_positive, default=32, help="requests holding blocks")
-    s.add_argument("--token-budget", type=_positive, default=512, help="tokens per step")
     s.add_argument("--no-baseline", action="store_true", help="skip the run without offloading")
     s.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    s.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate and bytes over time")
+    s.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a chart (PNG): prefill tokens with and without offloading, hit rate by tier, "
+        "bytes moved and flushes over the run; needs pip install 'kvoffload[plot]'",
+    )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -188,40 +195,28 @@ class _Progress:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from kvoffload.errors import ConfigError
     from kvoffload.sim import SimConfig, SimError, simulate
-    from kvoffload.sim.report import figures, format_table, write_png_plot
+    from kvoffload.sim.plot import check_plot_path, write_plot
+    from kvoffload.sim.report import figures, format_table
 
+    if args.plot:
+        try:  # before the runs, not after minutes of them
+            check_plot_path(args.plot)
+        except (ImportError, ValueError) as e:
+            print(f"kvoffload simulate: error: --plot: {e}", file=sys.stderr)
+            return 2
     try:
-        cfg = SimConfig(
-            workload=args.workload,
-            num_requests=args.requests,
-            seed=args.seed,
-            scale=args.scale,
-            num_gpu_blocks=args.gpu_blocks,
-            cpu_chunks=args.cpu_chunks,
-            policy=args.policy,
-            sliding_window=args.sliding_window or None,
-            max_num_seqs=args.max_num_seqs,
-            token_budget=args.token_budget,
-            token_bytes=args.token_bytes,
-            device=args.device,
-            fence=args.fence,
-            async_scheduling=args.async_scheduling,
-            completion=args.completion,
-            copy_delay_s=args.copy_delay_ms / 1e3,
-            load_fault_rate=args.fail_loads,
-            store_fault_rate=args.fail_stores,
-        )
+        given = vars(args)
+        cfg = SimConfig(**{f.name: given[f.name] for f in fields(SimConfig) if f.name in given})
         cfg.validate()
         run = simulate(cfg, progress=_Progress("offload", not args.quiet))
         base = None
         if not args.no_baseline:
-            from dataclasses import replace
-
             base = simulate(
                 replace(cfg, offload=False), progress=_Progress("no offload", not args.quiet)
             )
-    except (ValueError, SimError) as e:
+    except (ConfigError, SimError) as e:
         print(f"kvoffload simulate: error: {e}", file=sys.stderr)
         return 2
     figs = figures(run, base)
@@ -237,7 +232,8 @@ def _simulate(args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=2)
     if args.plot:
-        write_png_plot(run, args.plot)
+        write_plot(args.plot, run, base)
+        print(f"chart: {os.path.abspath(args.plot)}")
     problems = {
         "integrity mismatches": run.mismatches + run.hit_mismatches,
         "baseline GPU-hit mismatches": base.hit_mismatches if base else 0,
@@ -245,7 +241,7 @@ def _simulate(args: argparse.Namespace) -> int:
         "leaked requests": run.leaked_requests,
         "leaked jobs": run.leaked_jobs,
         # With no fault injected, a failed copy is a fault of the data plane itself.
-        "failed jobs": run.failed_jobs if not (args.fail_loads or args.fail_stores) else 0,
+        "failed jobs": 0 if cfg.load_fault_rate or cfg.store_fault_rate else run.failed_jobs,
     }
     found = [f"{n} {what}" for what, n in problems.items() if n]
     if found:

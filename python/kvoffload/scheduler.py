@@ -3,7 +3,9 @@
 All state lives in the Rust core (:class:`kvoffload._core.Scheduler`); this module turns the
 configuration into the core's arguments (the core validates every value, in one place) and
 passes each step across the boundary in one call. It is engine-neutral: adapters (vLLM, the
-simulator) convert their own objects into :class:`StepInput`.
+simulator) convert their own objects into :class:`StepInput`. Where the core departs from
+DESIGN.md on purpose (ARC variant, lcm-aligned loads, per-group pools, rank-tied completions,
+``written`` never dropping a chunk), and why: ``docs/design-notes.md``.
 
 Example:
     >>> from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
@@ -32,6 +34,7 @@ __all__ = [
     "KvGroup",
     "OffloadConfig",
     "OffloadScheduler",
+    "ResetResult",
     "StepInput",
     "StepPlan",
     "TransferJob",

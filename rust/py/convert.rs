@@ -95,6 +95,17 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
     Ok(out)
 }
 
+/// A block id goes back to Python as a plain `int`.
+impl<'py> IntoPyObject<'py> for BlockId {
+    type Target = PyInt;
+    type Output = Bound<'py, PyInt>;
+    type Error = std::convert::Infallible;
+
+    fn into_pyobject(self, py: Python<'py>) -> Result<Self::Output, Self::Error> {
+        self.0.into_pyobject(py)
+    }
+}
+
 /// Extracts one block id.
 pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
     extract_index(obj, what, u128::from(u32::MAX), InvalidBlockError::new_err)

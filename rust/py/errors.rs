@@ -103,6 +103,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::BlockOutOfRange { .. } | Error::EmptyJob(_) => InvalidBlockError::new_err(msg),
         Error::OwnerBusy { .. } | Error::RequestState { .. } => RequestStateError::new_err(msg),
         Error::UnknownRequest(_) => UnknownRequestError::new_err(msg),
+        Error::StepInputLength { .. } => StepInputError::new_err(msg),
         Error::UnknownKey(_) => UnknownKeyError::new_err(msg),
         Error::KeyNotReady(_) | Error::KeyNotPinned(_) => KeyStateError::new_err(msg),
     }

@@ -20,6 +20,7 @@ use super::errors::to_py;
 use super::errors::{InvalidRequestError, StepInputError};
 use crate::config::{GroupArgs, SchedulerArgs};
 use crate::error::Error;
+use crate::ids::BlockId;
 use crate::jobs::JobKind;
 use crate::pool::PoolEventKind;
 use crate::scheduler::{CompletedJob as CoreCompleted, PlannedJob, Scheduler as Core, StepInput};
@@ -150,7 +151,7 @@ pub struct CompletedJob {
     ok: bool,
     /// For a failed load: GPU blocks whose content is invalid (recompute them).
     #[pyo3(get)]
-    invalid_blocks: Vec<u32>,
+    invalid_blocks: Vec<BlockId>,
 }
 
 #[pymethods]
@@ -191,7 +192,7 @@ impl Scheduler {
     }
 }
 
-fn block_lists(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Vec<u32>>> {
+fn block_lists(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Vec<BlockId>>> {
     convert::items(
         obj,
         what,
@@ -200,12 +201,7 @@ fn block_lists(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Vec<u32>>> {
     )?
     .iter()
     .enumerate()
-    .map(|(g, item)| {
-        Ok(convert::blocks(item, &format!("{what}[{g}]"))?
-            .into_iter()
-            .map(|b| b.0)
-            .collect())
-    })
+    .map(|(g, item)| convert::blocks(item, &format!("{what}[{g}]")))
     .collect()
 }
 
@@ -296,7 +292,7 @@ fn scheduled_input(
 }
 
 /// `(request_id, group, blocks)` triples appended this step.
-fn new_blocks_input(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(PyBackedStr, u32, Vec<u32>)>> {
+fn new_blocks_input(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(PyBackedStr, u32, Vec<BlockId>)>> {
     convert::items(
         obj,
         "new_blocks",
@@ -319,10 +315,7 @@ fn new_blocks_input(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(PyBackedStr, u32, V
                 )))
             }
         };
-        let blocks = convert::blocks(&blocks, &format!("{what}[2]"))?
-            .into_iter()
-            .map(|b| b.0)
-            .collect();
+        let blocks = convert::blocks(&blocks, &format!("{what}[2]"))?;
         Ok((id, group, blocks))
     })
     .collect()
@@ -618,12 +611,7 @@ impl Scheduler {
             _ => Vec::new(),
         };
         let written = match written {
-            Some(w) if !w.is_none() => Some(
-                convert::blocks(w, "written")?
-                    .into_iter()
-                    .map(|b| b.0)
-                    .collect(),
-            ),
+            Some(w) if !w.is_none() => Some(convert::blocks(w, "written")?),
             _ => None,
         };
         let input = StepInput {

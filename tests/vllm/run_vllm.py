@@ -66,10 +66,10 @@ def _randomize(model) -> None:
 
 def _inject_load_faults(count: int, failed: list[int]) -> None:
     """Fails the 1st, 3rd, ... load job submitted on the worker, ``count`` in all."""
-    from kvoffload.integrations import vllm as kv
+    from kvoffload.integrations.vllm.worker_side import WorkerSide
 
     loads: list[int] = []
-    init, before = kv._WorkerSide.__init__, kv._WorkerSide.before_forward
+    init, before = WorkerSide.__init__, WorkerSide.before_forward
 
     def fault(job: int) -> None:
         if job in loads and loads.index(job) % 2 == 0 and len(failed) < count:
@@ -83,11 +83,11 @@ def _inject_load_faults(count: int, failed: list[int]) -> None:
     def patched_before(self, meta) -> None:  # type: ignore[no-untyped-def]
         # Recorded before submission (the plan's worker step submits the loads): the injector
         # runs on the copy thread.
-        loads.extend(j for j, _, _ in meta.loads if j not in loads)
+        loads.extend(j for j, _ in meta.load_requests() if j not in loads)
         before(self, meta)
 
-    kv._WorkerSide.__init__ = patched_init  # type: ignore[method-assign]
-    kv._WorkerSide.before_forward = patched_before  # type: ignore[method-assign]
+    WorkerSide.__init__ = patched_init  # type: ignore[method-assign]
+    WorkerSide.before_forward = patched_before  # type: ignore[method-assign]
 
 
 def _mixed(llm, rng, tok, gen, result: dict) -> None:  # type: ignore[no-untyped-def]

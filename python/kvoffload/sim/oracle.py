@@ -42,7 +42,8 @@ def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     z = x + _GOLDEN
     z = (z ^ (z >> _U64(30))) * _M1
     z = (z ^ (z >> _U64(27))) * _M2
-    return z ^ (z >> _U64(31))
+    out: npt.NDArray[np.uint64] = z ^ (z >> _U64(31))
+    return out
 
 
 def chained_hashes(

@@ -1,0 +1,56 @@
+"""vLLM v1 KV connector: offload KV-cache blocks to CPU memory with kvoffload.
+
+Switch it on with configuration alone::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvOffloadConnector",
+        "kv_connector_module_path": "kvoffload.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes": 8000000000, "blocks_per_chunk": 1}}'
+
+Tested with vLLM ``>=0.32.0,<0.34`` (:data:`SUPPORTED_VLLM`); importing this module under any
+other version raises ``ImportError`` naming that range and the installed version. Works on CUDA
+and on vLLM's CPU backend (the KV cache in CPU memory).
+
+**Extra config** (``kv_connector_extra_config``; unknown keys and bad values raise
+:class:`~kvoffload.errors.ConfigError`): ``cpu_bytes`` (CPU memory per worker, bytes) or
+``cpu_chunks`` (slots per KV group), ``blocks_per_chunk``, ``policy`` (``"lru"``/``"arc"``),
+``max_loading_requests``, ``offload_prompt_only``, ``max_offload_tokens``, ``store_threshold``
+-- the :class:`~kvoffload.scheduler.OffloadConfig` options -- and ``exact_fence`` (default
+``True``; ``False`` passes ``written=None``, the conservative fence).
+
+**Layout.** :mod:`~kvoffload.integrations.vllm.config` (extra config and KV layout),
+:mod:`~kvoffload.integrations.vllm.scheduler_side` (one Rust core per engine),
+:mod:`~kvoffload.integrations.vllm.worker_side` (one :class:`~kvoffload.transfer.TransferEngine`
+per worker), :mod:`~kvoffload.integrations.vllm.messages` (plans, reports, stats) and
+:mod:`~kvoffload.integrations.vllm.connector` (vLLM's interface, dispatching to the two sides).
+
+**Supported models.** Full-attention and sliding-window KV groups (hybrid models through
+vLLM's hybrid allocator, the connector is ``SupportsHMA``) with one block size; tensor and
+pipeline parallel workers (each registers its shard; ``cpu_bytes`` is per worker). Other
+KV-cache kinds (Mamba, cross-attention, ...), speculative decoding and mixed block sizes are
+refused with a ``ConfigError`` at startup.
+
+**Metrics and events.** ``get_kv_connector_stats`` returns :class:`KvOffloadStats` (loaded and
+stored tokens, bytes, jobs, flushes, scheduler-side seconds and steps), which vLLM aggregates
+and logs like any connector's; the CPU tier's stored / removed events are returned by
+``take_events`` as vLLM ``BlockStored`` / ``BlockRemoved`` events with medium ``"CPU"``.
+"""
+
+# The version check runs first: it raises ImportError naming the supported range.
+from kvoffload.integrations.vllm._version import SUPPORTED_VLLM, VLLM_VERSION
+from kvoffload.integrations.vllm.config import build_offload_config
+from kvoffload.integrations.vllm.connector import KvOffloadConnector
+from kvoffload.integrations.vllm.messages import (
+    KvOffloadMetadata,
+    KvOffloadStats,
+    KvOffloadWorkerMetadata,
+)
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "VLLM_VERSION",
+    "KvOffloadConnector",
+    "KvOffloadMetadata",
+    "KvOffloadStats",
+    "KvOffloadWorkerMetadata",
+    "build_offload_config",
+]

@@ -1,0 +1,360 @@
+"""The connector's scheduler side: vLLM's scheduler-side calls mapped onto the Rust core.
+
+* ``on_new_request`` registers the request with its chained block hashes (vLLM's ``BlockHash``
+  bytes, turned into the 64-bit ints vLLM publishes in its KV events); hashes of generated
+  tokens are sent as they appear.
+* ``get_num_new_matched_tokens`` is ``lookup``: ``None`` (vLLM 0.32 supports "ask again
+  later"), ``0``, or tokens to load asynchronously (``load_kv_async=True``).
+* ``update_state_after_alloc`` is ``allocate`` with the request's whole block table. Written
+  blocks are told from prefix-cache re-use with what vLLM provides: the positions below the
+  block-aligned local hit passed to the lookup are re-used read-only; every other allocated
+  block, and every block vLLM appends to a running request, is written (by the forward pass,
+  a load, zeroing or a copy-on-write). Where the hit is unknown (an allocation without a
+  lookup) the step falls back to the conservative fence (``written=None``).
+* ``build_connector_meta`` turns the ``SchedulerOutput`` into one core step (scheduled
+  requests and their computed tokens, new blocks, finished / aborted / preempted requests,
+  written blocks) and ships the plan (loads, stores, flush) to the workers.
+* ``request_finished`` returns ``(False, None)``: vLLM frees the blocks at once; the fence
+  flushes a pending store before any of its blocks is written again.
+* **Failed loads.** Under ``kv_load_failure_policy="fail"`` (vLLM's default) vLLM finishes the
+  request with an error. Under ``"recompute"`` it either keeps the blocks and recomputes from
+  the first invalid block (block-level report with a valid prefix: the recomputed blocks count
+  as written again), or frees them and asks ``get_num_new_matched_tokens`` again: the adapter
+  then calls the core's ``preempt``. ``reset_cache`` with loads in flight reports those loads
+  as failed (``"recompute"`` only; refused under ``"fail"``).
+
+Request state lives in the core; the adapter keeps vLLM's ``Request`` objects (their hash
+lists grow as tokens are generated), the local hit of this step's lookups and this step's
+written blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.request import RequestStatus
+
+from kvoffload.errors import DuplicateReportError, KvOffloadError, UnknownJobError
+from kvoffload.integrations.vllm.messages import (
+    KvOffloadMetadata,
+    KvOffloadStats,
+    KvOffloadWorkerMetadata,
+)
+from kvoffload.scheduler import OffloadConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+
+
+def _keys(hashes: Iterable[Any]) -> list[int]:
+    """vLLM ``BlockHash`` bytes → the 64-bit ints vLLM publishes in its KV events."""
+    return [
+        int.from_bytes(h, "big") & _MASK64 if isinstance(h, (bytes, bytearray)) else int(h)
+        for h in hashes
+    ]
+
+
+class SchedulerSide:
+    """Maps vLLM's scheduler-side connector calls onto the Rust core scheduler."""
+
+    def __init__(self, cfg: OffloadConfig, exact_fence: bool, recompute: bool = False) -> None:
+        self.cfg = cfg
+        self.exact_fence = exact_fence
+        self.recompute = recompute  # vLLM's kv_load_failure_policy is "recompute"
+        self.sched = cfg.to_core()
+        self.block_size = cfg.groups[0].block_size
+        self.chunk_tokens = self.block_size * cfg.blocks_per_chunk
+        self.reqs: dict[str, Request] = {}
+        self.sent: dict[str, int] = {}  # hashes sent per request
+        self.running: set[str] = set()  # allocated in the core and not released
+        self.known: dict[str, list[int]] = {}  # blocks the core knows per group
+        self.hit: dict[str, int] = {}  # block-aligned local hit passed to this step's lookup
+        self.written: list[int] = []
+        self.conservative = False
+        self.cancelled: list[int] = []  # loads cancelled by a reset, for the next plan
+        self.stats = KvOffloadStats()
+        self.t = 0.0
+        self.step_times: list[float] = []
+
+    def has_pending(self) -> bool:
+        """Whether some job is still pending in the core."""
+        return bool(self.sched.pending_jobs())
+
+    def _sync_hashes(self, rid: str, request: Request) -> None:
+        n = len(request.block_hashes)
+        sent = self.sent.get(rid, 0)
+        if n > sent:
+            self.sched.extend_hashes(rid, _keys(request.block_hashes[sent:n]))
+            self.sent[rid] = n
+
+    def on_new_request(self, request: Request) -> None:
+        t = time.perf_counter()
+        rid = request.request_id
+        self.reqs[rid] = request
+        self.sched.add_request(rid, max(1, request.num_prompt_tokens), _keys(request.block_hashes))
+        self.sent[rid] = len(request.block_hashes)
+        self.t += time.perf_counter() - t
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        t = time.perf_counter()
+        rid = request.request_id
+        try:
+            if rid not in self.reqs:
+                self.on_new_request(request)
+            if rid in self.running:
+                # vLLM asks again for a request it admitted: it freed the blocks of a failed
+                # load (kv_load_failure_policy "recompute", nothing valid kept) and re-queued
+                # it. Release it in the core and start afresh.
+                self._released(rid)
+            self._sync_hashes(rid, request)
+            got = self.sched.lookup(rid, num_computed_tokens)
+            self.stats.data["lookups"] += 1
+            self.hit[rid] = num_computed_tokens
+            if got is None:
+                self.stats.data["lookups_deferred"] += 1
+                return None, False
+            # vLLM recomputes the last prompt token after a full hit; never load past it.
+            got = min(int(got), max(0, request.num_tokens - num_computed_tokens))
+            return got, got > 0
+        finally:
+            self.t += time.perf_counter() - t
+
+    def _released(self, rid: str) -> None:
+        """vLLM released ``rid``'s blocks outside a step: forget its block table."""
+        self.sched.preempt(rid)
+        self.running.discard(rid)
+        self.known.pop(rid, None)
+        self.hit.pop(rid, None)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        t = time.perf_counter()
+        rid = request.request_id
+        try:
+            if rid in self.running:
+                # Second call after an asynchronous load: the new blocks arrive with the
+                # scheduler output. After a failed load vLLM kept the valid prefix and
+                # recomputes from the first invalid block: those blocks are written again.
+                known = self.known.get(rid)
+                if known is not None:
+                    first = request.num_computed_tokens // self.block_size
+                    for g, tb in enumerate(blocks.get_block_ids()):
+                        self.written += tb[first : known[g]]
+                return
+            tables = blocks.get_block_ids()
+            hit = self.hit.pop(rid, None)
+            if hit is None:
+                self.conservative = True
+                hit = 0
+            job = self.sched.allocate(rid, tables, hit, num_external_tokens)
+            self.running.add(rid)
+            self.known[rid] = [len(tb) for tb in tables]
+            first = hit // self.block_size
+            for tb in tables:
+                self.written += tb[first:]
+            if num_external_tokens > 0:
+                if job is None:
+                    raise KvOffloadError(
+                        f"{rid}: {num_external_tokens} tokens to load but no load job was created"
+                    )
+                self.stats.data["loaded_tokens"] += num_external_tokens
+        finally:
+            self.t += time.perf_counter() - t
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KvOffloadMetadata:
+        t = time.perf_counter()
+        scheduled: list[tuple[str, int]] = []
+        new_blocks: list[tuple[str, int, list[int]]] = []
+        written = self.written
+        nst = so.num_scheduled_tokens
+        for nr in so.scheduled_new_reqs:
+            rid = nr.req_id
+            if rid not in self.running:
+                continue
+            known = self.known[rid]
+            for g, ids in enumerate(nr.block_ids):
+                if len(ids) > known[g]:
+                    tail = list(ids[known[g] :])
+                    new_blocks.append((rid, g, tail))
+                    written.extend(tail)
+                    known[g] = len(ids)
+            scheduled.append((rid, nr.num_computed_tokens + nst.get(rid, 0)))
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        running = self.running
+        reqs, sent = self.reqs, self.sent
+        for i in [i for i, ids in enumerate(cached.new_block_ids) if ids]:
+            rid = cached.req_ids[i]
+            if rid not in running:
+                continue
+            known = self.known[rid]
+            for g, ids in enumerate(cached.new_block_ids[i]):
+                if rid in resumed:
+                    if len(ids) <= known[g]:
+                        continue
+                    ids = ids[known[g] :]
+                if ids:
+                    tail = list(ids)
+                    new_blocks.append((rid, g, tail))
+                    written.extend(tail)
+                    known[g] += len(tail)
+        # Steady decode is the hot path: one pass over the scheduled requests, no tuples.
+        ids = [rid for rid in cached.req_ids if rid in running]
+        if len(ids) == len(cached.req_ids):
+            computed = [c + nst[r] for r, c in zip(ids, cached.num_computed_tokens, strict=True)]
+        else:
+            computed = [
+                c + nst[r]
+                for r, c in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+                if r in running
+            ]
+        # Hashes matter once computed tokens cross a block boundary (a store may need them);
+        # _sync_hashes then sends every hash vLLM made since the last sync.
+        bs = self.block_size
+        crossing = [r for r, c in zip(ids, computed, strict=True) if c % bs < nst[r]]
+        for rid in [rid for rid, _ in scheduled] + crossing:
+            req = reqs.get(rid)
+            if req is not None and len(req.block_hashes) > sent.get(rid, 0):
+                self._sync_hashes(rid, req)
+        ids = [rid for rid, _ in scheduled] + ids
+        computed = [c for _, c in scheduled] + computed
+        preempted = [r for r in (so.preempted_req_ids or ()) if r in self.running]
+        for rid in preempted:
+            self.running.discard(rid)
+        finished: list[str] = []
+        aborted: list[str] = []
+        for rid in so.finished_req_ids:
+            req = self.reqs.pop(rid, None)
+            if req is None:
+                continue
+            self._sync_hashes(rid, req)
+            self.running.discard(rid)
+            self.known.pop(rid, None)
+            self.sent.pop(rid, None)
+            self.hit.pop(rid, None)
+            (aborted if req.status == RequestStatus.FINISHED_ABORTED else finished).append(rid)
+        exact = self.exact_fence and not self.conservative
+        plan = self.sched.schedule(
+            ids,
+            computed,
+            new_blocks,
+            None,
+            finished,
+            aborted,
+            preempted,
+            written if exact else None,
+        )
+        self.written = []
+        self.conservative = False
+        self.hit.clear()
+        meta = KvOffloadMetadata(
+            loads=[(j.job_id, j.request_id, j.transfers) for j in plan.loads],
+            stores=[(j.job_id, j.transfers) for j in plan.stores],
+            flush=list(plan.flush),
+            cancelled=self.cancelled,
+        )
+        self.cancelled = []
+        d = self.stats.data
+        d["load_jobs"] += len(meta.loads)
+        d["store_jobs"] += len(meta.stores)
+        d["flushed_jobs"] += len(meta.flush)
+        self.t += time.perf_counter() - t
+        d["sched_seconds"] += self.t
+        d["sched_steps"] += 1
+        self.step_times.append(self.t)
+        if len(self.step_times) > 100_000:
+            del self.step_times[:50_000]
+        self.t = 0.0
+        return meta
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        t = time.perf_counter()
+        meta = out.kv_connector_worker_meta
+        if isinstance(meta, KvOffloadWorkerMetadata):
+            d = self.stats.data
+            d["bytes_loaded"] += meta.bytes_loaded
+            d["bytes_stored"] += meta.bytes_stored
+            d["load_seconds"] += meta.load_seconds
+            d["store_seconds"] += meta.store_seconds
+            for rank, (done, failed) in meta.by_rank().items():
+                try:
+                    completed = self.sched.complete_many(done, failed, rank)
+                except (UnknownJobError, DuplicateReportError):
+                    completed = self._complete_each(done, failed, rank)
+                for job in completed:
+                    d["jobs_completed" if job.ok else "jobs_failed"] += 1
+        self.t += time.perf_counter() - t
+
+    def _complete_each(self, done: list[int], failed: list[int], rank: int) -> list[Any]:
+        """A report with a job vLLM delivered twice or this scheduler never made: the valid
+        ones are applied one by one, the others counted and ignored."""
+        out = []
+        for jobs, ok in ((done, True), (failed, False)):
+            for job in jobs:
+                try:
+                    c = self.sched.complete(job, rank, ok)
+                except (UnknownJobError, DuplicateReportError) as e:
+                    logger.debug("kvoffload: ignoring a report: %s", e)
+                    self.stats.data["reports_ignored"] += 1
+                    continue
+                if c is not None:
+                    out.append(c)
+        return out
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events: list[KVCacheEvent] = []
+        for kind, group, keys, _medium in self.sched.take_events():
+            if kind == "stored":
+                events.append(
+                    BlockStored(
+                        block_hashes=list(keys),
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=self.chunk_tokens,
+                        lora_id=None,
+                        medium="CPU",
+                        lora_name=None,
+                        group_idx=group,
+                    )
+                )
+            else:
+                events.append(BlockRemoved(block_hashes=list(keys), medium="CPU", group_idx=group))
+        return events
+
+    def get_stats(self) -> KvOffloadStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KvOffloadStats()
+        return out
+
+    def reset_cache(self) -> bool:
+        loading = self.sched.loading_requests
+        if loading and not self.recompute:
+            # A cancelled load is reported to vLLM as failed: under the "fail" policy that
+            # would fail the request.
+            logger.warning(
+                "kvoffload: not resetting the CPU tier while %d load(s) are in flight "
+                "(kv_load_failure_policy 'recompute' allows it)",
+                loading,
+            )
+            return False
+        # The flushed jobs join the next plan's flush set. The workers still run the cancelled
+        # loads (they are in the flush set) but report them as failed: vLLM frees those
+        # requests' blocks and asks for them again.
+        _flushed, cancelled = self.sched.reset()
+        self.cancelled.extend(job for _, job in cancelled)
+        return True

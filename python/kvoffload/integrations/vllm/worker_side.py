@@ -1,0 +1,175 @@
+"""The connector's worker side: one :class:`~kvoffload.transfer.TransferEngine` per worker.
+
+In vLLM's call order: ``handle_preemptions`` (before the forward pass) runs the data plane's
+step for the plan (:meth:`TransferEngine.step`: submits the previous step's stores and every
+flushed job, completes the flush set -- a host wait on CPU, a compute-stream wait on CUDA --
+submits the loads and queues this step's stores, which start at the next step);
+``start_load_kv`` and ``wait_for_save`` run that step if the plan had none yet (no forward
+pass); ``get_finished`` / ``get_transfer_results`` poll results.
+
+**How job ids travel back.** Each worker reports the ids of the jobs it finished (or failed),
+with its rank, in a :class:`~kvoffload.integrations.vllm.messages.KvOffloadWorkerMetadata`
+(``build_connector_worker_meta``); vLLM merges the workers' reports and hands them to the
+scheduler side, which completes a job once every rank reported it. Loads are also reported by
+request id through ``finished_recving``, which vLLM counts over workers to keep a request in
+``WAITING_FOR_REMOTE_KVS`` until its load is done everywhere. Failed loads are reported as
+``failed_recving`` and, with one KV group, as ``get_block_ids_with_load_errors`` (vLLM refuses
+block ids with several groups).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm.messages import KvOffloadMetadata, KvOffloadWorkerMetadata
+from kvoffload.scheduler import OffloadConfig
+from kvoffload.transfer import TransferEngine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _layout(t: torch.Tensor, num_blocks: int, name: str) -> str:
+    if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks and num_blocks != 2:
+        return "kv_first"
+    if t.shape[0] == num_blocks:
+        return "blocks_first"
+    raise ConfigError(
+        f"KvOffloadConnector: cannot tell the block dimension of layer {name}'s KV cache "
+        f"(shape {tuple(t.shape)}, {num_blocks} blocks)"
+    )
+
+
+def worker_rank(vllm_config: VllmConfig) -> int:
+    """This worker's rank among the engine's ``num_workers`` (TP x PP): reports carry it, so the
+    scheduler completes a job only once every rank reported it. 0 before vLLM's parallel state
+    exists (a single worker)."""
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        tp = ps.get_tensor_model_parallel_rank()
+        pp = ps.get_pp_group().rank_in_group
+    except (AssertionError, AttributeError):
+        return 0
+    return pp * int(vllm_config.parallel_config.tensor_parallel_size) + tp
+
+
+class WorkerSide:
+    """Drives one :class:`TransferEngine` in vLLM's worker call order."""
+
+    def __init__(self, cfg: OffloadConfig, kv_cache_config: KVCacheConfig, rank: int = 0) -> None:
+        self.cfg = cfg
+        self.rank = rank  # reported with every job
+        self.kv_cache_config = kv_cache_config
+        self.xfer: TransferEngine | None = None
+        self.load_req: dict[int, tuple[str, list[int]]] = {}
+        self.before_done: KvOffloadMetadata | None = None
+        self.meta = KvOffloadWorkerMetadata()
+        self.invalid: set[int] = set()
+        self.cancelled: set[int] = set()
+        # vLLM refuses block-level load errors with several KV groups (block ids are per
+        # group); failed_recving alone then reports the failed request.
+        self.report_blocks = len(kv_cache_config.kv_cache_groups) == 1
+        self.engine_kwargs: dict[str, Any] = {}  # tests: TransferEngine hooks (copy delays)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        nb = int(self.kv_cache_config.num_blocks)
+        groups: list[dict[str, torch.Tensor]] = []
+        layouts: list[str] = []
+        for g, spec_group in enumerate(self.kv_cache_config.kv_cache_groups):
+            layers = {n: kv_caches[n] for n in spec_group.layer_names}
+            found = {_layout(t, nb, n) for n, t in layers.items()}
+            if len(found) != 1:
+                raise ConfigError(f"KvOffloadConnector: group {g} mixes KV layouts {found}")
+            groups.append(layers)
+            layouts.append(found.pop())
+        self.xfer = TransferEngine(
+            groups,
+            blocks_per_chunk=self.cfg.blocks_per_chunk,
+            num_slots=self.cfg.resolved_cpu_chunks(),
+            layout=layouts,  # type: ignore[arg-type]
+            **self.engine_kwargs,
+        )
+        logger.info(
+            "kvoffload: %d KV group(s) registered on %s, CPU pool %.1f MiB (%d slots)",
+            len(groups),
+            self.xfer.device,
+            self.xfer.pool_bytes / 2**20,
+            self.xfer.num_slots,
+        )
+
+    def before_forward(self, meta: KvOffloadMetadata) -> None:
+        """The data plane's step for this plan, once per plan: one :meth:`TransferEngine.step`
+        submits the previous step's stores, completes the flush set (submitting a flushed
+        store of this same plan first), submits the loads and queues this step's stores."""
+        if self.before_done is meta:
+            return
+        self.before_done = meta
+        x = self.xfer
+        assert x is not None
+        self.cancelled.update(j for j in meta.cancelled if j in self.load_req)
+        for job, rid, transfers in meta.loads:
+            self.load_req[job] = (rid, [b for _, gb, _ in transfers for b in gb])
+        x.step(meta.stores, meta.flush, [(job, transfers) for job, _, transfers in meta.loads])
+
+    def start_load(self, meta: KvOffloadMetadata) -> None:
+        self.before_forward(meta)
+
+    def wait_for_save(self, meta: KvOffloadMetadata) -> None:
+        # The step queued this plan's stores (they start at the next step); a plan whose step
+        # has not run yet (no forward pass this step) runs it now.
+        self.before_forward(meta)
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        x = self.xfer
+        out = KVConnectorTransferResults()
+        if x is None:
+            return out
+        m = self.meta
+        for r in x.poll():
+            ok = r.ok and r.job_id not in self.cancelled
+            self.cancelled.discard(r.job_id)
+            (m.done if ok else m.failed).setdefault(self.rank, []).append(r.job_id)
+            if r.kind == "load":
+                m.bytes_loaded += r.bytes
+                m.load_seconds += r.seconds
+                rid, blocks = self.load_req.pop(r.job_id, ("", []))
+                if rid:
+                    out.finished_recving.add(rid)
+                    if not ok:
+                        out.failed_recving.add(rid)
+                        if self.report_blocks:
+                            self.invalid.update(blocks)
+            else:
+                m.bytes_stored += r.bytes
+                m.store_seconds += r.seconds
+            if not r.ok:
+                logger.warning("kvoffload: %s job %d failed: %s", r.kind, r.job_id, r.error)
+        return out
+
+    def take_invalid(self) -> set[int]:
+        out, self.invalid = self.invalid, set()
+        return out
+
+    def take_meta(self) -> KvOffloadWorkerMetadata | None:
+        m = self.meta
+        if not m.done and not m.failed:
+            return None
+        self.meta = KvOffloadWorkerMetadata()
+        return m
+
+    def shutdown(self) -> None:
+        if self.xfer is not None:
+            self.xfer.shutdown(wait=False)
+            self.xfer = None
+
+
+# ----------------------------------------------------------------------------- the connector

@@ -1,0 +1,258 @@
+"""The offloading side of the simulated engine: kvoffload driven as a real engine drives it.
+
+:class:`Offload` owns the :class:`~kvoffload.scheduler.OffloadScheduler` (the scheduler side),
+the :class:`~kvoffload.transfer.TransferEngine` (the one worker), the shadow of vLLM's fence
+rule (:mod:`kvoffload.sim.vllm_rule`) and the table of jobs in flight. The engine
+(:mod:`kvoffload.sim.engine`) calls it where a real engine calls its connector: when a request
+arrives, at admission (``lookup``, ``allocate``), once per step (:meth:`Offload.step`: the
+scheduler's plan, then the workers' :meth:`~kvoffload.transfer.TransferEngine.step`), with new
+block hashes, and when a failed load gives a request's blocks back. Completed copies are taken
+by :meth:`Offload.collect`: stores are checked against the oracle, loads are handed back to the
+engine (``on_load``), which checks them and lets the request run.
+
+This is the seam for the tiers below the CPU pool (DESIGN.md §9): their configuration goes into
+:meth:`~kvoffload.sim.config.SimConfig.offload_config`, their jobs complete here like the
+others, and their hits count as tier hits in the run's timeline; the engine does not change.
+Scheduler time is measured around every scheduler call (:attr:`Offload.clock`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from kvoffload.scheduler import OffloadScheduler, StepInput
+from kvoffload.sim.config import NULL_BLOCK, SimConfig
+from kvoffload.sim.kv import KvCache, Transfers
+from kvoffload.sim.request import SimRequest
+from kvoffload.sim.result import SimResult
+from kvoffload.sim.vllm_rule import VllmRuleFence
+from kvoffload.transfer import TransferEngine
+
+__all__ = ["LoadDone", "Offload"]
+
+LoadDone = Callable[[str, int, bool, Transfers], None]
+"""Called as ``on_load(request_id, job_id, ok, transfers)`` when a load job completes."""
+
+
+class Offload:
+    """kvoffload's scheduler and data plane for one simulated engine."""
+
+    def __init__(
+        self,
+        cfg: SimConfig,
+        kv: KvCache,
+        result: SimResult,
+        reqs: dict[str, SimRequest],
+        on_load: LoadDone,
+    ) -> None:
+        """Builds the scheduler and the data plane over ``kv``'s tensors (every KV group shares
+        them); counts into ``result``; reads the requests' block tables in ``reqs``."""
+        self.cfg = cfg
+        self.kv = kv
+        self.result = result
+        self.reqs = reqs
+        self.on_load = on_load
+        self.clock = 0.0
+        """Seconds spent in scheduler calls since the engine last reset it."""
+        self.vllm_rule = VllmRuleFence(cfg.windows)
+        self.jobs: dict[int, tuple[str, str, Transfers]] = {}
+        self.inflight_ids: set[int] = set()
+        self.store_ids: set[int] = set()
+        self.store_pos: dict[int, Transfers] = {}
+        self.closed = False
+        self.sched = OffloadScheduler(cfg.offload_config())
+        hook = self._delay_hook if cfg.copy_delay_s > 0 else None
+        faults = cfg.load_fault_rate > 0 or cfg.store_fault_rate > 0
+        self.xfer = TransferEngine(
+            [list(kv.kv) for _ in cfg.windows],
+            blocks_per_chunk=cfg.blocks_per_chunk,
+            num_slots=cfg.cpu_chunks,
+            _before_copy=hook,
+            _fault_injector=self._inject_fault if faults else None,
+        )
+
+    def _inject_fault(self, job_id: int) -> None:
+        """Fails a job with the configured probability (the same jobs for the same config)."""
+        store = job_id in self.store_ids
+        rate = self.cfg.store_fault_rate if store else self.cfg.load_fault_rate
+        draw = np.random.default_rng((self.cfg.seed, job_id)).random()
+        if draw < rate:
+            raise RuntimeError(f"injected failure of {'store' if store else 'load'} {job_id}")
+
+    def _delay_hook(self, job_id: int, copy_index: int) -> None:
+        if copy_index == 0 and job_id in self.store_ids:
+            time.sleep(self.cfg.copy_delay_s)
+
+    # ------------------------------------------------------------------ scheduler calls
+
+    def _sc(self, fn: Callable[..., Any], *args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.clock += time.perf_counter() - t
+
+    def add_request(self, r: SimRequest, hashes: list[int]) -> None:
+        """A request arrived, with the hashes of its known full blocks."""
+        self._sc(self.sched.add_request, r.id, r.prompt_len, hashes)
+
+    def lookup(self, rid: str, gpu_hit_tokens: int) -> int | None:
+        """Tokens loadable from the CPU tier beyond the GPU hit, or None: ask again later."""
+        got = self._sc(self.sched.lookup, rid, gpu_hit_tokens)
+        return None if got is None else int(got)
+
+    def allocate(
+        self, rid: str, tables: list[list[int]], gpu_hit_tokens: int, load_tokens: int
+    ) -> int | None:
+        """The request's blocks are allocated; returns the load job, if one was created."""
+        job = self._sc(self.sched.allocate, rid, tables, gpu_hit_tokens, load_tokens)
+        return None if job is None else int(job)
+
+    def preempt(self, rid: str) -> None:
+        """The engine released the request's blocks outside a step (a failed load)."""
+        self._sc(self.sched.preempt, rid)
+
+    def extend_hashes(self, rid: str, hashes: list[int]) -> None:
+        """New full blocks of a request's output were hashed."""
+        self._sc(self.sched.extend_hashes, rid, hashes)
+
+    def allocated(self, blocks: Iterable[int]) -> None:
+        """Blocks the engine allocated this step (for vLLM's rule, which counts them written)."""
+        self.vllm_rule.allocated(blocks)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, inp: StepInput) -> None:
+        """The scheduler's plan for the step, then the workers' part of it."""
+        self.vllm_rule.step(inp.finished, inp.preempted)
+        plan = self._sc(self.sched.schedule, inp)
+        self.sched.take_events()  # nothing indexes the CPU tier here: drain every step
+        self.vllm_rule.stores((j.job_id, j.request_id, j.transfers) for j in plan.stores)
+        self.result.flushes_vllm_rule = self.vllm_rule.flushed
+        self._workers(plan)
+
+    def _track_store(self, job: Any) -> tuple[int, Transfers]:
+        """Records a plan's store job for verification; returns it as ``step`` takes it."""
+        transfers = [(int(g), list(gb), list(cb)) for g, gb, cb in job.transfers]
+        self.store_ids.add(job.job_id)
+        self.jobs[job.job_id] = ("store", job.request_id, transfers)
+        r = self.reqs[job.request_id]
+        # A released request's stores read the blocks it held (if not re-written since); a
+        # store may also read a sliding-window block that left the window but was not
+        # re-allocated yet (its bytes are intact; the fence guards a re-allocation).
+        tables = r.tables if r.state in ("running", "loading", "ready") else r.released
+        where = [
+            {**left, **{b: j for j, b in enumerate(row) if b != NULL_BLOCK}}
+            for left, row in zip(r.left, tables, strict=True)
+        ]
+        self.store_pos[job.job_id] = [
+            (g, [where[g].get(b, -1) for b in gb], cb) for g, gb, cb in transfers
+        ]
+        self.inflight_ids.add(job.job_id)
+        return job.job_id, transfers
+
+    def _workers(self, plan: Any) -> None:
+        """The workers' part of the step: one :meth:`TransferEngine.step` call with the plan
+        (it submits the previous step's stores, completes the flush set, submits the loads and
+        queues this step's stores for the next step)."""
+        stores = [self._track_store(job) for job in plan.stores]
+        loads = []
+        for job in plan.loads:
+            transfers = [(int(g), list(gb), list(cb)) for g, gb, cb in job.transfers]
+            self.jobs[job.job_id] = ("load", job.request_id, transfers)
+            self.inflight_ids.add(job.job_id)
+            loads.append((job.job_id, transfers))
+        self.result.flushed_jobs += len(plan.flush)
+        flush = list(plan.flush) if self.cfg.fence != "off" else []
+        t = time.perf_counter()
+        self.xfer.step(stores, flush, loads)
+        if flush:
+            self.result.flush_wait_seconds += time.perf_counter() - t
+            self.result.flush_steps += 1
+
+    # ------------------------------------------------------------------ completions
+
+    def busy(self) -> bool:
+        """Whether a job is in flight or a copy is queued."""
+        return bool(self.inflight_ids) or self.xfer.stats()["queued"] > 0
+
+    def wait_inflight(self, step: int) -> None:
+        """Waits for every job in flight and completes them."""
+        if self.inflight_ids:
+            self.xfer.wait(list(self.inflight_ids))
+            self.collect(block=False, step=step)
+
+    def collect(self, *, block: bool, step: int) -> None:
+        """Takes finished copies (with ``block``, waits for every job in flight first) and
+        completes them in the scheduler; stores are checked, loads go to ``on_load``."""
+        if block and self.inflight_ids:
+            self.xfer.wait(list(self.inflight_ids))
+        results = sorted(self.xfer.poll(), key=lambda res: res.job_id)
+        res_acc = self.result
+        for res in results:
+            self.inflight_ids.discard(res.job_id)
+            self.store_ids.discard(res.job_id)
+            kind, rid, transfers = self.jobs.pop(res.job_id)
+            if res.ok:
+                if kind == "store":
+                    self.kv.verify_store(
+                        self.reqs[rid],
+                        res.job_id,
+                        self.store_pos.pop(res.job_id),
+                        self.xfer.cpu_region,
+                        step,
+                    )
+                    res_acc.bytes_stored += res.bytes
+                    res_acc.store_seconds += res.seconds
+                    res_acc.store_jobs += 1
+                else:
+                    res_acc.bytes_loaded += res.bytes
+                    res_acc.load_seconds += res.seconds
+                    res_acc.load_jobs += 1
+            else:
+                res_acc.failed_jobs += 1
+            done = self._sc(self.sched.complete, res.job_id, 0, res.ok)
+            if done is not None:
+                self.vllm_rule.completed(done.job_id)
+            if done is not None and kind == "load":
+                self.on_load(rid, res.job_id, done.ok, transfers)
+
+    def drain(self, step: int) -> None:
+        """After the last request: run every queued copy, complete every job, and give the
+        scheduler empty steps until it lets go of every finished request (it drops one at the
+        step after its last job completed, and may still create stores for it)."""
+        self.xfer.step()  # one more worker step submits the last step's stores
+        self.xfer.wait(list(self.inflight_ids))
+        self.collect(block=False, step=step)
+        left = -1
+        for _ in range(10_000):  # each round completes jobs or drops requests; bounded anyway
+            if not self.sched.num_requests or self.sched.num_requests == left:
+                break
+            left = self.sched.num_requests
+            plan = self._sc(self.sched.schedule, StepInput(scheduled=[], written=[]))
+            self._workers(plan)
+            self.xfer.step()
+            self.xfer.wait(list(self.inflight_ids))
+            self.collect(block=False, step=step)
+            if plan.stores:
+                left = -1  # progress: more stores of finished requests
+
+    def finish(self) -> None:
+        """Puts the scheduler's figures and what it still holds (leaks) into the result."""
+        st: dict[str, Any] = dict(self.sched.stats())
+        r = self.result
+        r.scheduler_stats = st
+        r.flushes_necessary = int(st.get("flushes_necessary", 0))
+        r.flushes_conservative = int(st.get("flushes_conservative", 0))
+        r.leaked_requests = self.sched.num_requests
+        r.leaked_jobs = len(self.sched.pending_jobs())
+
+    def close(self) -> None:
+        """Shuts the data plane down (idempotent)."""
+        if not self.closed:
+            self.xfer.shutdown(wait=False)
+        self.closed = True

@@ -1,0 +1,126 @@
+//! Completion (DESIGN.md §3.5): worker reports, one by one or in an all-or-nothing batch. A
+//! done store publishes (or drops) its keys, a done load unpins its slots and sets the
+//! request's computed tokens (a failed one rewinds the store cursors), and a finished request
+//! with nothing pending is dropped.
+
+use crate::error::{Error, Result};
+use crate::ids::JobId;
+use crate::jobs::{Completion, JobKind};
+
+use super::plan::CompletedJob;
+use super::requests::Status;
+use super::Scheduler;
+
+impl Scheduler {
+    /// Records one batch of worker reports `(job, worker, ok)`, all or nothing: every report is
+    /// validated (a duplicate within the batch included) before any is applied. Returns the
+    /// jobs that completed.
+    pub fn complete_many(&mut self, reports: &[(JobId, u32, bool)]) -> Result<Vec<CompletedJob>> {
+        let jobs = self.tracker.jobs();
+        let mut live = Vec::with_capacity(reports.len());
+        for &(job, worker, _) in reports {
+            if jobs.validate(job, worker)? {
+                live.push((job, worker));
+            }
+        }
+        live.sort_unstable();
+        if let Some(w) = live.windows(2).find(|w| w[0] == w[1]) {
+            let (job, worker) = w[0];
+            return Err(Error::DuplicateReport { job, worker });
+        }
+        let mut done = Vec::new();
+        for &(job, worker, ok) in reports {
+            if let Some(d) = self.complete(job, worker, ok).expect("validated") {
+                done.push(d);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Records worker `worker`'s report for `job` (`ok == false`: the worker failed it). When
+    /// every worker reported, completes the job: stored chunks become readable (or are dropped
+    /// if any worker failed), loaded slots are unpinned, fence pairs removed, and a finished
+    /// request with nothing pending is dropped. Reports for jobs from before a reset return
+    /// `Ok(None)`, as do reports that leave the job pending. A second report from the same
+    /// worker is an error and changes nothing.
+    pub fn complete(&mut self, job: JobId, worker: u32, ok: bool) -> Result<Option<CompletedJob>> {
+        let Completion::Done(j) = self.tracker.complete(job, worker, ok)? else {
+            return Ok(None);
+        };
+        let ok = !j.failed;
+        let i = j.payload.req;
+        let mut invalid_blocks = Vec::new();
+        match j.kind {
+            JobKind::Store => {
+                for t in &j.payload.transfers {
+                    // The pool holds exactly these keys as storing: cannot fail.
+                    let done = self.pools[t.group as usize].complete_store(&t.keys, ok);
+                    debug_assert!(done.is_ok(), "{done:?}");
+                }
+                self.stats.failed_stores += u64::from(!ok);
+            }
+            JobKind::Load => {
+                for t in &j.payload.transfers {
+                    let pool = &mut self.pools[t.group as usize];
+                    let done = pool.complete_load(&t.keys);
+                    debug_assert!(done.is_ok(), "{done:?}");
+                    if !ok {
+                        // A failed load leaves its chunks suspect: drop them (unless another
+                        // load still reads them), so a persistent fault cannot loop forever.
+                        pool.discard(&t.keys);
+                    }
+                    for k in &t.keys {
+                        if self.loading.get(&(t.group, *k)) == Some(&job) {
+                            self.loading.remove(&(t.group, *k));
+                        }
+                    }
+                    if !ok {
+                        invalid_blocks.extend_from_slice(&t.gpu_blocks);
+                    }
+                }
+                self.loading_requests -= 1;
+                self.stats.failed_loads += u64::from(!ok);
+                let bpc = self.cfg.blocks_per_chunk;
+                let r = self.req_mut(i);
+                r.load = None;
+                if ok {
+                    // The loaded tokens are computed now: a reset before the next step restarts
+                    // the window's store cursor from here, not from the engine's prefix hit.
+                    r.computed = r.computed.max(j.payload.load_end);
+                }
+                if !ok {
+                    // The engine recomputes what the load should have brought: rewind the
+                    // store cursors so those chunks are stored again.
+                    let mut rewound = Vec::new();
+                    for (t, &c) in j.payload.transfers.iter().zip(&j.payload.first_chunks) {
+                        let rg = &mut r.groups[t.group as usize];
+                        if c < rg.cursor {
+                            let n = rg.blocks.len() as u32;
+                            rewound
+                                .extend((c * bpc..(rg.cursor * bpc).min(n)).map(|p| (t.group, p)));
+                            rg.cursor = c;
+                        }
+                    }
+                    for (g, pos) in rewound {
+                        self.assign(i, g, pos);
+                    }
+                }
+                if matches!(self.req(i).status, Status::Finished | Status::Aborted)
+                    && !self.has_stores_to_plan(i)
+                {
+                    // Nothing left to store once its load is done: drop it now.
+                    self.retry.retain(|x| *x != i);
+                }
+            }
+        }
+        let done = CompletedJob {
+            id: job,
+            kind: j.kind,
+            request: self.req(i).id.clone(),
+            ok,
+            invalid_blocks,
+        };
+        self.maybe_drop(i);
+        Ok(Some(done))
+    }
+}

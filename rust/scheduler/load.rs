@@ -1,0 +1,241 @@
+//! Allocation (DESIGN.md §3.2): the engine's block tables for an admitted request are recorded
+//! and, if the lookup found tokens to load, the load job is created with its CPU slots pinned
+//! (all or nothing). Destination blocks of sliding-window groups are eager fence pairs, those
+//! of full-attention groups deferred.
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, JobId};
+use crate::jobs::JobKind;
+
+use super::plan::{GroupTransfer, PlannedJob};
+use super::requests::Status;
+use super::{JobPayload, Scheduler};
+
+impl Scheduler {
+    /// Records the blocks the engine allocated for an admitted request (its whole block table
+    /// per group), its engine prefix hit `hit_tokens`, and `load_tokens` to load from the CPU
+    /// tier (as returned by the last lookup, or 0). Creates the load job.
+    pub fn allocate(
+        &mut self,
+        id: &str,
+        blocks: &[Vec<BlockId>],
+        hit_tokens: u32,
+        load_tokens: u32,
+    ) -> Result<Option<JobId>> {
+        let i = self.waiting(id, "only waiting requests are allocated")?;
+        if blocks.len() != self.cfg.groups.len() {
+            return Err(Error::RequestState {
+                request: id.to_owned(),
+                reason: format!(
+                    "allocated {} block lists but the engine has {} KV groups",
+                    blocks.len(),
+                    self.cfg.groups.len()
+                ),
+            });
+        }
+        let tables = blocks
+            .iter()
+            .map(|b| self.engine_blocks(b))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(b) = self.first_repeated(tables.iter().flatten().copied()) {
+            return Err(Error::RequestState {
+                request: id.to_owned(),
+                reason: format!("was allocated block {b} twice; a block holds one position"),
+            });
+        }
+        let r = self.req(i);
+        if self.tracker.jobs().owner(r.owner).is_some() {
+            return Err(Self::state_err(
+                id,
+                r.status,
+                "it still has pending jobs; look it up again",
+            ));
+        }
+        let end = hit_tokens + load_tokens;
+        if load_tokens > 0 {
+            match &r.lookup {
+                Some(l) if l.step == self.step && l.hit == hit_tokens && l.end == end => {}
+                _ => {
+                    return Err(Error::RequestState {
+                        request: id.to_owned(),
+                        reason: format!(
+                            "allocated with {load_tokens} tokens to load after a hit of \
+                             {hit_tokens}, but no lookup of this step returned that"
+                        ),
+                    })
+                }
+            }
+            for (g, t) in tables.iter().enumerate() {
+                let bs = self.cfg.groups[g].block_size;
+                let need = end.div_ceil(bs) as usize;
+                if t.len() < need {
+                    return Err(Error::RequestState {
+                        request: id.to_owned(),
+                        reason: format!(
+                            "group {g} has {} blocks, {need} needed to load {end} tokens",
+                            t.len()
+                        ),
+                    });
+                }
+                if self.cfg.groups[g].sliding_window.is_none() {
+                    let from = (hit_tokens / bs) as usize;
+                    if let Some(pos) = (from..(end / bs) as usize).find(|p| t[*p] == BlockId::NULL)
+                    {
+                        return Err(Error::RequestState {
+                            request: id.to_owned(),
+                            reason: format!(
+                                "group {g} has the null block at position {pos}, which the load \
+                                 of tokens {hit_tokens}..{end} must fill"
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        let owner = self.req(i).owner;
+        let transfers = if load_tokens > 0 {
+            self.pin_load(i, &tables, hit_tokens, end)?
+        } else {
+            Vec::new()
+        };
+        let first_chunks = transfers
+            .iter()
+            .map(|t| self.first_needed_chunk(t.group as usize, hit_tokens, end))
+            .collect();
+        // Validated and pinned: apply.
+        if self.req(i).status == Status::Preempted {
+            self.tracker.reacquire(owner);
+        }
+        let bpc = self.cfg.blocks_per_chunk;
+        for (g, t) in tables.into_iter().enumerate() {
+            self.allocated
+                .extend(t.iter().filter(|b| **b != BlockId::NULL));
+            // Beyond the engine's prefix hit the blocks get new content: re-allocations.
+            let reused = (hit_tokens / self.cfg.groups[g].block_size) as usize;
+            self.reallocated
+                .extend(t.iter().skip(reused).filter(|b| **b != BlockId::NULL));
+            let cursor = self.req(i).groups[g]
+                .cursor
+                .max(end / self.cfg.chunk_tokens(g));
+            for (pos, b) in t.iter().enumerate() {
+                if *b != BlockId::NULL && pos as u32 >= cursor * bpc {
+                    self.pending_assign.push((i, g as u32, pos as u32));
+                }
+            }
+            let rg = &mut self.req_mut(i).groups[g];
+            rg.blocks = t;
+            rg.cursor = cursor;
+        }
+        let r = self.req_mut(i);
+        r.epoch += 1;
+        r.status = Status::Running;
+        r.computed = hit_tokens;
+        r.first_ask = None;
+        r.wait_on.clear();
+        r.lookup = None;
+        if transfers.is_empty() {
+            return Ok(None);
+        }
+        // Destination blocks: sliding-window groups are eager (the engine may free them while
+        // the request runs), full-attention groups deferred, as for stores.
+        let (mut eager, mut deferred) = (Vec::new(), Vec::new());
+        for t in &transfers {
+            let class = if self.cfg.groups[t.group as usize].sliding_window.is_some() {
+                &mut eager
+            } else {
+                &mut deferred
+            };
+            class.extend_from_slice(&t.gpu_blocks);
+        }
+        let payload = JobPayload {
+            req: i,
+            transfers: transfers.clone(),
+            first_chunks,
+            load_end: end,
+        };
+        let job = self
+            .tracker
+            .create(JobKind::Load, owner, eager, deferred, payload)
+            .expect("blocks validated, no pending job");
+        for t in &transfers {
+            for k in &t.keys {
+                self.loading.insert((t.group, *k), job);
+            }
+            self.stats.load_blocks += t.gpu_blocks.len() as u64;
+            self.stats.load_bytes += t.gpu_blocks.len() as u64
+                * self.cfg.groups[t.group as usize].bytes_per_chunk
+                / u64::from(bpc);
+        }
+        self.loading_requests += 1;
+        self.stats.load_jobs += 1;
+        self.stats.load_tokens += u64::from(load_tokens);
+        self.req_mut(i).load = Some(job);
+        self.new_loads.push(PlannedJob {
+            id: job,
+            kind: JobKind::Load,
+            request: id.to_owned(),
+            transfers,
+        });
+        Ok(Some(job))
+    }
+
+    /// Builds the copies of a load of tokens `[hit, end)` into `tables` and pins their slots
+    /// (all or nothing).
+    pub(super) fn pin_load(
+        &mut self,
+        i: u32,
+        tables: &[Vec<BlockId>],
+        hit: u32,
+        end: u32,
+    ) -> Result<Vec<GroupTransfer>> {
+        let bpc = self.cfg.blocks_per_chunk;
+        let mut out: Vec<GroupTransfer> = Vec::new();
+        for (g, t) in tables.iter().enumerate() {
+            let bs = self.cfg.groups[g].block_size;
+            let first_pos = self.first_needed_chunk(g, hit, end) * bpc;
+            let first_pos = first_pos.max(hit / bs);
+            let mut tr = GroupTransfer {
+                group: g as u32,
+                gpu_blocks: Vec::new(),
+                cpu_blocks: Vec::new(),
+                keys: Vec::new(),
+            };
+            let mut kidx = Vec::new();
+            let mut last_chunk = u32::MAX;
+            for pos in first_pos..end / bs {
+                let b = t[pos as usize];
+                if b == BlockId::NULL {
+                    continue;
+                }
+                let c = pos / bpc;
+                if c != last_chunk {
+                    last_chunk = c;
+                    tr.keys
+                        .push(self.key(self.req(i), g, c).expect("looked-up key"));
+                }
+                kidx.push(tr.keys.len() - 1);
+                tr.gpu_blocks.push(b);
+                tr.cpu_blocks.push(pos % bpc);
+            }
+            if tr.keys.is_empty() {
+                continue;
+            }
+            match self.pools[g].prepare_load(&tr.keys) {
+                Ok(slots) => {
+                    for (cpu, k) in tr.cpu_blocks.iter_mut().zip(kidx) {
+                        *cpu += slots[k].0 * bpc;
+                    }
+                    out.push(tr);
+                }
+                Err(e) => {
+                    for done in &out {
+                        let undone = self.pools[done.group as usize].complete_load(&done.keys);
+                        debug_assert!(undone.is_ok(), "{undone:?}");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,203 @@
+//! Admission (DESIGN.md §3.1): how many tokens beyond the engine's prefix hit the CPU tier can
+//! load, `0`, or "ask again later". A request waits only for loads already in flight when it
+//! first asked, so deduplication never turns into a convoy; the answer is remembered for the
+//! `allocate` of the same step.
+
+use crate::error::Result;
+use crate::ids::Key;
+use crate::pool::KeyState;
+
+use super::requests::{Request, Status};
+use super::Scheduler;
+
+/// The answer of a request's last lookup, which `allocate` must match.
+#[derive(Debug, Clone)]
+pub(super) struct LookupResult {
+    pub(super) step: u64,
+    pub(super) hit: u32,
+    pub(super) end: u32,
+}
+
+impl Scheduler {
+    /// Tokens loadable from the CPU tier beyond the engine's prefix hit of `hit_tokens`;
+    /// `Ok(None)` means "ask again later".
+    pub fn lookup(&mut self, id: &str, hit_tokens: u32) -> Result<Option<u32>> {
+        let i = self.waiting(id, "only waiting requests are looked up")?;
+        self.stats.lookups += 1;
+        // Work on the request outside the slab so the pools and the tracker stay borrowable.
+        let mut r = self.reqs[i as usize]
+            .take()
+            .expect("indexed request exists");
+        let answer = self.lookup_inner(&mut r, hit_tokens);
+        self.reqs[i as usize] = Some(r);
+        if answer.is_none() {
+            self.stats.lookups_deferred += 1;
+        }
+        Ok(answer)
+    }
+
+    /// The lookup of a request taken out of the slab: remembers its first ask and the loads
+    /// it waits for, and records the answer.
+    pub(super) fn lookup_inner(&mut self, r: &mut Request, hit: u32) -> Option<u32> {
+        r.lookup = None;
+        if self.tracker.jobs().owner(r.owner).is_some() {
+            return None;
+        }
+        let first_ask = r.first_ask.is_none();
+        if first_ask {
+            r.first_ask = Some(self.step);
+        }
+        let (end, storing) = self.hit_end(r, hit);
+        if end == 0 {
+            if storing {
+                return None;
+            }
+            self.touch_prefix(r, hit, hit);
+            return Some(0);
+        }
+        if first_ask {
+            // Wait only for loads already in flight now, never for loads started later.
+            let mut jobs = Vec::new();
+            for g in 0..self.cfg.groups.len() {
+                let loading = &self.loading;
+                jobs.extend(
+                    self.needed_keys(r, g, hit, end)
+                        .into_iter()
+                        .filter_map(|k| loading.get(&(g as u32, k)).copied()),
+                );
+            }
+            jobs.sort_unstable();
+            jobs.dedup();
+            r.wait_on = jobs;
+        }
+        let tracker = &self.tracker;
+        r.wait_on.retain(|j| tracker.jobs().get(*j).is_some());
+        let backpressure = self.cfg.max_loading_requests > 0
+            && self.loading_requests >= self.cfg.max_loading_requests;
+        if storing || backpressure || !r.wait_on.is_empty() {
+            return None;
+        }
+        let waited = self.step - r.first_ask.unwrap_or(self.step);
+        self.stats.max_lookup_wait_steps = self.stats.max_lookup_wait_steps.max(waited);
+        self.stats.lookup_hit_tokens += u64::from(end - hit);
+        r.lookup = Some(LookupResult {
+            step: self.step,
+            hit,
+            end,
+        });
+        self.touch_prefix(r, hit, end);
+        Some(end - hit)
+    }
+
+    /// Refreshes the recency of every chunk the request re-uses: the engine's own prefix hit
+    /// (chunks the GPU cache serves now may be evicted from it first) and the chunks it loads,
+    /// the earliest ending most recent.
+    pub(super) fn touch_prefix(&mut self, r: &Request, hit: u32, end: u32) {
+        for g in 0..self.cfg.groups.len() {
+            let ct = self.cfg.chunk_tokens(g);
+            let first = match self.cfg.groups[g].sliding_window {
+                None => 0,
+                Some(w) => hit.saturating_sub(w) / ct,
+            };
+            let keys: Vec<Key> = (first..end.max(hit) / ct)
+                .filter_map(|c| self.key(r, g, c))
+                .collect();
+            if !keys.is_empty() {
+                self.pools[g].touch(&keys);
+            }
+        }
+    }
+
+    /// Highest token end point `p > hit` (aligned) at which every group's needed chunks are
+    /// ready, or 0; and whether chunks still being stored could make it higher (ask again
+    /// later). The pools are not consulted when less than one aligned step of tokens lies
+    /// beyond the hit.
+    pub(super) fn hit_end(&mut self, r: &Request, hit: u32) -> (u32, bool) {
+        let mut cap = r.prompt_len - u32::from(self.cfg.has_window());
+        if r.status == Status::Preempted {
+            // Resumed requests recompute their generated tokens too: every token that had KV
+            // may come back (the last sampled one never had any).
+            cap = cap.max(r.computed);
+        }
+        let hashed = (r.hashes.len() as u64 * u64::from(self.cfg.hash_block_size))
+            .min(u64::from(u32::MAX)) as u32;
+        cap = cap.min(hashed);
+        cap -= cap % self.align;
+        if cap <= hit || cap - hit < self.align {
+            return (0, false);
+        }
+        // Per group, prefix counts from the hit chunk of chunks that are ready, and of chunks
+        // that are ready or being stored.
+        let mut counts: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::with_capacity(self.pools.len());
+        // Full attention needs every chunk from the hit: its leading run bounds the answer.
+        let (mut bound_ready, mut bound_maybe) = (cap, cap);
+        for g in 0..self.cfg.groups.len() {
+            let ct = self.cfg.chunk_tokens(g);
+            let (s, n) = (hit / ct, cap / ct);
+            let keys: Vec<Key> = (s..n).filter_map(|c| self.key(r, g, c)).collect();
+            self.pools[g].lookup(&keys);
+            let mut ready = Vec::with_capacity(keys.len() + 1);
+            let mut maybe = Vec::with_capacity(keys.len() + 1);
+            ready.push(0u32);
+            maybe.push(0u32);
+            for k in &keys {
+                let st = self.pools[g].state(*k);
+                let (r0, m0) = (
+                    *ready.last().expect("seeded"),
+                    *maybe.last().expect("seeded"),
+                );
+                ready.push(r0 + u32::from(matches!(st, KeyState::Ready { .. })));
+                maybe.push(m0 + u32::from(st != KeyState::Absent));
+            }
+            if self.cfg.groups[g].sliding_window.is_none() {
+                let run = |c: &[u32]| {
+                    c.iter()
+                        .enumerate()
+                        .take_while(|(i, v)| **v as usize == *i)
+                        .count() as u32
+                        - 1
+                };
+                bound_ready = bound_ready.min((s + run(&ready)) * ct);
+                bound_maybe = bound_maybe.min((s + run(&maybe)) * ct);
+            }
+            counts.push((g, ready, maybe));
+        }
+        let best = |use_maybe: bool| -> u32 {
+            let mut p = if use_maybe { bound_maybe } else { bound_ready };
+            p -= p % self.align;
+            while p > hit && p - hit >= self.align {
+                let ok = counts.iter().all(|(g, ready, maybe)| {
+                    let c = if use_maybe { maybe } else { ready };
+                    let s = hit / self.cfg.chunk_tokens(*g);
+                    let first = self.first_needed_chunk(*g, hit, p);
+                    let last = p / self.cfg.chunk_tokens(*g);
+                    c[(last - s) as usize] - c[(first - s) as usize] == last - first
+                });
+                if ok {
+                    return p;
+                }
+                p -= self.align;
+            }
+            0
+        };
+        let end = best(false);
+        (end, best(true) > end)
+    }
+
+    /// First chunk a group needs to load for an end point `end` beyond `hit`.
+    pub(super) fn first_needed_chunk(&self, g: usize, hit: u32, end: u32) -> u32 {
+        let start = match self.cfg.groups[g].sliding_window {
+            None => hit,
+            Some(w) => hit.max(end.saturating_sub(w)),
+        };
+        start / self.cfg.chunk_tokens(g)
+    }
+
+    /// Keys of the chunks group `g` needs loaded for tokens `[hit, end)`.
+    pub(super) fn needed_keys(&self, r: &Request, g: usize, hit: u32, end: u32) -> Vec<Key> {
+        let last = end / self.cfg.chunk_tokens(g);
+        (self.first_needed_chunk(g, hit, end)..last)
+            .filter_map(|c| self.key(r, g, c))
+            .collect()
+    }
+}

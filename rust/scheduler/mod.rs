@@ -1,0 +1,174 @@
+//! The scheduler core: request tracking, lookups and loads, store planning, the per-step plan.
+//!
+//! An engine calls it a few times per step (DESIGN.md §3); each call lives in its own file:
+//! 1. [`Scheduler::lookup`] (`lookup.rs`) for each waiting request: tokens loadable from the
+//!    CPU tier beyond the engine's own prefix hit, `0`, or `None` ("ask again later");
+//! 2. [`Scheduler::allocate`] (`load.rs`) once the engine allocated the request's blocks:
+//!    records the block table and creates the load job (slots pinned);
+//! 3. [`Scheduler::schedule`] (`step.rs`) once per step: applies the step (new blocks, computed
+//!    tokens, finished / aborted / preempted requests), builds store jobs for chunks that became
+//!    full (`stores.rs`), runs the single fence check and returns a [`StepPlan`];
+//! 4. [`Scheduler::complete`] (`complete.rs`) as workers report jobs; [`Scheduler::reset`]
+//!    (`reset.rs`) when the engine drops its cache.
+//!
+//! Requests live in a slab indexed by a dense `u32` (`requests.rs`); external string ids map
+//! to it once per call. Each KV group has its own CPU pool (a slot holds one chunk of one
+//! group), so keys are the engine's chained prefix hashes as they are.
+//!
+//! Positions whose chunk is not stored yet are indexed by block (`positions.rs`): when a block
+//! is *re-allocated* (handed to a request at a position it will write: `allocate` beyond the
+//! engine's prefix hit, or `new_blocks`), every other position still holding it is dropped from
+//! its request's block table, so a store never reads a block whose content was replaced (a
+//! sliding-window block that left the window, or a block of a released request). Writes alone
+//! never drop anything: `written` only drives the fence check, so a superset of the truly
+//! written blocks costs flushes, never a chunk.
+//!
+//! The step applies its input in this order (DESIGN.md §4):
+//! 1. releases (finished, aborted, preempted): deferred fence pairs are armed;
+//! 2. stores of released requests, built from the blocks as they are *before* this step's
+//!    re-allocations take effect (a new owner writes them only after this step's flush);
+//! 3. this step's re-allocations drop the positions they replace;
+//! 4. stores of running requests (chunks completed by this step's forward pass);
+//! 5. the single fence check over `written`. A store of step 4 runs after this step's forward
+//!    pass and a load submitted with this plan writes its own blocks: neither is ever in the
+//!    flush set of the step that creates it.
+
+mod checks;
+mod complete;
+mod inspect;
+mod load;
+mod lookup;
+mod plan;
+mod positions;
+mod requests;
+mod reset;
+mod step;
+mod stores;
+
+use rustc_hash::FxHashMap;
+
+use crate::config::SchedulerConfig;
+use crate::error::Result;
+use crate::ids::{BlockId, JobId, Key};
+use crate::pool::{Pool, PoolConfig};
+use crate::tracker::Tracker;
+
+pub use plan::{
+    CompletedJob, GroupTransfer, PlannedJob, SchedulerEvent, SchedulerStats, StepInput, StepPlan,
+};
+pub use requests::Status;
+
+use positions::PosEntry;
+use requests::Request;
+
+/// What the tracker carries with each job: what its completion must apply.
+#[derive(Debug, Clone)]
+struct JobPayload {
+    /// Slab index of the request.
+    req: u32,
+    /// Copies per group (keys to publish or unpin).
+    transfers: Vec<GroupTransfer>,
+    /// For a load: per group, the first chunk it fills (a failed load rewinds the store
+    /// cursor there, so the recomputed chunks are stored again).
+    first_chunks: Vec<u32>,
+    /// For a load: the token it loads up to (the request's computed tokens once it is done).
+    load_end: u32,
+}
+
+/// The scheduler core. See the module documentation.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    /// Least common multiple of the groups' chunk sizes in tokens: lookups answer multiples.
+    align: u32,
+    /// One CPU pool per KV group.
+    pools: Vec<Pool>,
+    /// Jobs and the fence.
+    tracker: Tracker<JobPayload>,
+    /// The request slab (`requests.rs`); `None`: a free index.
+    reqs: Vec<Option<Request>>,
+    /// Free slab indices.
+    free: Vec<u32>,
+    /// External request id -> slab index.
+    index: FxHashMap<String, u32>,
+    /// The next request's tracker owner id (never reused).
+    next_owner: u64,
+    /// Unstored positions by block (`positions.rs`).
+    pos_index: Vec<Vec<PosEntry>>,
+    /// Positions `(request, group, pos)` to index once this step's re-allocations are applied.
+    pending_assign: Vec<(u32, u32, u32)>,
+    /// Blocks re-allocated by `allocate` since the previous step (applied in `schedule`).
+    reallocated: Vec<BlockId>,
+    /// Generation stamps per block, for duplicate checks without allocation.
+    stamps: Vec<u32>,
+    /// Generation stamps per request slab index.
+    req_stamps: Vec<u32>,
+    /// Current generation of `stamps`.
+    stamp: u32,
+    /// Current generation of `req_stamps`.
+    req_stamp: u32,
+    /// `(group, key)` -> the load in flight that reads it (lookups wait for it).
+    loading: FxHashMap<(u32, Key), JobId>,
+    /// Requests with a pending load (for load backpressure).
+    loading_requests: u32,
+    /// `schedule` calls so far.
+    step: u64,
+    /// Loads created since the previous plan.
+    new_loads: Vec<PlannedJob>,
+    /// Blocks allocated since the previous step (the conservative written set).
+    allocated: Vec<BlockId>,
+    /// Requests whose store planning is retried next step (no room, or a load pending).
+    retry: Vec<u32>,
+    /// Jobs flushed by a reset, added to the next plan's flush set.
+    reset_flush: Vec<JobId>,
+    /// Counters.
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    /// A scheduler for `cfg` (validated).
+    pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        cfg.validate()?;
+        let pools = (0..cfg.groups.len())
+            .map(|_| {
+                Pool::new(PoolConfig {
+                    capacity: cfg.cpu_chunks,
+                    policy: cfg.policy,
+                    store_threshold: cfg.store_threshold,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut tracker = Tracker::new(cfg.num_workers, cfg.num_gpu_blocks)?;
+        tracker.set_skip_deferred_arming(cfg.debug_skip_deferred_arming);
+        Ok(Self {
+            align: cfg.align_tokens() as u32,
+            tracker,
+            pos_index: vec![Vec::new(); cfg.num_gpu_blocks as usize],
+            pools,
+            reqs: Vec::new(),
+            free: Vec::new(),
+            index: FxHashMap::default(),
+            next_owner: 0,
+            pending_assign: Vec::new(),
+            reallocated: Vec::new(),
+            stamps: vec![0; cfg.num_gpu_blocks as usize],
+            req_stamps: Vec::new(),
+            req_stamp: 0,
+            stamp: 0,
+            loading: FxHashMap::default(),
+            loading_requests: 0,
+            step: 0,
+            new_loads: Vec::new(),
+            allocated: Vec::new(),
+            retry: Vec::new(),
+            reset_flush: Vec::new(),
+            stats: SchedulerStats::default(),
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+}

@@ -1,0 +1,233 @@
+//! The request slab: requests live in a `Vec` indexed by a dense `u32` slab index, and external
+//! string ids map to it once per call. A request holds its prompt length, chained hashes,
+//! computed tokens, status and per-group block tables with their store cursors; it is dropped
+//! once it finished and nothing is pending for it.
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, JobId, Key, OwnerId};
+
+use super::lookup::LookupResult;
+use super::Scheduler;
+
+/// Lifecycle of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Registered, not admitted yet.
+    Waiting,
+    /// Holds blocks and is scheduled.
+    Running,
+    /// Released its blocks; will be re-admitted.
+    Preempted,
+    /// Finished normally; kept until its last store completes.
+    Finished,
+    /// Aborted; kept until its jobs complete.
+    Aborted,
+}
+
+impl Status {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Waiting => "waiting",
+            Status::Running => "running",
+            Status::Preempted => "preempted",
+            Status::Finished => "finished",
+            Status::Aborted => "aborted",
+        }
+    }
+}
+
+/// A request's block table in one KV group.
+#[derive(Debug, Clone)]
+pub(super) struct ReqGroup {
+    pub(super) blocks: Vec<BlockId>,
+    /// Chunks handled (stored, skipped, hit or loaded): the next chunk to consider.
+    pub(super) cursor: u32,
+}
+
+/// A tracked request.
+#[derive(Debug, Clone)]
+pub(super) struct Request {
+    pub(super) id: String,
+    pub(super) owner: OwnerId,
+    pub(super) prompt_len: u32,
+    pub(super) hashes: Vec<Key>,
+    pub(super) computed: u32,
+    pub(super) status: Status,
+    pub(super) groups: Vec<ReqGroup>,
+    pub(super) load: Option<JobId>,
+    pub(super) first_ask: Option<u64>,
+    pub(super) wait_on: Vec<JobId>,
+    pub(super) lookup: Option<LookupResult>,
+    /// Step at which it was last queued for store planning (dedup of the work list).
+    pub(super) queued: u64,
+    /// Bumped whenever the block table is replaced, so older index entries die.
+    pub(super) epoch: u32,
+}
+
+impl Scheduler {
+    /// The slab index of request `id`.
+    pub(super) fn idx(&self, id: &str) -> Result<u32> {
+        self.index
+            .get(id)
+            .copied()
+            .ok_or_else(|| Error::UnknownRequest(id.to_owned()))
+    }
+
+    /// The slab index of a waiting (or preempted) request; else an error saying `what`.
+    pub(super) fn waiting(&self, id: &str, what: &str) -> Result<u32> {
+        let i = self.idx(id)?;
+        let status = self.req(i).status;
+        if matches!(status, Status::Waiting | Status::Preempted) {
+            Ok(i)
+        } else {
+            Err(Self::state_err(id, status, what))
+        }
+    }
+
+    /// The request at slab index `i` (which must be live).
+    pub(super) fn req(&self, i: u32) -> &Request {
+        self.reqs[i as usize]
+            .as_ref()
+            .expect("indexed request exists")
+    }
+
+    /// The request at slab index `i`, mutably.
+    pub(super) fn req_mut(&mut self, i: u32) -> &mut Request {
+        self.reqs[i as usize]
+            .as_mut()
+            .expect("indexed request exists")
+    }
+
+    /// The error for an operation `what` that a request's status does not allow.
+    pub(super) fn state_err(id: &str, status: Status, what: &str) -> Error {
+        Error::RequestState {
+            request: id.to_owned(),
+            reason: format!("is {}; {what}", status.name()),
+        }
+    }
+
+    /// Registers a request with its prompt length and the chained hashes of its complete
+    /// hash blocks so far.
+    pub fn add_request(&mut self, id: &str, prompt_len: u32, hashes: Vec<Key>) -> Result<()> {
+        if self.index.contains_key(id) {
+            return Err(Error::RequestState {
+                request: id.to_owned(),
+                reason: "is already registered".into(),
+            });
+        }
+        if prompt_len == 0 {
+            return Err(Error::RequestState {
+                request: id.to_owned(),
+                reason: "has an empty prompt (prompt_len 0)".into(),
+            });
+        }
+        let owner = OwnerId(self.next_owner);
+        self.next_owner += 1;
+        let groups = vec![
+            ReqGroup {
+                blocks: Vec::new(),
+                cursor: 0,
+            };
+            self.cfg.groups.len()
+        ];
+        let req = Request {
+            id: id.to_owned(),
+            owner,
+            prompt_len,
+            hashes,
+            computed: 0,
+            status: Status::Waiting,
+            groups,
+            load: None,
+            first_ask: None,
+            wait_on: Vec::new(),
+            lookup: None,
+            queued: u64::MAX,
+            epoch: 0,
+        };
+        let i = if let Some(i) = self.free.pop() {
+            self.reqs[i as usize] = Some(req);
+            i
+        } else {
+            self.reqs.push(Some(req));
+            (self.reqs.len() - 1) as u32
+        };
+        self.index.insert(id.to_owned(), i);
+        Ok(())
+    }
+
+    /// Appends chained hashes as the request's tokens grow.
+    pub fn extend_hashes(&mut self, id: &str, hashes: &[Key]) -> Result<()> {
+        let i = self.idx(id)?;
+        self.req_mut(i).hashes.extend_from_slice(hashes);
+        Ok(())
+    }
+
+    /// The key of chunk `chunk` of group `g`, if the request has its hash yet.
+    pub(super) fn key(&self, r: &Request, g: usize, chunk: u32) -> Option<Key> {
+        let end = (u64::from(chunk) + 1) * u64::from(self.cfg.chunk_tokens(g));
+        let h = (end / u64::from(self.cfg.hash_block_size)) as usize;
+        r.hashes.get(h.checked_sub(1)?).copied()
+    }
+
+    /// Store watermark in tokens: what may be stored of this request now.
+    pub(super) fn watermark(&self, r: &Request) -> u32 {
+        let mut wm = r.computed;
+        if self.cfg.offload_prompt_only {
+            wm = wm.min(r.prompt_len);
+        }
+        if let Some(cap) = self.cfg.max_offload_tokens {
+            wm = wm.min(cap);
+        }
+        wm
+    }
+
+    /// Slab indices of request ids.
+    pub(super) fn ids<S: AsRef<str>>(&self, ids: &[S]) -> Result<Vec<u32>> {
+        ids.iter().map(|id| self.idx(id.as_ref())).collect()
+    }
+
+    /// Drops a finished or aborted request once nothing is pending for it.
+    pub(super) fn maybe_drop(&mut self, i: u32) {
+        let Some(r) = self.reqs[i as usize].as_ref() else {
+            return;
+        };
+        if !matches!(r.status, Status::Finished | Status::Aborted)
+            || self.tracker.jobs().owner(r.owner).is_some()
+            || self.retry.contains(&i)
+        {
+            return;
+        }
+        let owner = r.owner;
+        let id = r.id.clone();
+        self.tracker.forget(owner);
+        self.index.remove(&id);
+        self.reqs[i as usize] = None;
+        self.free.push(i);
+    }
+
+    /// The engine released a running request's blocks outside a step (for example after a
+    /// failed load it chose not to keep): its pending jobs' deferred pairs are armed, its
+    /// remaining stores are planned next step, and it may be looked up again. Idempotent for
+    /// a request already preempted; reporting it again in the next step's `preempted` is fine.
+    pub fn preempt(&mut self, id: &str) -> Result<()> {
+        let i = self.idx(id)?;
+        let r = self.req(i);
+        match r.status {
+            Status::Preempted => Ok(()),
+            Status::Running => {
+                let owner = r.owner;
+                self.req_mut(i).status = Status::Preempted;
+                self.tracker.release(owner);
+                self.retry.push(i);
+                Ok(())
+            }
+            status => Err(Self::state_err(
+                id,
+                status,
+                "only running requests are preempted",
+            )),
+        }
+    }
+}

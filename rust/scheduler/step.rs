@@ -1,0 +1,182 @@
+//! The step (DESIGN.md §3.3): one call checks the whole step input (`checks.rs`), then applies
+//! it in the five phases documented in the parent module, one function each, and returns the
+//! plan with the single fence check's flush set.
+
+use crate::error::Result;
+use crate::ids::{BlockId, JobId};
+
+use super::checks::CheckedStep;
+use super::plan::{PlannedJob, StepInput, StepPlan};
+use super::requests::Status;
+use super::Scheduler;
+
+impl Scheduler {
+    /// Applies one engine step and returns its plan: loads created since the previous plan,
+    /// stores for chunks that became full, and the flush set of the single fence check.
+    /// Everything is validated before anything changes.
+    pub fn schedule<S: AsRef<str>>(&mut self, input: &StepInput<S>) -> Result<StepPlan> {
+        let step = self.check_step(input)?;
+        self.step += 1;
+        self.stats.steps += 1;
+        // 1: releases arm their requests' deferred fence pairs.
+        self.release(&step);
+        let written = self.written_blocks(&step);
+        // 2: stores of released requests read their blocks as they are before this step's
+        // re-allocations; armed at creation, the fence check flushes them if need be.
+        let mut retry = std::mem::take(&mut self.retry);
+        let mut stores = Vec::new();
+        let mut work = step.released;
+        work.extend(retry.iter().copied().filter(|i| {
+            self.reqs[*i as usize]
+                .as_ref()
+                .is_some_and(|r| r.status != Status::Running)
+        }));
+        self.plan_all(&work, &mut stores);
+        // 3: re-allocations drop the positions whose content they replace.
+        self.reallocate(&step.resumed, step.new_blocks);
+        // 4: stores of running requests, for chunks this step's forward pass completes.
+        let released_stores = stores.len();
+        work.clear();
+        for (i, computed) in step.scheduled {
+            self.req_mut(i).computed = computed;
+            work.push(i);
+        }
+        retry.retain(|i| {
+            self.reqs[*i as usize]
+                .as_ref()
+                .is_some_and(|r| r.status == Status::Running)
+        });
+        work.append(&mut retry);
+        self.plan_all(&work, &mut stores);
+        // 5: the single fence check, after this step's stores exist.
+        let flush = self.fence_check(
+            &written,
+            &stores[released_stores..],
+            input.written.is_some(),
+        );
+        Ok(StepPlan {
+            loads: std::mem::take(&mut self.new_loads),
+            stores,
+            flush,
+        })
+    }
+
+    /// Phase 1: finished, aborted and preempted requests take their new status and release
+    /// their blocks (the tracker arms their deferred pairs).
+    fn release(&mut self, step: &CheckedStep) {
+        for (list, status) in [
+            (&step.finished, Status::Finished),
+            (&step.aborted, Status::Aborted),
+            (&step.preempted, Status::Preempted),
+        ] {
+            for &i in list {
+                let r = self.req_mut(i);
+                r.status = status;
+                let owner = r.owner;
+                self.tracker.release(owner);
+            }
+        }
+    }
+
+    /// The blocks this step writes: the explicit set, or every block allocated since the
+    /// previous step (conservative).
+    fn written_blocks(&mut self, step: &CheckedStep) -> Vec<BlockId> {
+        let written = if let Some(w) = &step.written {
+            w.iter().copied().filter(|b| *b != BlockId::NULL).collect()
+        } else {
+            let mut w = std::mem::take(&mut self.allocated);
+            for (_, _, blocks) in &step.new_blocks {
+                w.extend(blocks.iter().filter(|b| **b != BlockId::NULL));
+            }
+            w
+        };
+        self.allocated.clear();
+        written
+    }
+
+    /// Phase 3: this step's re-allocations (by `allocate` since the previous step, and
+    /// `new_blocks`) drop the unstored positions they replace; resumed requests start a new
+    /// block table; the new blocks are appended and their unstored positions indexed.
+    fn reallocate(&mut self, resumed: &[u32], new_blocks: Vec<(u32, usize, Vec<BlockId>)>) {
+        for b in std::mem::take(&mut self.reallocated) {
+            self.invalidate(b);
+        }
+        for (_, _, blocks) in &new_blocks {
+            for b in blocks {
+                self.invalidate(*b);
+            }
+        }
+        for &i in resumed {
+            let owner = self.req(i).owner;
+            self.tracker.reacquire(owner);
+            let r = self.req_mut(i);
+            r.status = Status::Running;
+            r.epoch += 1;
+            for g in &mut r.groups {
+                g.blocks.clear();
+            }
+        }
+        let bpc = self.cfg.blocks_per_chunk;
+        for (i, g, blocks) in new_blocks {
+            let rg = &mut self.req_mut(i).groups[g];
+            let start = rg.blocks.len() as u32;
+            let from = start.max(rg.cursor * bpc);
+            rg.blocks.extend_from_slice(&blocks);
+            for (k, b) in blocks.iter().enumerate() {
+                let pos = start + k as u32;
+                if *b != BlockId::NULL && pos >= from {
+                    self.pending_assign.push((i, g as u32, pos));
+                }
+            }
+        }
+        for (i, g, pos) in std::mem::take(&mut self.pending_assign) {
+            self.assign(i, g, pos);
+        }
+    }
+
+    /// Phase 5: the single fence check over `written`. Neither a store of a running request
+    /// (`running_stores`: it runs after this step's forward pass) nor a load of this plan (it
+    /// writes its own blocks) is flushed by the step that creates it. Jobs flushed by a reset
+    /// since the previous plan are added.
+    fn fence_check(
+        &mut self,
+        written: &[BlockId],
+        running_stores: &[PlannedJob],
+        explicit: bool,
+    ) -> Vec<JobId> {
+        let mut flush = Vec::new();
+        self.tracker
+            .check_into(written, &mut flush)
+            .expect("written blocks validated");
+        if !flush.is_empty() {
+            let first_running = running_stores.first().map(|j| j.id);
+            // A load whose request released its blocks in this very step no longer writes
+            // blocks of its own: the fence decides for it as for any job.
+            let own_loads: Vec<JobId> = self
+                .new_loads
+                .iter()
+                .filter(|l| {
+                    self.tracker.jobs().get(l.id).is_some_and(|j| {
+                        self.reqs[j.payload.req as usize]
+                            .as_ref()
+                            .is_some_and(|r| r.status == Status::Running)
+                    })
+                })
+                .map(|l| l.id)
+                .collect();
+            flush.retain(|j| first_running.is_none_or(|f| *j < f) && !own_loads.contains(j));
+        }
+        let n = flush.len() as u64;
+        if explicit {
+            self.stats.flushes_necessary += n;
+        } else {
+            self.stats.flushes_conservative += n;
+        }
+        if !self.reset_flush.is_empty() {
+            flush.append(&mut self.reset_flush);
+            flush.sort_unstable();
+            flush.dedup();
+        }
+        flush
+    }
+}
