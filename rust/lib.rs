@@ -14,6 +14,7 @@
 //! - [`policy`]: the pool's eviction policies (LRU, ARC) behind one trait;
 //! - [`scheduler`]: requests, lookups, loads, store planning and the per-step plan;
 //! - [`copy`]: bounded byte copies between registered KV tensors and the CPU pool;
+//! - [`tier`]: tiers below the CPU pool (the disk tier; the contract lower tiers share);
 //! - `py` (feature `python`): the Python bindings, the only place that mentions pyo3.
 //!
 //! Domain modules never import pyo3; the Python bindings live in `rust/py/` behind the
@@ -28,6 +29,7 @@ pub mod jobs;
 pub mod policy;
 pub mod pool;
 pub mod scheduler;
+pub mod tier;
 pub mod tracker;
 
 #[cfg(feature = "python")]
