@@ -159,6 +159,19 @@ impl<P> Tracker<P> {
         Ok(c)
     }
 
+    /// A job that reads and writes no GPU block (a lower-tier job: write-behind or
+    /// promotion): counted, reported and completed like a store, never in the fence.
+    pub fn create_unfenced(&mut self, owner: OwnerId, payload: P) -> JobId {
+        self.jobs.insert(
+            JobKind::Store,
+            owner,
+            Vec::new(),
+            Vec::new(),
+            false,
+            payload,
+        )
+    }
+
     /// Forgets everything: returns every pending job (all must be flushed); later reports for
     /// them are ignored. Released owners are forgotten too.
     pub fn reset(&mut self) -> Vec<Job<P>> {

@@ -48,6 +48,12 @@ impl Scheduler {
             return Ok(None);
         };
         let ok = !j.failed;
+        if let Some(kind) = j.payload.tier {
+            // Tier jobs belong to no request: their effect shows in the pools and the tiers.
+            let t = &j.payload.transfers[0];
+            self.complete_tier(kind, t.group as usize, &t.keys, ok);
+            return Ok(None);
+        }
         let i = j.payload.req;
         let mut invalid_blocks = Vec::new();
         match j.kind {
@@ -56,6 +62,9 @@ impl Scheduler {
                     // The pool holds exactly these keys as storing: cannot fail.
                     let done = self.pools[t.group as usize].complete_store(&t.keys, ok);
                     debug_assert!(done.is_ok(), "{done:?}");
+                    if ok {
+                        self.write_behind(t.group as usize, &t.keys);
+                    }
                 }
                 self.stats.failed_stores += u64::from(!ok);
             }

@@ -152,6 +152,7 @@ impl Scheduler {
             transfers: transfers.clone(),
             first_chunks,
             load_end: end,
+            tier: None,
         };
         let job = self
             .tracker

@@ -48,6 +48,9 @@ impl Scheduler {
             r.first_ask = Some(self.step);
         }
         let (end, storing) = self.hit_end(r, hit);
+        if self.promote(r, hit.max(end), self.lookup_cap(r)) {
+            return None;
+        }
         if end == 0 {
             if storing {
                 return None;
@@ -108,11 +111,8 @@ impl Scheduler {
         }
     }
 
-    /// Highest token end point `p > hit` (aligned) at which every group's needed chunks are
-    /// ready, or 0; and whether chunks still being stored could make it higher (ask again
-    /// later). The pools are not consulted when less than one aligned step of tokens lies
-    /// beyond the hit.
-    pub(super) fn hit_end(&mut self, r: &Request, hit: u32) -> (u32, bool) {
+    /// The highest aligned token count a lookup of `r` may answer up to.
+    pub(super) fn lookup_cap(&self, r: &Request) -> u32 {
         let mut cap = r.prompt_len - u32::from(self.cfg.has_window());
         if r.status == Status::Preempted {
             // Resumed requests recompute their generated tokens too: every token that had KV
@@ -122,7 +122,15 @@ impl Scheduler {
         let hashed = (r.hashes.len() as u64 * u64::from(self.cfg.hash_block_size))
             .min(u64::from(u32::MAX)) as u32;
         cap = cap.min(hashed);
-        cap -= cap % self.align;
+        cap - cap % self.align
+    }
+
+    /// Highest token end point `p > hit` (aligned) at which every group's needed chunks are
+    /// ready, or 0; and whether chunks still being stored could make it higher (ask again
+    /// later). The pools are not consulted when less than one aligned step of tokens lies
+    /// beyond the hit.
+    pub(super) fn hit_end(&mut self, r: &Request, hit: u32) -> (u32, bool) {
+        let cap = self.lookup_cap(r);
         if cap <= hit || cap - hit < self.align {
             return (0, false);
         }

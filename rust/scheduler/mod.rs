@@ -44,6 +44,7 @@ mod requests;
 mod reset;
 mod step;
 mod stores;
+mod tiers;
 
 use rustc_hash::FxHashMap;
 
@@ -57,6 +58,7 @@ pub use plan::{
     CompletedJob, GroupTransfer, PlannedJob, SchedulerEvent, SchedulerStats, StepInput, StepPlan,
 };
 pub use requests::Status;
+pub use tiers::{TierGroupStats, TierJob, TierJobKind};
 
 use positions::PosEntry;
 use requests::Request;
@@ -73,6 +75,27 @@ struct JobPayload {
     first_chunks: Vec<u32>,
     /// For a load: the token it loads up to (the request's computed tokens once it is done).
     load_end: u32,
+    /// For a tier job (`req` is [`tiers::NO_REQUEST`]): its kind; its group and keys are the
+    /// one transfer's.
+    tier: Option<TierJobKind>,
+}
+
+impl JobPayload {
+    /// The payload of a tier job.
+    fn tier(kind: TierJobKind, group: u32, keys: Vec<Key>) -> Self {
+        Self {
+            req: tiers::NO_REQUEST,
+            transfers: vec![GroupTransfer {
+                group,
+                gpu_blocks: Vec::new(),
+                cpu_blocks: Vec::new(),
+                keys,
+            }],
+            first_chunks: Vec::new(),
+            load_end: 0,
+            tier: Some(kind),
+        }
+    }
 }
 
 /// The scheduler core. See the module documentation.
@@ -123,6 +146,10 @@ pub struct Scheduler {
     reset_flush: Vec<JobId>,
     /// Counters.
     stats: SchedulerStats,
+    /// Per group, its lower tier (`tiers.rs`); empty when none is attached.
+    tiers: Vec<Option<tiers::GroupTier>>,
+    /// Tier jobs created since the previous plan.
+    new_tier_jobs: Vec<TierJob>,
 }
 
 impl Scheduler {
@@ -163,6 +190,8 @@ impl Scheduler {
             retry: Vec::new(),
             reset_flush: Vec::new(),
             stats: SchedulerStats::default(),
+            tiers: Vec::new(),
+            new_tier_jobs: Vec::new(),
             cfg,
         })
     }

@@ -40,6 +40,8 @@ pub struct StepPlan {
     pub stores: Vec<PlannedJob>,
     /// Pending jobs that must complete before this step writes its blocks, sorted.
     pub flush: Vec<JobId>,
+    /// Lower-tier jobs (write-behind, promotion) created since the previous plan.
+    pub tier_jobs: Vec<super::TierJob>,
 }
 
 /// One finished job, as seen by the engine.

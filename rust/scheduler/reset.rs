@@ -16,6 +16,15 @@ impl Scheduler {
     /// once resumed.
     pub fn reset(&mut self) -> (Vec<JobId>, Vec<(String, JobId)>) {
         let pending = self.tracker.reset();
+        for j in &pending {
+            if let Some(kind) = j.payload.tier {
+                let t = &j.payload.transfers[0];
+                self.reset_tier_job(kind, t.group as usize, &t.keys);
+            }
+        }
+        // Tier jobs not handed out in a plan yet are flushed like the others (a worker that
+        // never saw them has nothing to wait for).
+        self.new_tier_jobs.clear();
         // Loads not handed out in a plan yet never reach a worker: cancelled, never flushed.
         let unplanned: Vec<JobId> = self.new_loads.drain(..).map(|j| j.id).collect();
         let flushed: Vec<JobId> = pending

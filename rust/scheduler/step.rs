@@ -58,6 +58,7 @@ impl Scheduler {
             loads: std::mem::take(&mut self.new_loads),
             stores,
             flush,
+            tier_jobs: std::mem::take(&mut self.new_tier_jobs),
         })
     }
 

@@ -141,6 +141,7 @@ impl Scheduler {
                     transfers: transfers.clone(),
                     first_chunks: Vec::new(),
                     load_end: 0,
+                    tier: None,
                 },
             )
             .expect("blocks validated, no pending load");

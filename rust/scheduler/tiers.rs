@@ -1,0 +1,298 @@
+//! Lower tiers (DESIGN.md §9): write-behind and promotion jobs between the CPU pool and a
+//! [`TierIndex`] per KV group (the disk tier; Redis later).
+//!
+//! - *Write-behind*: when a store job completes and its chunks become ready in the CPU pool,
+//!   the keys the tier does not hold yet get places ([`TierIndex::prepare_write`]) and their CPU
+//!   slots are pinned (so no eviction reuses them while a worker reads them); one
+//!   [`TierJobKind::Write`] job per group goes into the next plan. When every rank reported it,
+//!   the slots are unpinned and the tier publishes the keys (or drops them if any rank failed).
+//!   Eviction from the CPU pool never writes.
+//! - *Promotion*: a lookup whose leading chunks are neither ready nor being stored in the CPU
+//!   pool but ready in the tier reserves CPU slots for them (storing: not readable), pins them in
+//!   the tier ([`TierIndex::prepare_read`]), emits a [`TierJobKind::Promote`] job and answers
+//!   "ask later". Other requests needing the same chunks see them as being stored and wait for
+//!   this one promotion (no second copy, no convoy: nothing waits for work started later). Once
+//!   every rank read and verified its bytes, the CPU slots are published and the normal load
+//!   follows; if any rank failed, the CPU slots are dropped, the tier forgets the keys (a rank
+//!   that found bad bytes quarantined its slot) and the request recomputes.
+//!
+//! Tier jobs have job ids from the same table as loads and stores (workers report them the
+//! same way, per rank) under one owner of their own, and touch no GPU block, so the fence never
+//! sees them. A reset flushes them like every pending job; their tier state is released then.
+
+use crate::error::{Error, Result};
+use crate::ids::{JobId, Key, OwnerId};
+use crate::pool::KeyState;
+use crate::tier::{Location, TierEvent, TierIndex, TierStats};
+
+use super::requests::Request;
+use super::{JobPayload, Scheduler};
+
+/// The owner of every tier job (request owners count up from 0 and never get here).
+pub(super) const TIER_OWNER: OwnerId = OwnerId(u64::MAX);
+/// The request slab index of tier jobs' payloads (none).
+pub(super) const NO_REQUEST: u32 = u32::MAX;
+
+/// Direction of a tier job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TierJobKind {
+    /// CPU slots → tier (write-behind).
+    Write,
+    /// Tier → CPU slots (promotion).
+    Promote,
+}
+
+impl TierJobKind {
+    /// `"write"` or `"promote"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TierJobKind::Write => "write",
+            TierJobKind::Promote => "promote",
+        }
+    }
+}
+
+/// One tier job of a plan: the worker moves chunk `keys[i]` between CPU slot `cpu_slots[i]`
+/// and tier location `locations[i]`, verifying every promoted chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierJob {
+    /// Job id (report it like a load or a store).
+    pub id: JobId,
+    /// Write-behind or promotion.
+    pub kind: TierJobKind,
+    /// The tier's medium (`"disk"`).
+    pub medium: &'static str,
+    /// KV group.
+    pub group: u32,
+    /// Chunk keys.
+    pub keys: Vec<Key>,
+    /// CPU pool slot of each key.
+    pub cpu_slots: Vec<u32>,
+    /// Tier location of each key.
+    pub locations: Vec<Location>,
+}
+
+/// Counters of one group's tier as the scheduler sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierGroupStats {
+    /// KV group.
+    pub group: u32,
+    /// The tier's own counters.
+    pub tier: TierStats,
+    /// Write-behind jobs created.
+    pub write_jobs: u64,
+    /// Promotion jobs created.
+    pub promote_jobs: u64,
+    /// Promotion jobs that failed on some rank.
+    pub failed_promotions: u64,
+    /// Write-behind jobs that failed on some rank.
+    pub failed_writes: u64,
+    /// Promotions skipped because the CPU pool had no evictable room.
+    pub promote_no_room: u64,
+    /// Tier jobs pending now (queue depth).
+    pub pending: u64,
+    /// Tokens lookups answered from chunks promoted from this tier.
+    pub promoted_chunks: u64,
+}
+
+/// One group's tier and its counters.
+#[derive(Debug)]
+pub(super) struct GroupTier {
+    pub(super) index: Box<dyn TierIndex>,
+    pub(super) stats: TierGroupStats,
+}
+
+impl Scheduler {
+    /// Attaches a lower tier to KV group `group` (before the first request is added). Chunks
+    /// become readable through it only by promotion into the CPU pool.
+    pub fn attach_tier(&mut self, group: u32, index: Box<dyn TierIndex>) -> Result<()> {
+        let g = group as usize;
+        if g >= self.cfg.groups.len() {
+            return Err(Error::Config(format!(
+                "attach_tier: group {group} does not exist, the scheduler has {} groups",
+                self.cfg.groups.len()
+            )));
+        }
+        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
+            return Err(Error::Config(format!(
+                "attach_tier: group {group}: attach tiers before the first request"
+            )));
+        }
+        self.tiers.resize_with(self.cfg.groups.len(), || None);
+        self.tiers[g] = Some(GroupTier {
+            index,
+            stats: TierGroupStats {
+                group,
+                ..TierGroupStats::default()
+            },
+        });
+        Ok(())
+    }
+
+    /// Whether any group has a lower tier.
+    pub fn has_tiers(&self) -> bool {
+        self.tiers.iter().any(Option::is_some)
+    }
+
+    /// Per group with a tier: its counters.
+    pub fn tier_stats(&self) -> Vec<TierGroupStats> {
+        self.tiers
+            .iter()
+            .flatten()
+            .map(|t| {
+                let mut s = t.stats;
+                s.tier = t.index.stats();
+                s
+            })
+            .collect()
+    }
+
+    /// Drains every tier's events, with their group.
+    pub fn take_tier_events(&mut self) -> Vec<(u32, TierEvent)> {
+        let mut out = Vec::new();
+        for (g, t) in self.tiers.iter_mut().enumerate() {
+            if let Some(t) = t {
+                out.extend(t.index.take_events().into_iter().map(|e| (g as u32, e)));
+            }
+        }
+        out
+    }
+
+    /// Creates promotion jobs for the chunks of `r` beyond `hit` (up to `cap` tokens) that the
+    /// CPU pool lacks and a tier holds; returns whether any was created (ask later).
+    pub(super) fn promote(&mut self, r: &Request, hit: u32, cap: u32) -> bool {
+        if !self.has_tiers() {
+            return false;
+        }
+        let mut created = false;
+        for g in 0..self.cfg.groups.len() {
+            if self.tiers.get(g).is_none_or(Option::is_none) {
+                continue;
+            }
+            let ct = self.cfg.chunk_tokens(g);
+            let keys: Vec<Key> = (hit / ct..cap / ct)
+                .filter_map(|c| self.key(r, g, c))
+                .collect();
+            // The chunks the CPU pool lacks, up to the first one no tier holds either.
+            let tier = self.tiers[g].as_mut().expect("checked");
+            let mut want = Vec::new();
+            for &k in &keys {
+                if self.pools[g].state(k) != KeyState::Absent {
+                    continue;
+                }
+                if !matches!(tier.index.state(k), KeyState::Ready { .. }) {
+                    break;
+                }
+                want.push(k);
+            }
+            if want.is_empty() {
+                continue;
+            }
+            tier.index.lookup(&want);
+            let Some(plan) = self.pools[g].prepare_store(&want) else {
+                tier.stats.promote_no_room += 1;
+                continue;
+            };
+            if plan.keys.is_empty() {
+                continue;
+            }
+            let locations = tier
+                .index
+                .prepare_read(&plan.keys)
+                .expect("ready keys, not pinned by this call");
+            let job = self.tracker.create_unfenced(
+                TIER_OWNER,
+                JobPayload::tier(TierJobKind::Promote, g as u32, plan.keys.clone()),
+            );
+            tier.stats.promote_jobs += 1;
+            tier.stats.pending += 1;
+            self.new_tier_jobs.push(TierJob {
+                id: job,
+                kind: TierJobKind::Promote,
+                medium: tier.index.medium(),
+                group: g as u32,
+                keys: plan.keys,
+                cpu_slots: plan.slots.iter().map(|s| s.0).collect(),
+                locations,
+            });
+            created = true;
+        }
+        created
+    }
+
+    /// Write-behind of `keys` of group `g`, just published in the CPU pool.
+    pub(super) fn write_behind(&mut self, g: usize, keys: &[Key]) {
+        let Some(Some(tier)) = self.tiers.get_mut(g) else {
+            return;
+        };
+        let Some(plan) = tier.index.prepare_write(keys) else {
+            return;
+        };
+        if plan.keys.is_empty() {
+            return;
+        }
+        let slots = self.pools[g]
+            .prepare_load(&plan.keys)
+            .expect("keys just published in the CPU pool");
+        let job = self.tracker.create_unfenced(
+            TIER_OWNER,
+            JobPayload::tier(TierJobKind::Write, g as u32, plan.keys.clone()),
+        );
+        tier.stats.write_jobs += 1;
+        tier.stats.pending += 1;
+        self.new_tier_jobs.push(TierJob {
+            id: job,
+            kind: TierJobKind::Write,
+            medium: tier.index.medium(),
+            group: g as u32,
+            keys: plan.keys,
+            cpu_slots: slots.iter().map(|s| s.0).collect(),
+            locations: plan.locations,
+        });
+    }
+
+    /// Applies a tier job every rank reported (`ok`: all succeeded).
+    pub(super) fn complete_tier(&mut self, kind: TierJobKind, g: usize, keys: &[Key], ok: bool) {
+        let tier = self.tiers[g]
+            .as_mut()
+            .expect("tier jobs exist only for tiers");
+        tier.stats.pending -= 1;
+        let pool = &mut self.pools[g];
+        match kind {
+            TierJobKind::Write => {
+                let unpinned = pool.complete_load(keys);
+                debug_assert!(unpinned.is_ok(), "{unpinned:?}");
+                let done = tier.index.complete_write(keys, ok);
+                debug_assert!(done.is_ok(), "{done:?}");
+                tier.stats.failed_writes += u64::from(!ok);
+            }
+            TierJobKind::Promote => {
+                let published = pool.complete_store(keys, ok);
+                debug_assert!(published.is_ok(), "{published:?}");
+                // A failed promotion drops its keys from the tier: bad bytes were quarantined
+                // by the rank that found them, and a persistent I/O fault must not loop.
+                let bad: &[Key] = if ok { &[] } else { keys };
+                let done = tier.index.complete_read(keys, bad);
+                debug_assert!(done.is_ok(), "{done:?}");
+                tier.stats.failed_promotions += u64::from(!ok);
+                if ok {
+                    tier.stats.promoted_chunks += keys.len() as u64;
+                }
+            }
+        }
+    }
+
+    /// A reset flushed tier job `kind` of group `g`: its tier state is released (a write
+    /// counts as failed, a promotion's pins go; the CPU pool was emptied anyway).
+    pub(super) fn reset_tier_job(&mut self, kind: TierJobKind, g: usize, keys: &[Key]) {
+        let tier = self.tiers[g]
+            .as_mut()
+            .expect("tier jobs exist only for tiers");
+        tier.stats.pending -= 1;
+        let done = match kind {
+            TierJobKind::Write => tier.index.complete_write(keys, false),
+            TierJobKind::Promote => tier.index.complete_read(keys, &[]),
+        };
+        debug_assert!(done.is_ok(), "{done:?}");
+    }
+}

@@ -1,0 +1,319 @@
+//! The scheduler with a disk tier: write-behind after stores, restart, promotion into the CPU
+//! pool before the normal load, and failed promotions that recompute. A small in-test worker
+//! executes the plans on plain byte buffers (the CPU pool) and a real slab file, with a byte
+//! oracle: a chunk's bytes are a function of its key.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use kvoffload::config::{GroupConfig, SchedulerConfig};
+use kvoffload::policy::PolicyKind;
+use kvoffload::scheduler::{Scheduler, StepInput, StepPlan, TierJob, TierJobKind};
+use kvoffload::tier::disk::{DiskIndex, SlabFile, SlabLayout, WriteItem, BLOCK, SLAB_FILE};
+use kvoffload::tier::namespace::Namespace;
+use kvoffload::{BlockId, Key};
+
+const CHUNK: usize = 4096 + 24;
+const CPU_CHUNKS: u32 = 16;
+
+fn config() -> SchedulerConfig {
+    SchedulerConfig {
+        groups: vec![GroupConfig {
+            block_size: 4,
+            sliding_window: None,
+            bytes_per_chunk: CHUNK as u64,
+        }],
+        blocks_per_chunk: 1,
+        hash_block_size: 4,
+        num_gpu_blocks: 64,
+        null_block: Some(BlockId(0)),
+        cpu_chunks: CPU_CHUNKS,
+        policy: PolicyKind::Lru,
+        num_workers: 1,
+        max_loading_requests: 0,
+        offload_prompt_only: false,
+        max_offload_tokens: None,
+        store_threshold: 0,
+        debug_skip_deferred_arming: false,
+    }
+}
+
+fn oracle(key: Key) -> Vec<u8> {
+    (0..CHUNK)
+        .map(|i| (key.0 as usize).wrapping_mul(31).wrapping_add(i * 7) as u8)
+        .collect()
+}
+
+fn ns() -> Namespace {
+    Namespace {
+        model: "sched".into(),
+        world_size: 1,
+        ..Namespace::default()
+    }
+}
+
+fn layout() -> SlabLayout {
+    SlabLayout::new(CHUNK as u64, 32 * (BLOCK + 2 * BLOCK)).unwrap()
+}
+
+fn step(scheduled: &[(&str, u32)], finished: &[&str], written: &[u32]) -> StepInput<&'static str> {
+    let leak = |s: &str| -> &'static str { Box::leak(s.to_string().into_boxed_str()) };
+    StepInput {
+        scheduled: scheduled.iter().map(|(r, _)| leak(r)).collect(),
+        computed: scheduled.iter().map(|(_, c)| *c).collect(),
+        new_blocks: Vec::new(),
+        resumed: Vec::new(),
+        finished: finished.iter().map(|r| leak(r)).collect(),
+        aborted: Vec::new(),
+        preempted: Vec::new(),
+        written: Some(written.iter().copied().map(BlockId).collect()),
+    }
+}
+
+/// A worker: the CPU pool's bytes and the slab file.
+struct Worker {
+    cpu: Vec<u8>,
+    file: SlabFile,
+}
+
+impl Worker {
+    fn new(root: &Path) -> Self {
+        Self {
+            cpu: vec![0; CPU_CHUNKS as usize * CHUNK],
+            file: SlabFile::open(root, &ns(), layout(), true, true).unwrap(),
+        }
+    }
+
+    fn slot(&mut self, s: u32) -> &mut [u8] {
+        &mut self.cpu[s as usize * CHUNK..(s as usize + 1) * CHUNK]
+    }
+
+    /// Runs a tier job; returns its ok flag.
+    fn run(&mut self, j: &TierJob) -> bool {
+        match j.kind {
+            TierJobKind::Write => {
+                let cpu = &self.cpu;
+                let items: Vec<WriteItem<'_>> = j
+                    .keys
+                    .iter()
+                    .zip(&j.cpu_slots)
+                    .zip(&j.locations)
+                    .map(|((k, s), loc)| WriteItem {
+                        slot: loc.place as u32,
+                        key: *k,
+                        generation: loc.generation,
+                        pieces: vec![&cpu[*s as usize * CHUNK..(*s as usize + 1) * CHUNK]],
+                    })
+                    .collect();
+                self.file.write(&items).iter().all(Result::is_ok)
+            }
+            TierJobKind::Promote => {
+                let mut ok = true;
+                for ((k, s), loc) in j.keys.iter().zip(&j.cpu_slots).zip(&j.locations) {
+                    let mut buf = vec![0u8; CHUNK];
+                    match self.file.read(*k, *loc, &mut [&mut buf[..]]) {
+                        Ok(()) => self.slot(*s).copy_from_slice(&buf),
+                        Err(e) => {
+                            assert!(e.is_corrupt(), "{e}");
+                            self.file.quarantine(loc.place as u32).unwrap();
+                            ok = false;
+                        }
+                    }
+                }
+                ok
+            }
+        }
+    }
+
+    /// Runs a plan's stores (writing the oracle's bytes, as a GPU copy would) and tier jobs,
+    /// and reports them all; returns the tier jobs seen.
+    fn execute(&mut self, s: &mut Scheduler, plan: &StepPlan) -> Vec<(TierJobKind, bool)> {
+        for job in &plan.stores {
+            for t in &job.transfers {
+                for (k, slot) in t.keys.iter().zip(&t.cpu_blocks) {
+                    self.slot(*slot).copy_from_slice(&oracle(*k));
+                }
+            }
+            s.complete(job.id, 0, true).unwrap();
+        }
+        let mut seen = Vec::new();
+        for j in &plan.tier_jobs {
+            let ok = self.run(j);
+            seen.push((j.kind, ok));
+            assert_eq!(
+                s.complete(j.id, 0, ok).unwrap(),
+                None,
+                "tier jobs belong to no request"
+            );
+        }
+        seen
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvo-dsched-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn keys() -> Vec<Key> {
+    (1..=4).map(|i| Key(0xAB00 + i)).collect()
+}
+
+fn scheduler_on(root: &Path) -> Scheduler {
+    let scan = kvoffload::tier::disk::scan_namespace(root, &ns(), layout()).unwrap();
+    let idx = DiskIndex::recover(layout(), PolicyKind::Lru, &[scan]).unwrap();
+    let mut s = Scheduler::new(config()).unwrap();
+    s.attach_tier(0, Box::new(idx)).unwrap();
+    s
+}
+
+/// First engine: request "a" stores 4 chunks; they are written behind to disk.
+fn fill(root: &Path) {
+    let mut s = scheduler_on(root);
+    let mut w = Worker::new(root);
+    s.add_request("a", 17, keys()).unwrap();
+    assert_eq!(s.lookup("a", 0).unwrap(), Some(0));
+    s.allocate(
+        "a",
+        &[vec![1, 2, 3, 4, 5].into_iter().map(BlockId).collect()],
+        0,
+        0,
+    )
+    .unwrap();
+    let plan = s
+        .schedule(&step(&[("a", 17)], &[], &[1, 2, 3, 4, 5]))
+        .unwrap();
+    assert_eq!(plan.stores.len(), 1);
+    assert!(w.execute(&mut s, &plan).is_empty());
+    let plan = s.schedule(&step(&[], &["a"], &[])).unwrap();
+    assert_eq!(w.execute(&mut s, &plan), [(TierJobKind::Write, true)]);
+    let st = s.tier_stats()[0];
+    assert_eq!((st.tier.writes, st.write_jobs, st.pending), (4, 1, 0));
+    assert!(s.pending_jobs().is_empty());
+    let ev = s.take_tier_events();
+    assert_eq!(ev.len(), 1);
+    assert_eq!((ev[0].1.medium, ev[0].1.keys.clone()), ("disk", keys()));
+}
+
+/// Second engine on the same directory: "b" with the same prefix promotes, then loads.
+fn reuse(root: &Path, corrupt: bool) -> (Option<u32>, Scheduler, Worker) {
+    let mut s = scheduler_on(root);
+    let mut w = Worker::new(root);
+    assert_eq!(
+        s.tier_stats()[0].tier.used,
+        4,
+        "index rebuilt from the headers"
+    );
+    if corrupt {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .read(true)
+            .open(root.join(ns().dir_name()).join(SLAB_FILE))
+            .unwrap();
+        let loc = layout().slot_bytes * 2 + BLOCK + 100;
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, loc).unwrap();
+        f.write_all_at(&[b[0] ^ 0x10], loc).unwrap();
+    }
+    s.add_request("b", 17, keys()).unwrap();
+    assert_eq!(
+        s.lookup("b", 0).unwrap(),
+        None,
+        "ask later: promotion in flight"
+    );
+    // A second request with the same prefix waits for the same promotion, no second one.
+    s.add_request("c", 17, keys()).unwrap();
+    assert_eq!(s.lookup("c", 0).unwrap(), None);
+    let plan = s.schedule(&step(&[], &[], &[])).unwrap();
+    assert_eq!(plan.tier_jobs.len(), 1);
+    assert_eq!(plan.tier_jobs[0].keys, keys());
+    assert_eq!(w.execute(&mut s, &plan), [(TierJobKind::Promote, !corrupt)]);
+    (s.lookup("b", 0).unwrap(), s, w)
+}
+
+#[test]
+fn restart_promotes_from_disk_then_loads_exact_bytes() {
+    let root = tmp("ok");
+    fill(&root);
+    let (answer, mut s, w) = reuse(&root, false);
+    assert_eq!(answer, Some(16));
+    let load = s
+        .allocate(
+            "b",
+            &[vec![6, 7, 8, 9, 10].into_iter().map(BlockId).collect()],
+            0,
+            16,
+        )
+        .unwrap()
+        .expect("a load job");
+    let plan = s
+        .schedule(&step(&[("b", 17)], &[], &[6, 7, 8, 9, 10]))
+        .unwrap();
+    let job = plan.loads.iter().find(|j| j.id == load).unwrap();
+    let t = &job.transfers[0];
+    assert_eq!(t.keys, keys());
+    for (k, slot) in t.keys.iter().zip(&t.cpu_blocks) {
+        let at = *slot as usize * CHUNK;
+        assert!(
+            w.cpu[at..at + CHUNK] == oracle(*k),
+            "key {k}: promoted bytes differ"
+        );
+    }
+    let st = s.tier_stats()[0];
+    assert_eq!(
+        (st.promote_jobs, st.promoted_chunks, st.failed_promotions),
+        (1, 4, 0)
+    );
+    assert_eq!(st.tier.promotions, 4);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_corrupt_chunk_fails_the_promotion_and_the_request_recomputes() {
+    let root = tmp("bad");
+    fill(&root);
+    let (answer, mut s, _w) = reuse(&root, true);
+    assert_eq!(answer, Some(0), "nothing loadable: recompute");
+    let st = s.tier_stats()[0];
+    assert_eq!((st.failed_promotions, st.tier.quarantined), (1, 4));
+    assert_eq!(st.tier.used, 0);
+    assert_eq!(s.lookup("c", 0).unwrap(), Some(0));
+    // The quarantined slot is never served again, not after another restart either.
+    drop(s);
+    let s = scheduler_on(&root);
+    assert_eq!(s.tier_stats()[0].tier.used, 3);
+    assert_eq!(s.tier_stats()[0].tier.quarantined, 1);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn reset_releases_tier_jobs_and_attach_is_checked() {
+    let root = tmp("reset");
+    fill(&root);
+    let mut s = scheduler_on(&root);
+    s.add_request("b", 17, keys()).unwrap();
+    assert_eq!(s.lookup("b", 0).unwrap(), None);
+    let (flushed, _) = s.reset();
+    assert_eq!(flushed.len(), 1);
+    let st = s.tier_stats()[0];
+    assert_eq!((st.pending, st.tier.reading), (0, 0));
+    assert_eq!(
+        st.tier.used, 4,
+        "a flushed promotion keeps the chunks on disk"
+    );
+    assert!(s
+        .attach_tier(
+            0,
+            Box::new(DiskIndex::new(layout(), PolicyKind::Lru).unwrap())
+        )
+        .is_err());
+    let mut fresh = Scheduler::new(config()).unwrap();
+    assert!(fresh
+        .attach_tier(
+            1,
+            Box::new(DiskIndex::new(layout(), PolicyKind::Lru).unwrap())
+        )
+        .is_err());
+    let _ = std::fs::remove_dir_all(&root);
+}
