@@ -31,6 +31,7 @@ __all__ = [
     "UnknownKeyError",
     "UnknownRequestError",
     "__version__",
+    "namespace_digest",
 ]
 
 __version__: str
@@ -52,6 +53,18 @@ class Copier:
     ) -> int: ...
     def layout(self) -> list[tuple[int, int, int]]: ...
 
+def namespace_digest(
+    *,
+    model: str,
+    dtype: str,
+    tensor_shapes: Sequence[Sequence[int]],
+    block_size: int,
+    blocks_per_chunk: int,
+    rank: int = 0,
+    world_size: int = 1,
+    group: int = 0,
+    cache_salt: str = "",
+) -> int: ...
 @final
 class RemoteClient:
     """A client of the shared (Redis) tier: pipelined batches, deadlines, probation."""

@@ -29,7 +29,7 @@ mod _core {
     #[pymodule_export]
     use super::pool::{CpuPool, StorePlan};
     #[pymodule_export]
-    use super::remote::RemoteClient;
+    use super::remote::{namespace_digest, RemoteClient};
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
     #[pymodule_export]

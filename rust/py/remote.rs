@@ -11,6 +11,7 @@ use pyo3::types::PyDict;
 use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
 use crate::ids::Key;
+use crate::tier::namespace::Namespace;
 use crate::tier::remote::{ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem};
 
 /// The chunk buffer of a call, checked: its base address and the bytes of one chunk.
@@ -38,6 +39,37 @@ fn duration(field: &str, ms: f64) -> PyResult<std::time::Duration> {
             "{field} must be a number of milliseconds in (0, 3600000], got {ms}"
         )))
     }
+}
+
+/// The namespace digest of chunks with this meaning (model, KV layout, rank, group and tenant
+/// salt): what every lower tier keys and checks chunks by.
+#[pyfunction]
+#[pyo3(signature = (*, model, dtype, tensor_shapes, block_size, blocks_per_chunk, rank = 0,
+                    world_size = 1, group = 0, cache_salt = String::new()))]
+#[allow(clippy::too_many_arguments)] // keyword-only, one per namespace field
+pub fn namespace_digest(
+    model: String,
+    dtype: String,
+    tensor_shapes: Vec<Vec<u64>>,
+    block_size: u32,
+    blocks_per_chunk: u32,
+    rank: u32,
+    world_size: u32,
+    group: u32,
+    cache_salt: String,
+) -> u128 {
+    Namespace {
+        model,
+        dtype,
+        tensor_shapes,
+        block_size,
+        blocks_per_chunk,
+        rank,
+        world_size,
+        group,
+        cache_salt,
+    }
+    .digest()
 }
 
 /// A client of one Redis server: pipelined batches, connection pool, deadlines, probation.
