@@ -63,8 +63,9 @@ def namespace_digest(
     rank: int = 0,
     world_size: int = 1,
     group: int = 0,
-    cache_salt: str = "",
+    cache_salt: str = ...,
 ) -> int: ...
+
 @final
 class RemoteClient:
     """A client of the shared (Redis) tier: pipelined batches, deadlines, probation."""
