@@ -10,6 +10,7 @@ mod errors;
 mod pool;
 mod scheduler;
 mod sync;
+mod tier;
 mod tracker;
 
 use pyo3::prelude::*;
@@ -29,6 +30,8 @@ mod _core {
     use super::pool::{CpuPool, StorePlan};
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
+    #[pymodule_export]
+    use super::tier::{disk_inspect, DiskWorker};
     #[pymodule_export]
     use super::tracker::JobTracker;
 

@@ -28,6 +28,7 @@
 
 pub mod disk;
 pub mod header;
+pub mod io;
 pub mod namespace;
 
 use crate::error::Result;
