@@ -182,7 +182,7 @@ pub struct Copier {
 }
 
 /// Byte interval `[start, end)` of `rows` rows of a row space, or why it does not fit.
-fn extent(
+pub(crate) fn extent(
     buffers: &[Span],
     space: RowSpace,
     rows: usize,

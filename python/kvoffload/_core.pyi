@@ -1,5 +1,6 @@
 """Type stubs for the Rust extension ``kvoffload._core`` (checked by ``mypy.stubtest``)."""
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
@@ -13,6 +14,7 @@ __all__ = [
     "ConfigError",
     "Copier",
     "CpuPool",
+    "DiskWorker",
     "DuplicateReportError",
     "InvalidBlockError",
     "InvalidKeyError",
@@ -31,6 +33,7 @@ __all__ = [
     "UnknownKeyError",
     "UnknownRequestError",
     "__version__",
+    "disk_inspect",
     "namespace_digest",
 ]
 
@@ -163,6 +166,10 @@ class StepPlan:
     def stores(self) -> list[TransferJob]: ...
     @property
     def flush(self) -> list[int]: ...
+    @property
+    def tier_jobs(
+        self,
+    ) -> list[tuple[int, str, str, int, list[int], list[int], list[int], list[int]]]: ...
 
 @final
 class CompletedJob:
@@ -263,6 +270,10 @@ class Scheduler:
     @property
     def loading_requests(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...
+    def attach_disk(
+        self, path: str | os.PathLike[str], disk_bytes: int, model: str = ""
+    ) -> None: ...
+    def tier_stats(self) -> list[dict[str, Any]]: ...
 
 @final
 class StorePlan:
@@ -313,3 +324,30 @@ class CpuPool:
     def stats(self) -> dict[str, int]: ...
     def order(self) -> dict[str, list[int]]: ...
     def __len__(self) -> int: ...
+
+@final
+class DiskWorker:
+    """Runs disk tier jobs on Rust threads, straight from and into the registered CPU pool."""
+
+    def __new__(
+        cls,
+        path: str | os.PathLike[str],
+        disk_bytes: int,
+        buffers: Sequence[Any],
+        groups: Sequence[tuple[int, int, Sequence[tuple[int, int, int, int]]]],
+        blocks_per_chunk: int = 1,
+        model: str = "",
+        rank: int = 0,
+        world_size: int = 1,
+        threads: int = 2,
+        direct: bool = True,
+        sync: bool = True,
+    ) -> DiskWorker: ...
+    def submit(
+        self, jobs: Sequence[tuple[int, str, str, int, list[int], list[int], list[int], list[int]]]
+    ) -> None: ...
+    def poll(self) -> list[tuple[int, bool]]: ...
+    def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[tuple[int, bool]]: ...
+    def stats(self) -> list[dict[str, Any]]: ...
+
+def disk_inspect(path: str | os.PathLike[str], verify: bool = False) -> list[dict[str, Any]]: ...

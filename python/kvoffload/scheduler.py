@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -79,6 +80,12 @@ class OffloadConfig:
         store_threshold: Store a chunk only after it was looked up this many times (0: always).
         null_block: The engine's null block id (never copied), or None.
         debug_skip_deferred_arming: Testing only: a deliberately broken fence.
+        disk_path: Directory of a persistent disk tier below the CPU pool (None: no disk tier).
+            Chunks ready in the CPU pool are written behind to it; lookups that miss the CPU
+            pool promote chunks from it; a restart on the same directory finds them again.
+        disk_bytes: Bytes the disk tier may occupy, per group and worker (needs ``disk_path``).
+        disk_model: Names the weights and dtype in the disk tier's namespace: engines with
+            another model never read its chunks.
     """
 
     groups: tuple[KvGroup, ...]
@@ -95,6 +102,9 @@ class OffloadConfig:
     store_threshold: int = 0
     null_block: int | None = 0
     debug_skip_deferred_arming: bool = False
+    disk_path: str | os.PathLike[str] | None = None
+    disk_bytes: int | None = None
+    disk_model: str = ""
 
     def _core_kwargs(self) -> dict[str, Any]:
         """The core's constructor arguments, values as given (the core checks them)."""
@@ -137,8 +147,21 @@ class OffloadConfig:
 
     def to_core(self) -> Scheduler:
         """Builds the Rust core, which validates every value (:class:`ConfigError` naming the
-        field and the value)."""
-        return Scheduler(**self._core_kwargs())
+        field and the value), and attaches the disk tier if ``disk_path`` is set."""
+        core = Scheduler(**self._core_kwargs())
+        if self.disk_path is None:
+            if self.disk_bytes is not None:
+                raise ConfigError(f"disk_bytes={self.disk_bytes!r} needs disk_path")
+            return core
+        if not isinstance(self.disk_path, (str, os.PathLike)):
+            raise ConfigError(f"disk_path must be a path, got {self.disk_path!r}")
+        b = self.disk_bytes
+        if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+            raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
+        if not isinstance(self.disk_model, str):
+            raise ConfigError(f"disk_model must be a string, got {self.disk_model!r}")
+        core.attach_disk(os.fspath(self.disk_path), b, self.disk_model)
+        return core
 
 
 @dataclass
@@ -311,8 +334,13 @@ class OffloadScheduler:
         return self._core.status(request_id)
 
     def stats(self) -> dict[str, object]:
-        """Counters of the scheduler, job table, fence and CPU pools."""
-        return self._core.stats()
+        """Counters of the scheduler, job table, fence and CPU pools (and, with a disk tier,
+        ``tiers``: per group, its counters)."""
+        st = self._core.stats()
+        tiers = self._core.tier_stats()
+        if tiers:
+            st["tiers"] = tiers
+        return st
 
     @property
     def num_requests(self) -> int:

@@ -11,6 +11,7 @@ mod pool;
 mod remote;
 mod scheduler;
 mod sync;
+mod tier;
 mod tracker;
 
 use pyo3::prelude::*;
@@ -32,6 +33,8 @@ mod _core {
     use super::remote::{namespace_digest, RemoteClient};
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
+    #[pymodule_export]
+    use super::tier::{disk_inspect, DiskWorker};
     #[pymodule_export]
     use super::tracker::JobTracker;
 

@@ -117,6 +117,10 @@ pub struct StepPlan {
     /// Jobs that must complete before this step writes its blocks.
     #[pyo3(get)]
     flush: Py<PyList>,
+    /// Lower-tier jobs: `(job_id, kind, medium, group, keys, cpu_slots, places, generations)`
+    /// with kind `"write"` (write-behind) or `"promote"`; run them with a `DiskWorker`.
+    #[pyo3(get)]
+    tier_jobs: Py<PyList>,
 }
 
 #[pymethods]
@@ -639,6 +643,11 @@ impl Scheduler {
             loads: PyList::new(py, loads)?.unbind(),
             stores: PyList::new(py, stores)?.unbind(),
             flush: PyList::new(py, plan.flush.iter().map(|j| j.0))?.unbind(),
+            tier_jobs: PyList::new(
+                py,
+                plan.tier_jobs.into_iter().map(super::tier::tier_job_tuple),
+            )?
+            .unbind(),
         })
     }
 
@@ -699,18 +708,61 @@ impl Scheduler {
         )
     }
 
-    /// Drains pool events: `(kind, group, keys, medium)` with kind `"stored"` / `"removed"`.
+    /// Drains pool and tier events: `(kind, group, keys, medium)` with kind `"stored"` /
+    /// `"removed"` and medium `"cpu"` or a tier's (`"disk"`).
     fn take_events(&self) -> Vec<(&'static str, u32, Vec<u128>, &'static str)> {
-        self.lock()
+        let mut core = self.lock();
+        let name = |k: PoolEventKind| match k {
+            PoolEventKind::Stored => "stored",
+            PoolEventKind::Removed => "removed",
+        };
+        let mut out: Vec<_> = core
             .take_events()
             .into_iter()
             .map(|e| {
-                let kind = match e.kind {
-                    PoolEventKind::Stored => "stored",
-                    PoolEventKind::Removed => "removed",
-                };
-                (kind, e.group, e.keys.iter().map(|k| k.0).collect(), "cpu")
+                (
+                    name(e.kind),
+                    e.group,
+                    e.keys.iter().map(|k| k.0).collect(),
+                    "cpu",
+                )
             })
+            .collect();
+        out.extend(core.take_tier_events().into_iter().map(|(g, e)| {
+            (
+                name(e.kind),
+                g,
+                e.keys.iter().map(|k| k.0).collect(),
+                e.medium,
+            )
+        }));
+        out
+    }
+
+    /// Attaches a disk tier under `path` to every group (`disk_bytes` per group and worker),
+    /// rebuilding its index from the headers every worker wrote there; `model` names the
+    /// weights and dtype (part of the namespace). Call it before the first request.
+    #[pyo3(signature = (path, disk_bytes, model = ""))]
+    #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
+    fn attach_disk(
+        &self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        disk_bytes: u64,
+        model: &str,
+    ) -> PyResult<()> {
+        let model = model.to_string();
+        py.detach(|| self.lock().attach_disk(&path, disk_bytes, &model))
+            .map_err(to_py)
+    }
+
+    /// Per group with a lower tier: its counters (hits, bytes, promotions, quarantined, queue
+    /// depth, ...).
+    fn tier_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let stats = self.lock().tier_stats();
+        stats
+            .iter()
+            .map(|s| super::tier::tier_stats_dict(py, s))
             .collect()
     }
 

@@ -20,9 +20,12 @@
 //! same way, per rank) under one owner of their own, and touch no GPU block, so the fence never
 //! sees them. A reset flushes them like every pending job; their tier state is released then.
 
+use std::path::Path;
+
 use crate::error::{Error, Result};
 use crate::ids::{JobId, Key, OwnerId};
 use crate::pool::KeyState;
+use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
 use crate::tier::{Location, TierEvent, TierIndex, TierStats};
 
 use super::requests::Request;
@@ -126,6 +129,47 @@ impl Scheduler {
                 ..TierGroupStats::default()
             },
         });
+        Ok(())
+    }
+
+    /// Attaches a disk tier under `root` to every group: `disk_bytes` per group and worker,
+    /// namespaces from `model` and the configuration ([`engine_namespace`]), each index rebuilt
+    /// from every rank's headers. All or nothing.
+    pub fn attach_disk(&mut self, root: &Path, disk_bytes: u64, model: &str) -> Result<()> {
+        let cfg = &self.cfg;
+        let mut indexes = Vec::with_capacity(cfg.groups.len());
+        for (g, gc) in cfg.groups.iter().enumerate() {
+            if gc.bytes_per_chunk == 0 {
+                return Err(Error::Config(format!(
+                    "disk tier: group {g} has bytes_per_chunk=0; the disk tier needs the size of \
+                     a chunk"
+                )));
+            }
+            let layout = SlabLayout::new(gc.bytes_per_chunk, disk_bytes)?;
+            let scans = (0..cfg.num_workers)
+                .map(|rank| {
+                    let ns = engine_namespace(
+                        model,
+                        gc.bytes_per_chunk,
+                        gc.block_size,
+                        cfg.blocks_per_chunk,
+                        rank,
+                        cfg.num_workers,
+                        g as u32,
+                    );
+                    scan_namespace(root, &ns, layout)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            indexes.push(DiskIndex::recover(layout, cfg.policy, &scans)?);
+        }
+        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
+            return Err(Error::Config(
+                "attach_disk: attach tiers before the first request".into(),
+            ));
+        }
+        for (g, idx) in indexes.into_iter().enumerate() {
+            self.attach_tier(g as u32, Box::new(idx))?;
+        }
         Ok(())
     }
 

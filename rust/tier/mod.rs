@@ -29,6 +29,7 @@
 mod bulk;
 pub mod disk;
 pub mod header;
+pub mod io;
 pub mod namespace;
 pub mod remote;
 pub mod remote_index;

@@ -1,0 +1,293 @@
+//! The worker side of the tiers: tier jobs executed on Rust threads, straight from and into the
+//! registered CPU pool memory.
+//!
+//! A [`TierWorker`] registers, once, the CPU pool's buffers and, per KV group, where each
+//! registered tensor's CPU rows sit in them (the same row spaces the copier uses) and the
+//! group's [`SlabFile`]. A job names chunks only by CPU slot and tier [`Location`]: every slot is
+//! checked against the group's registered rows before a byte moves, and the worker turns slots
+//! into pieces of registered memory itself, so no caller can make it read or write outside the
+//! registration. Jobs go to a queue served by background threads ([`TierWorker::submit`]
+//! returns at once); finished jobs are collected with [`TierWorker::poll`] or
+//! [`TierWorker::wait`]. A write-behind writes the slots' bytes with the two-phase publish; a
+//! promotion reads and verifies every chunk, quarantines a slot whose bytes are bad, and fails
+//! the job if any chunk failed (the scheduler then drops the CPU slots: nothing unverified is
+//! served).
+//!
+//! A slot being written behind is pinned in the CPU pool and a slot being promoted is
+//! reserved (not readable), so no other copy touches the bytes a tier job reads or writes.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::disk::{SlabFile, WriteItem};
+use super::Location;
+use crate::copy::{extent, RowSpace, Span};
+use crate::error::{Error, Result};
+use crate::ids::{JobId, Key};
+use crate::scheduler::TierJobKind;
+
+/// One registered tensor's CPU rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuRegion {
+    /// Where its rows sit.
+    pub space: RowSpace,
+    /// Bytes per row.
+    pub row_bytes: usize,
+}
+
+/// One KV group: its CPU rows, rows per chunk, tensors and slab file.
+#[derive(Debug)]
+pub struct TierGroup {
+    /// CPU rows of every region.
+    pub cpu_rows: usize,
+    /// Rows per chunk (blocks per chunk).
+    pub rows_per_chunk: usize,
+    /// The group's tensors, in the order their bytes follow each other in a chunk.
+    pub regions: Vec<CpuRegion>,
+    /// The group's slab file (`None`: the group has no disk tier).
+    pub file: Option<SlabFile>,
+}
+
+/// One tier job for a worker (the scheduler's [`crate::scheduler::TierJob`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerJob {
+    /// Job id.
+    pub id: JobId,
+    /// Write-behind or promotion.
+    pub kind: TierJobKind,
+    /// KV group.
+    pub group: u32,
+    /// Chunk keys.
+    pub keys: Vec<Key>,
+    /// CPU slot of each key.
+    pub cpu_slots: Vec<u32>,
+    /// Tier location of each key.
+    pub locations: Vec<Location>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    groups: Vec<TierGroup>,
+    done: Mutex<Vec<(JobId, bool)>>,
+    cv: Condvar,
+}
+
+/// Tier jobs on background threads. See the module documentation.
+#[derive(Debug)]
+pub struct TierWorker {
+    shared: Arc<Shared>,
+    tx: Option<mpsc::Sender<WorkerJob>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl TierGroup {
+    /// `(address, len)` pieces of CPU slot `slot`, in chunk order (row spaces are absolute
+    /// once registered).
+    fn pieces(&self, slot: u32) -> Vec<(usize, usize)> {
+        let g = self;
+        let first = slot as usize * g.rows_per_chunk;
+        let mut out = Vec::new();
+        for r in &g.regions {
+            let base = r.space.offset + first * r.space.stride;
+            if r.space.stride == r.row_bytes {
+                out.push((base, g.rows_per_chunk * r.row_bytes));
+            } else {
+                out.extend((0..g.rows_per_chunk).map(|i| (base + i * r.space.stride, r.row_bytes)));
+            }
+        }
+        out
+    }
+}
+
+impl Shared {
+    fn run(&self, job: &WorkerJob) -> bool {
+        let Some(g) = self.groups.get(job.group as usize) else {
+            return false;
+        };
+        let Some(file) = g.file.as_ref() else {
+            return false;
+        };
+        let rows = g.cpu_rows / g.rows_per_chunk.max(1);
+        if job.cpu_slots.iter().any(|&s| s as usize >= rows)
+            || job.keys.len() != job.cpu_slots.len()
+            || job.keys.len() != job.locations.len()
+        {
+            return false;
+        }
+        match job.kind {
+            TierJobKind::Write => {
+                let items: Vec<WriteItem<'_>> = job
+                    .keys
+                    .iter()
+                    .zip(&job.cpu_slots)
+                    .zip(&job.locations)
+                    .map(|((&key, &slot), loc)| WriteItem {
+                        slot: u32::try_from(loc.place).unwrap_or(u32::MAX),
+                        key,
+                        generation: loc.generation,
+                        pieces: g
+                            .pieces(slot)
+                            .into_iter()
+                            .map(|(a, n)| {
+                                #[allow(unsafe_code)]
+                                // SAFETY: registered memory (checked at registration, the slot
+                                // checked above), alive for the worker's lifetime; the slot is
+                                // pinned in the CPU pool, so nothing writes it meanwhile.
+                                unsafe {
+                                    std::slice::from_raw_parts(a as *const u8, n)
+                                }
+                            })
+                            .collect(),
+                    })
+                    .collect();
+                file.write(&items).iter().all(std::result::Result::is_ok)
+            }
+            TierJobKind::Promote => {
+                let mut ok = true;
+                for ((&key, &slot), &loc) in job.keys.iter().zip(&job.cpu_slots).zip(&job.locations)
+                {
+                    let mut pieces: Vec<&mut [u8]> = g
+                        .pieces(slot)
+                        .into_iter()
+                        .map(|(a, n)| {
+                            #[allow(unsafe_code)]
+                            // SAFETY: as above; the slot is reserved (storing) in the CPU pool,
+                            // so nothing else reads or writes it until this job completes.
+                            unsafe {
+                                std::slice::from_raw_parts_mut(a as *mut u8, n)
+                            }
+                        })
+                        .collect();
+                    if let Err(e) = file.read(key, loc, &mut pieces) {
+                        if e.is_corrupt() {
+                            let _ = file.quarantine(u32::try_from(loc.place).unwrap_or(u32::MAX));
+                        }
+                        ok = false;
+                    }
+                }
+                ok
+            }
+        }
+    }
+}
+
+impl TierWorker {
+    /// Registers `buffers` and `groups` (each region's rows checked to lie in its buffer) and
+    /// starts `threads` I/O threads.
+    ///
+    /// # Safety
+    /// Every span must be memory that stays allocated, readable and writable for the whole
+    /// lifetime of the worker.
+    #[allow(unsafe_code)]
+    pub unsafe fn new(
+        buffers: &[Span],
+        mut groups: Vec<TierGroup>,
+        threads: usize,
+    ) -> Result<Self> {
+        for (gi, g) in groups.iter_mut().enumerate() {
+            if g.rows_per_chunk == 0 {
+                return Err(Error::Config(format!("tier group {gi}: 0 rows per chunk")));
+            }
+            let chunk: usize = g
+                .regions
+                .iter()
+                .map(|r| r.row_bytes * g.rows_per_chunk)
+                .sum();
+            if let Some(f) = &g.file {
+                if chunk as u64 != f.layout().chunk_bytes {
+                    return Err(Error::Config(format!(
+                        "tier group {gi}: a chunk has {chunk} bytes in the CPU pool, the slab's \
+                         chunks have {}",
+                        f.layout().chunk_bytes
+                    )));
+                }
+            }
+            for (ri, r) in g.regions.iter_mut().enumerate() {
+                let (start, _) = extent(buffers, r.space, g.cpu_rows, r.row_bytes)
+                    .map_err(|e| Error::Config(format!("tier group {gi} region {ri}: {e}")))?;
+                // From here on the row space is absolute: offset is an address.
+                r.space.offset = start;
+            }
+        }
+        let shared = Arc::new(Shared {
+            groups,
+            done: Mutex::new(Vec::new()),
+            cv: Condvar::new(),
+        });
+        let (tx, rx) = mpsc::channel::<WorkerJob>();
+        let rx = Arc::new(Mutex::new(rx));
+        let threads = (0..threads.max(1))
+            .map(|i| {
+                let (shared, rx) = (Arc::clone(&shared), Arc::clone(&rx));
+                std::thread::Builder::new()
+                    .name(format!("kvoffload-tier-{i}"))
+                    .spawn(move || loop {
+                        let job = rx.lock().expect("queue lock").recv();
+                        let Ok(job) = job else { break };
+                        let ok = shared.run(&job);
+                        shared.done.lock().expect("done lock").push((job.id, ok));
+                        shared.cv.notify_all();
+                    })
+                    .expect("spawn a tier I/O thread")
+            })
+            .collect();
+        Ok(Self {
+            shared,
+            tx: Some(tx),
+            threads,
+        })
+    }
+
+    /// The registered groups.
+    pub fn groups(&self) -> &[TierGroup] {
+        &self.shared.groups
+    }
+
+    /// Queues `jobs`; returns at once.
+    pub fn submit(&self, jobs: Vec<WorkerJob>) {
+        let tx = self.tx.as_ref().expect("open until dropped");
+        for j in jobs {
+            tx.send(j).expect("I/O threads run until dropped");
+        }
+    }
+
+    /// Jobs finished since the last poll: `(id, ok)`.
+    pub fn poll(&self) -> Vec<(JobId, bool)> {
+        std::mem::take(&mut *self.shared.done.lock().expect("done lock"))
+    }
+
+    /// Waits until every job of `ids` finished (or `timeout` passed) and returns every job
+    /// finished since the last poll; the ids not finished in time are left out.
+    pub fn wait(&self, ids: &[JobId], timeout: Duration) -> Vec<(JobId, bool)> {
+        let deadline = Instant::now() + timeout;
+        let mut out = Vec::new();
+        let mut guard = self.shared.done.lock().expect("done lock");
+        loop {
+            out.append(&mut guard);
+            if ids.iter().all(|id| out.iter().any(|(d, _)| d == id)) {
+                return out;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return out;
+            }
+            guard = self
+                .shared
+                .cv
+                .wait_timeout(guard, deadline - now)
+                .expect("done lock")
+                .0;
+        }
+    }
+}
+
+impl Drop for TierWorker {
+    fn drop(&mut self) {
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

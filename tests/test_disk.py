@@ -1,0 +1,173 @@
+"""The disk tier from Python: configuration, write-behind and promotion through the real data
+plane (a CPU TransferEngine and a DiskWorker on its pool), a restart on the same directory
+serving byte-exact KV, corruption never served, and the inspect / verify report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvoffload._core import DiskWorker, disk_inspect
+from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
+from kvoffload.transfer import TransferEngine
+from kvoffload.transfer.disk import open_disk_worker
+
+BLOCK = 16
+HASHES = [0xA1, 0xA2, 0xA3]
+PROMPT = 3 * BLOCK + 5
+
+
+def _config(path: Path | None, **kw: object) -> OffloadConfig:
+    return OffloadConfig(
+        groups=(KvGroup(block_size=BLOCK, bytes_per_block=2 * 16 * 4 * 64 * 4),),
+        num_gpu_blocks=32,
+        cpu_chunks=8,
+        disk_path=path,
+        disk_bytes=None if path is None else 1 << 20,
+        disk_model="toy",
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _engine(seed: int) -> tuple[list[dict[str, torch.Tensor]], TransferEngine]:
+    g = torch.Generator().manual_seed(seed)
+    kv = [{f"layer{i}": torch.randn(32, BLOCK, 4, 64, generator=g) for i in range(2)}]
+    return kv, TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
+
+
+def _drain(sched: OffloadScheduler, plan: object, worker: TransferEngine, disk: DiskWorker) -> None:
+    """Runs a plan's tier jobs to completion and reports them."""
+    jobs = plan.tier_jobs  # type: ignore[attr-defined]
+    if not jobs:
+        return
+    disk.submit(jobs)
+    for job_id, ok in disk.wait([j[0] for j in jobs], timeout=30):
+        sched.complete(job_id, ok=ok)
+
+
+def _fill(path: Path) -> torch.Tensor:
+    """First engine: request "a" computes 3 blocks, they are stored and written to disk."""
+    sched = OffloadScheduler(_config(path))
+    kv, worker = _engine(1)
+    disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
+    sched.add_request("a", prompt_len=PROMPT, block_hashes=HASHES)
+    assert sched.lookup("a", num_computed_tokens=0) == 0
+    sched.allocate("a", [[1, 2, 3, 4]], num_computed_tokens=0, num_load_tokens=0)
+    plan = sched.schedule(StepInput(scheduled=[("a", PROMPT)], written=[1, 2, 3, 4]))
+    for job in plan.stores:
+        worker.submit_store(job.job_id, job.transfers)
+    worker.wait([j.job_id for j in plan.stores])
+    for r in worker.poll():
+        sched.complete(r.job_id, ok=r.ok)
+    plan = sched.schedule(StepInput(finished=["a"], written=[]))
+    assert [(j[1], j[2]) for j in plan.tier_jobs] == [("write", "disk")]
+    _drain(sched, plan, worker, disk)
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert (st["writes"], st["queue_depth"], st["medium"]) == (3, 0, "disk")
+    assert any(e[3] == "disk" and e[0] == "stored" for e in sched.take_events())
+    assert disk.stats()[0]["chunks_written"] == 3
+    worker.shutdown()
+    return kv[0]["layer1"][1:4].clone()
+
+
+def test_restart_serves_the_same_bytes_from_disk(tmp_path: Path) -> None:
+    expected = _fill(tmp_path)
+    # A new engine (other GPU contents) on the same directory.
+    sched = OffloadScheduler(_config(tmp_path))
+    kv, worker = _engine(2)
+    disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    assert sched.stats()["tiers"][0]["used"] == 3  # type: ignore[index]
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    assert sched.lookup("b", num_computed_tokens=0) is None  # promotion in flight
+    plan = sched.schedule(StepInput(written=[]))
+    assert [j[1] for j in plan.tier_jobs] == ["promote"]
+    _drain(sched, plan, worker, disk)
+    n = sched.lookup("b", num_computed_tokens=0)
+    assert n == 3 * BLOCK
+    load = sched.allocate("b", [[7, 8, 9, 10]], num_computed_tokens=0, num_load_tokens=n)
+    plan = sched.schedule(StepInput(scheduled=[("b", PROMPT)], written=[7, 8, 9, 10]))
+    for job in plan.loads:
+        worker.submit_load(job.job_id, job.transfers)
+    worker.wait([load])
+    assert all(r.ok for r in worker.poll())
+    assert torch.equal(kv[0]["layer1"][7:10], expected)
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert (st["promote_jobs"], st["promoted_chunks"], st["quarantined"]) == (1, 3, 0)
+    worker.shutdown()
+
+
+def test_a_flipped_bit_is_a_miss_never_served(tmp_path: Path) -> None:
+    _fill(tmp_path)
+    (ns,) = disk_inspect(tmp_path)
+    slab = Path(ns["dir"]) / "slab.kvo"
+    slot_bytes = 4096 + -(-ns["chunk_bytes"] // 4096) * 4096
+    with open(slab, "r+b") as f:
+        for slot in range(3):
+            f.seek(slot * slot_bytes + 4096 + 1000 + slot)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x40]))
+    (v,) = disk_inspect(tmp_path, verify=True)
+    assert (v["chunks"], v["verified"], v["corrupt"]) == (3, 0, 3)
+    sched = OffloadScheduler(_config(tmp_path))
+    kv, worker = _engine(2)
+    before = kv[0]["layer0"].clone()
+    disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    assert sched.lookup("b", num_computed_tokens=0) is None
+    _drain(sched, sched.schedule(StepInput(written=[])), worker, disk)
+    assert sched.lookup("b", num_computed_tokens=0) == 0  # recompute, nothing loaded
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert (st["failed_promotions"], st["used"]) == (1, 0)
+    assert torch.equal(kv[0]["layer0"], before)
+    (after,) = disk_inspect(tmp_path)
+    assert after["quarantined"] >= 1
+    worker.shutdown()
+
+
+def test_another_model_sees_nothing(tmp_path: Path) -> None:
+    _fill(tmp_path)
+    cfg = dataclasses.replace(_config(tmp_path), disk_model="other")
+    sched = OffloadScheduler(cfg)
+    assert sched.stats()["tiers"][0]["used"] == 0  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"disk_path": None, "disk_bytes": 1 << 20}, "disk_bytes=1048576 needs disk_path"),
+        ({"disk_bytes": 0}, "disk_bytes must be a positive integer, got 0"),
+        ({"disk_bytes": True}, "disk_bytes must be a positive integer, got True"),
+        ({"disk_bytes": 100}, "disk_bytes=100 holds 0 slots"),
+        ({"disk_path": 3}, "disk_path must be a path, got 3"),
+    ],
+)
+def test_bad_disk_config_names_the_value(tmp_path: Path, kw: dict[str, object], match: str) -> None:
+    cfg = dataclasses.replace(_config(tmp_path), **kw)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=match):
+        OffloadScheduler(cfg)
+
+
+def test_disk_worker_rejects_bad_jobs_and_arguments(tmp_path: Path) -> None:
+    _, worker = _engine(1)
+    with pytest.raises(ConfigError, match="block_sizes has 2 entries"):
+        open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK, BLOCK])
+    with pytest.raises(ConfigError, match="rank=2, world_size=2"):
+        open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], rank=2, world_size=2)
+    disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK])
+    with pytest.raises(KvOffloadError, match='kind "copy"'):
+        disk.submit([(1, "copy", "disk", 0, [1], [0], [0], [1])])
+    with pytest.raises(KvOffloadError, match="1 keys, 2 slots"):
+        disk.submit([(1, "write", "disk", 0, [1], [0, 1], [0], [1])])
+    # A slot outside the pool, or a promotion of a chunk that is not there, fails the job.
+    disk.submit([(5, "write", "disk", 0, [1], [99], [0], [1])])
+    disk.submit([(6, "promote", "disk", 0, [1], [0], [0], [1])])
+    assert sorted(disk.wait([5, 6], timeout=30)) == [(5, False), (6, False)]
+    with pytest.raises(ConfigError, match="timeout=-1 must be"):
+        disk.wait([1], timeout=-1.0)
+    worker.shutdown()
