@@ -356,7 +356,7 @@ mod index {
         loop {
             let n = ix.lookup(keys);
             asks += 1;
-            if !ix.lookup_pending(keys) {
+            if !ix.prefetch(keys) {
                 return (n, asks);
             }
             assert!(asks < 1000, "lookup still pending after {asks} asks");
@@ -376,7 +376,7 @@ mod index {
         let mut ix = index(&server.url(), Duration::from_secs(5));
         let ks = keys(0..10);
         assert_eq!(ix.lookup(&ks), 0, "nothing is known yet");
-        assert!(ix.lookup_pending(&ks), "the request is told to ask later");
+        assert!(ix.prefetch(&ks), "the request is told to ask later");
         let (n, asks) = settle(&mut ix, &ks);
         assert_eq!(n, 6);
         assert!(asks >= 2);
@@ -389,7 +389,7 @@ mod index {
         assert_eq!(ix.state(Key(7)), KeyState::Absent);
         // Known answers: no new check, no pending.
         assert_eq!(ix.lookup(&ks), 6);
-        assert!(!ix.lookup_pending(&ks));
+        assert!(!ix.prefetch(&ks));
         assert_eq!(ix.checks().0, 1);
     }
 
@@ -425,7 +425,7 @@ mod index {
         assert_eq!(plan.keys, ks);
         assert_eq!(ix.state(Key(5)), KeyState::Storing);
         assert_eq!(ix.lookup(&ks), 0, "a write in flight is not readable");
-        assert!(!ix.lookup_pending(&ks));
+        assert!(!ix.prefetch(&ks));
         assert_eq!(
             ix.prepare_write(&ks).unwrap().keys,
             Vec::<Key>::new(),
@@ -455,7 +455,7 @@ mod index {
         let mut ix = index(&url, Duration::from_millis(100));
         let ks = keys(0..4);
         assert_eq!(ix.lookup(&ks), 0);
-        assert!(ix.lookup_pending(&ks));
+        assert!(ix.prefetch(&ks));
         let start = Instant::now();
         let (n, _) = settle(&mut ix, &ks);
         assert_eq!(n, 0);

@@ -219,6 +219,16 @@ impl Scheduler {
                 .collect();
             // The chunks the CPU pool lacks, up to the first one no tier holds either.
             let tier = self.tiers[g].as_mut().expect("checked");
+            // A remote tier answers asynchronously: while it is asked, the request asks later.
+            let missing: Vec<Key> = keys
+                .iter()
+                .copied()
+                .filter(|&k| self.pools[g].state(k) == KeyState::Absent)
+                .collect();
+            if tier.index.prefetch(&missing) {
+                created = true;
+                continue;
+            }
             let mut want = Vec::new();
             for &k in &keys {
                 if self.pools[g].state(k) != KeyState::Absent {

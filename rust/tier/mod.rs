@@ -114,10 +114,11 @@ pub trait TierIndex: Send + std::fmt::Debug {
     /// How many leading `keys` are readable now; counts hits and misses.
     fn lookup(&mut self, keys: &[Key]) -> usize;
 
-    /// Whether the answer about the keys after the readable prefix of `keys` is still being
-    /// fetched (a remote tier looks up asynchronously, bounded by its deadline): the request
-    /// should ask again later instead of counting them as misses. Local tiers know at once.
-    fn lookup_pending(&mut self, _keys: &[Key]) -> bool {
+    /// Starts finding out about the `keys` this index cannot answer yet and returns whether
+    /// an answer about the first key past the known-readable prefix is still pending (a remote
+    /// tier looks up asynchronously, bounded by its deadline): the request should ask again
+    /// later instead of counting it as a miss. Local tiers know at once: `false`.
+    fn prefetch(&mut self, _keys: &[Key]) -> bool {
         false
     }
 

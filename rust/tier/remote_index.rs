@@ -7,7 +7,7 @@
 //! known absent, or unknown. [`TierIndex::lookup`] answers from what is known and never waits:
 //! for the first unknown key of a prefix it sends one batched existence check of the rest of
 //! the prefix to a lookup thread (one round trip, see [`RemoteClient::exists`]) and reports the
-//! lookup as pending ([`TierIndex::lookup_pending`]): the request is told "ask later". The
+//! lookup as pending ([`TierIndex::prefetch`]): the request is told "ask later". The
 //! check's answer arrives on a later lookup; a check that outlives the client's deadline is
 //! forgotten and the keys count as unknown again (asked again later), so a slow server costs
 //! recomputation, never a stalled step. Answers are trusted for [`RemoteIndexConfig::ttl`];
@@ -208,34 +208,36 @@ impl TierIndex for RemoteIndex {
     }
 
     fn lookup(&mut self, keys: &[Key]) -> usize {
-        self.drain();
-        let now = Instant::now();
-        let (n, unknown) = self.known_prefix(keys, now);
-        if let Some(first) = unknown {
-            let ask: Vec<Key> = keys[first..]
-                .iter()
-                .copied()
-                .filter(|k| !self.inflight.contains_key(k))
-                .take(MAX_CHECK)
-                .collect();
-            if !ask.is_empty() && !self.client.on_probation() {
-                let due = now + self.client.config().deadline;
-                for &k in &ask {
-                    self.inflight.insert(k, due);
-                }
-                self.checks += 1;
-                // The thread lives as long as the index; a send cannot fail before.
-                let _ = self.ask.send((ask, due));
-            }
-        }
+        self.prefetch(keys);
+        let (n, _) = self.known_prefix(keys, Instant::now());
         self.stats.hits += n as u64;
         self.stats.misses += (keys.len() - n) as u64;
         n
     }
 
-    fn lookup_pending(&mut self, keys: &[Key]) -> bool {
-        let (n, unknown) = self.known_prefix(keys, Instant::now());
-        unknown.is_some() && keys.get(n).is_some_and(|k| self.inflight.contains_key(k))
+    fn prefetch(&mut self, keys: &[Key]) -> bool {
+        self.drain();
+        let now = Instant::now();
+        let (n, unknown) = self.known_prefix(keys, now);
+        let Some(first) = unknown else {
+            return false;
+        };
+        let ask: Vec<Key> = keys[first..]
+            .iter()
+            .copied()
+            .filter(|k| !self.inflight.contains_key(k))
+            .take(MAX_CHECK)
+            .collect();
+        if !ask.is_empty() && !self.client.on_probation() {
+            let due = now + self.client.config().deadline;
+            for &k in &ask {
+                self.inflight.insert(k, due);
+            }
+            self.checks += 1;
+            // The thread lives as long as the index; a send cannot fail before.
+            let _ = self.ask.send((ask, due));
+        }
+        self.inflight.contains_key(&keys[n])
     }
 
     fn prepare_write(&mut self, keys: &[Key]) -> Option<TierWritePlan> {
