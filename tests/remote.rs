@@ -342,7 +342,7 @@ mod index {
         RemoteIndex::new(
             client,
             RemoteIndexConfig {
-                namespace: 11,
+                namespaces: vec![11],
                 ttl: Duration::from_secs(60),
                 retry: Duration::from_secs(30),
             },

@@ -179,6 +179,7 @@ impl DiskWorker {
                     })
                     .collect(),
                 file: Some(file),
+                remote: None,
             });
         }
         #[allow(unsafe_code)]

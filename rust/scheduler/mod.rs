@@ -44,6 +44,7 @@ mod requests;
 mod reset;
 mod step;
 mod stores;
+mod remote_tier;
 mod tiers;
 
 use rustc_hash::FxHashMap;
@@ -57,6 +58,7 @@ use crate::tracker::Tracker;
 pub use plan::{
     CompletedJob, GroupTransfer, PlannedJob, SchedulerEvent, SchedulerStats, StepInput, StepPlan,
 };
+pub use remote_tier::remote_namespace;
 pub use requests::Status;
 pub use tiers::{TierGroupStats, TierJob, TierJobKind};
 

@@ -22,6 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::disk::{SlabFile, WriteItem};
+use super::remote::{ReadItem, ReadOutcome, RemoteClient, WriteItem as RemoteWrite};
 use super::Location;
 use crate::copy::{extent, RowSpace, Span};
 use crate::error::{Error, Result};
@@ -48,6 +49,17 @@ pub struct TierGroup {
     pub regions: Vec<CpuRegion>,
     /// The group's slab file (`None`: the group has no disk tier).
     pub file: Option<SlabFile>,
+    /// The group's shared tier (used when it has no slab file).
+    pub remote: Option<RemoteGroup>,
+}
+
+/// A group's shared (Redis) tier on a worker: the client and this rank's namespace.
+#[derive(Debug, Clone)]
+pub struct RemoteGroup {
+    /// The client (one per worker, shared by its groups).
+    pub client: Arc<RemoteClient>,
+    /// Namespace digest of this group's chunks on this rank.
+    pub namespace: u128,
 }
 
 /// One tier job for a worker (the scheduler's [`crate::scheduler::TierJob`]).
@@ -101,12 +113,70 @@ impl TierGroup {
     }
 }
 
+impl TierGroup {
+    /// Runs `job` against the shared tier (slots checked by the caller).
+    fn run_remote(&self, r: &RemoteGroup, job: &WorkerJob) -> bool {
+        match job.kind {
+            TierJobKind::Write => {
+                let items: Vec<RemoteWrite<'_>> = job
+                    .keys
+                    .iter()
+                    .zip(&job.cpu_slots)
+                    .map(|(&key, &slot)| RemoteWrite {
+                        key,
+                        group: job.group,
+                        data: self
+                            .pieces(slot)
+                            .into_iter()
+                            .map(|(a, n)| {
+                                #[allow(unsafe_code)]
+                                // SAFETY: registered memory (checked at registration, the slot
+                                // checked by the caller), alive for the worker's lifetime; the
+                                // slot is pinned in the CPU pool, so nothing writes it meanwhile.
+                                unsafe {
+                                    std::slice::from_raw_parts(a as *const u8, n)
+                                }
+                            })
+                            .collect(),
+                    })
+                    .collect();
+                r.client.write(r.namespace, &items).iter().all(|&ok| ok)
+            }
+            TierJobKind::Promote => {
+                let mut items: Vec<ReadItem<'_>> = job
+                    .keys
+                    .iter()
+                    .zip(&job.cpu_slots)
+                    .map(|(&key, &slot)| ReadItem {
+                        key,
+                        group: job.group,
+                        dst: self
+                            .pieces(slot)
+                            .into_iter()
+                            .map(|(a, n)| {
+                                #[allow(unsafe_code)]
+                                // SAFETY: as above; the slot is reserved (storing) in the CPU
+                                // pool, so nothing else reads or writes it until this job
+                                // completes, and a job's slots are distinct.
+                                unsafe {
+                                    std::slice::from_raw_parts_mut(a as *mut u8, n)
+                                }
+                            })
+                            .collect(),
+                    })
+                    .collect();
+                r.client
+                    .read(r.namespace, &mut items)
+                    .iter()
+                    .all(|&o| o == ReadOutcome::Hit)
+            }
+        }
+    }
+}
+
 impl Shared {
     fn run(&self, job: &WorkerJob) -> bool {
         let Some(g) = self.groups.get(job.group as usize) else {
-            return false;
-        };
-        let Some(file) = g.file.as_ref() else {
             return false;
         };
         let rows = g.cpu_rows / g.rows_per_chunk.max(1);
@@ -116,6 +186,9 @@ impl Shared {
         {
             return false;
         }
+        let Some(file) = g.file.as_ref() else {
+            return g.remote.as_ref().is_some_and(|r| g.run_remote(r, job));
+        };
         match job.kind {
             TierJobKind::Write => {
                 let items: Vec<WriteItem<'_>> = job

@@ -584,9 +584,15 @@ impl RemoteClient {
         out
     }
 
-    /// How many of `keys` exist in namespace `namespace`, per key; one round trip. `None` when
+    /// Whether each of `keys` exists in namespace `namespace`; one round trip. `None` when
     /// the operation failed or the tier is on probation (the caller treats it as all-miss).
     pub fn exists(&self, namespace: u128, keys: &[Key]) -> Option<Vec<bool>> {
+        self.exists_in_all(&[namespace], keys)
+    }
+
+    /// Whether each of `keys` exists in every namespace of `namespaces` (e.g. every tensor
+    /// parallel rank's); one round trip for all of them. `None` as for [`Self::exists`].
+    pub fn exists_in_all(&self, namespaces: &[u128], keys: &[Key]) -> Option<Vec<bool>> {
         if keys.is_empty() {
             return Some(Vec::new());
         }
@@ -595,16 +601,19 @@ impl RemoteClient {
             add(&self.counters.skipped_lookups, keys.len());
             return None;
         }
-        let names: Vec<Vec<u8>> = keys.iter().map(|&k| value_key(namespace, k, 0)).collect();
+        let names: Vec<Vec<u8>> = namespaces
+            .iter()
+            .flat_map(|&ns| keys.iter().map(move |&k| value_key(ns, k, 0)))
+            .collect();
         let mut packed = Packed::default();
         for name in &names {
             packed.command(&[&[b"EXISTS"], &[name]]);
         }
         let replies = self.pipeline(packed).ok()?;
-        let found: Vec<bool> = replies
-            .iter()
-            .map(|v| matches!(v, Value::Int(n) if *n > 0))
-            .collect();
+        let mut found = vec![true; keys.len()];
+        for (i, v) in replies.iter().enumerate() {
+            found[i % keys.len()] &= matches!(v, Value::Int(n) if *n > 0);
+        }
         add(
             &self.counters.lookup_hits,
             found.iter().filter(|&&f| f).count(),

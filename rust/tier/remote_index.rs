@@ -33,10 +33,11 @@ pub const MEDIUM: &str = "remote";
 pub const MAX_CHECK: usize = 4096;
 
 /// Settings of a [`RemoteIndex`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RemoteIndexConfig {
-    /// Namespace digest of this index's chunks (model, layout, rank, group, salt).
-    pub namespace: u128,
+    /// Namespace digests of this index's chunks, one per tensor parallel rank (model, layout,
+    /// rank, group, salt): a chunk is present when every rank's part is.
+    pub namespaces: Vec<u128>,
     /// How long a "present" answer is trusted.
     pub ttl: Duration,
     /// How long an "absent" answer (or a check that got none in time) stands before the key
@@ -73,18 +74,20 @@ pub struct RemoteIndex {
 }
 
 impl RemoteIndex {
-    /// An index over `client` for `cfg.namespace`, with its lookup thread.
+    /// An index over `client` for `cfg.namespaces`, with its lookup thread.
     pub fn new(client: Arc<RemoteClient>, cfg: RemoteIndexConfig) -> Result<Self> {
-        if cfg.ttl.is_zero() || cfg.retry.is_zero() {
+        if cfg.ttl.is_zero() || cfg.retry.is_zero() || cfg.namespaces.is_empty() {
             return Err(Error::Config(format!(
-                "remote index: ttl {:?} and retry {:?} must be > 0",
-                cfg.ttl, cfg.retry
+                "remote index: ttl {:?} and retry {:?} must be > 0, with >= 1 namespace ({})",
+                cfg.ttl,
+                cfg.retry,
+                cfg.namespaces.len()
             )));
         }
         let (ask, questions) = channel::<(Vec<Key>, Instant)>();
         let (tell, answers) = channel::<Answer>();
         let worker = Arc::clone(&client);
-        let ns = cfg.namespace;
+        let ns = cfg.namespaces.clone();
         std::thread::Builder::new()
             .name("kvoffload-remote-lookup".into())
             .spawn(move || {
@@ -92,7 +95,7 @@ impl RemoteIndex {
                 for (keys, due) in questions {
                     // A question nobody waits for any more is not sent.
                     let found = if Instant::now() < due {
-                        worker.exists(ns, &keys)
+                        worker.exists_in_all(&ns, &keys)
                     } else {
                         None
                     };

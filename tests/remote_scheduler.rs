@@ -1,0 +1,336 @@
+//! Two engines sharing the Redis tier through the scheduler: engine A's stored chunks are
+//! written behind by a real [`TierWorker`] from its CPU pool memory; engine B's lookup asks
+//! the server (ask later while the existence check is in flight), promotes the chunks into
+//! its own CPU pool (ask later), then loads them: byte-exact under the oracle. Another tenant
+//! salt shares nothing, and a server that is gone means recomputation, never wrong bytes.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use kvoffload::config::{GroupConfig, SchedulerConfig};
+use kvoffload::copy::{RowSpace, Span};
+use kvoffload::policy::PolicyKind;
+use kvoffload::scheduler::{remote_namespace, Scheduler, StepInput, StepPlan};
+use kvoffload::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker, WorkerJob};
+use kvoffload::tier::remote::{RemoteClient, RemoteConfig};
+use kvoffload::{BlockId, Key};
+
+const CHUNK: usize = 4096 + 24;
+const CPU_CHUNKS: u32 = 16;
+
+struct Server(Child, u16);
+
+impl Server {
+    fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(["--appendonly", "no", "--maxmemory", "64mb"])
+            .args(["--maxmemory-policy", "allkeys-lru", "--dir"])
+            .arg(std::env::temp_dir())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (make test installs it)");
+        let url = format!("redis://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while redis::Client::open(url.as_str())
+            .and_then(|c| c.get_connection())
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            sleep(Duration::from_millis(20));
+        }
+        Server(child, port)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.1)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn config() -> SchedulerConfig {
+    SchedulerConfig {
+        groups: vec![GroupConfig {
+            block_size: 4,
+            sliding_window: None,
+            bytes_per_chunk: CHUNK as u64,
+        }],
+        blocks_per_chunk: 1,
+        hash_block_size: 4,
+        num_gpu_blocks: 64,
+        null_block: Some(BlockId(0)),
+        cpu_chunks: CPU_CHUNKS,
+        policy: PolicyKind::Lru,
+        num_workers: 1,
+        max_loading_requests: 0,
+        offload_prompt_only: false,
+        max_offload_tokens: None,
+        store_threshold: 0,
+        debug_skip_deferred_arming: false,
+    }
+}
+
+fn oracle(key: Key) -> Vec<u8> {
+    (0..CHUNK)
+        .map(|i| (key.0 as usize).wrapping_mul(31).wrapping_add(i * 7) as u8)
+        .collect()
+}
+
+fn keys() -> Vec<Key> {
+    (1..=4).map(|i| Key(0xAB00 + i)).collect()
+}
+
+fn step(
+    scheduled: &[(&'static str, u32)],
+    finished: &[&'static str],
+    written: &[u32],
+) -> StepInput<&'static str> {
+    StepInput {
+        scheduled: scheduled.iter().map(|(r, _)| *r).collect(),
+        computed: scheduled.iter().map(|(_, c)| *c).collect(),
+        new_blocks: Vec::new(),
+        resumed: Vec::new(),
+        finished: finished.to_vec(),
+        aborted: Vec::new(),
+        preempted: Vec::new(),
+        written: Some(written.iter().copied().map(BlockId).collect()),
+    }
+}
+
+/// One engine: its scheduler, its CPU pool bytes and a real tier worker over them.
+struct Engine {
+    s: Scheduler,
+    /// Declared (so dropped) before `cpu`: its threads stop before the bytes go.
+    worker: TierWorker,
+    cpu: Box<[u8]>,
+    client: Arc<RemoteClient>,
+}
+
+impl Engine {
+    fn new(url: &str, salt: &str) -> Self {
+        let mut rc = RemoteConfig::new(url);
+        rc.deadline = Duration::from_secs(2);
+        rc.probation = Duration::from_millis(100);
+        let client = Arc::new(RemoteClient::new(rc).unwrap());
+        let mut s = Scheduler::new(config()).unwrap();
+        s.attach_remote(
+            &client,
+            "m",
+            salt,
+            Duration::from_secs(60),
+            Duration::from_millis(50),
+        )
+        .unwrap();
+        let mut cpu = vec![0u8; CPU_CHUNKS as usize * CHUNK].into_boxed_slice();
+        let span = Span {
+            base: cpu.as_mut_ptr() as usize,
+            len: cpu.len(),
+        };
+        let group = TierGroup {
+            cpu_rows: CPU_CHUNKS as usize,
+            rows_per_chunk: 1,
+            regions: vec![CpuRegion {
+                space: RowSpace {
+                    buffer: 0,
+                    offset: 0,
+                    stride: CHUNK,
+                },
+                row_bytes: CHUNK,
+            }],
+            file: None,
+            remote: Some(RemoteGroup {
+                client: Arc::clone(&client),
+                namespace: remote_namespace("m", salt, CHUNK as u64, 4, 1, 0, 1, 0).digest(),
+            }),
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: `cpu` is boxed (it never moves) and lives in the same struct as the worker,
+        // which is dropped (its threads joined) before it.
+        let worker = unsafe { TierWorker::new(&[span], vec![group], 2) }.unwrap();
+        Engine {
+            s,
+            worker,
+            cpu,
+            client,
+        }
+    }
+
+    fn slot(&self, s: u32) -> &[u8] {
+        &self.cpu[s as usize * CHUNK..(s as usize + 1) * CHUNK]
+    }
+
+    /// Runs a plan's stores (the oracle's bytes, as a GPU copy would write them) and tier jobs
+    /// (on the worker's threads), and reports them; returns the tier jobs' kinds and flags.
+    fn execute(&mut self, plan: &StepPlan) -> Vec<(&'static str, bool)> {
+        for job in &plan.stores {
+            for t in &job.transfers {
+                for (k, slot) in t.keys.iter().zip(&t.cpu_blocks) {
+                    let at = *slot as usize * CHUNK;
+                    self.cpu[at..at + CHUNK].copy_from_slice(&oracle(*k));
+                }
+            }
+            self.s.complete(job.id, 0, true).unwrap();
+        }
+        let jobs: Vec<WorkerJob> = plan
+            .tier_jobs
+            .iter()
+            .map(|j| WorkerJob {
+                id: j.id,
+                kind: j.kind,
+                group: j.group,
+                keys: j.keys.clone(),
+                cpu_slots: j.cpu_slots.clone(),
+                locations: j.locations.clone(),
+            })
+            .collect();
+        let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
+        self.worker.submit(jobs);
+        let done = self.worker.wait(&ids, Duration::from_secs(20));
+        assert_eq!(done.len(), ids.len());
+        let mut seen = Vec::new();
+        for j in &plan.tier_jobs {
+            let ok = done.iter().find(|(id, _)| *id == j.id).unwrap().1;
+            seen.push((j.kind.name(), ok));
+            assert_eq!(j.medium, "remote");
+            self.s.complete(j.id, 0, ok).unwrap();
+        }
+        seen
+    }
+
+    /// Request `id` computes the 4 chunks and finishes: they are stored, then written behind.
+    fn compute(&mut self, id: &'static str) {
+        assert_eq!(self.ask(id), Some(0));
+        self.s
+            .allocate(id, &[(1..=5).map(BlockId).collect()], 0, 0)
+            .unwrap();
+        let plan = self
+            .s
+            .schedule(&step(&[(id, 17)], &[], &[1, 2, 3, 4, 5]))
+            .unwrap();
+        assert!(self.execute(&plan).is_empty());
+        let plan = self.s.schedule(&step(&[], &[id], &[])).unwrap();
+        assert_eq!(self.execute(&plan), [("write", true)]);
+    }
+
+    /// Asks until the lookup answers (bounded), stepping the engine between asks.
+    fn ask(&mut self, id: &'static str) -> Option<u32> {
+        if self.s.status(id).is_err() {
+            self.s.add_request(id, 17, keys()).unwrap();
+        }
+        for _ in 0..2000 {
+            if let Some(n) = self.s.lookup(id, 0).unwrap() {
+                return Some(n);
+            }
+            let plan = self.s.schedule(&step(&[], &[], &[])).unwrap();
+            self.execute(&plan);
+            sleep(Duration::from_millis(1));
+        }
+        None
+    }
+}
+
+#[test]
+fn engine_b_promotes_and_loads_engine_a_chunks_byte_exact() {
+    let server = Server::start();
+    let mut a = Engine::new(&server.url(), "");
+    a.compute("a");
+    assert_eq!(a.s.tier_stats()[0].tier.writes, 4);
+
+    let mut b = Engine::new(&server.url(), "");
+    b.s.add_request("b", 17, keys()).unwrap();
+    assert_eq!(
+        b.s.lookup("b", 0).unwrap(),
+        None,
+        "ask later: existence check in flight"
+    );
+    assert_eq!(b.ask("b"), Some(16), "promoted from the shared tier");
+    let st = b.s.tier_stats()[0];
+    assert_eq!(
+        (st.promote_jobs, st.failed_promotions, st.tier.promotions),
+        (1, 0, 4)
+    );
+    let load =
+        b.s.allocate("b", &[(6..=10).map(BlockId).collect()], 0, 16)
+            .unwrap()
+            .expect("a load job");
+    let plan =
+        b.s.schedule(&step(&[("b", 17)], &[], &[6, 7, 8, 9, 10]))
+            .unwrap();
+    let job = plan.loads.iter().find(|j| j.id == load).unwrap();
+    let t = &job.transfers[0];
+    assert_eq!(t.keys, keys());
+    for (k, slot) in t.keys.iter().zip(&t.cpu_blocks) {
+        assert!(
+            b.slot(*slot) == oracle(*k),
+            "key {k}: promoted bytes differ"
+        );
+    }
+    assert_eq!(b.client.stats().checksum_mismatches, 0);
+}
+
+#[test]
+fn another_tenant_salt_shares_nothing() {
+    let server = Server::start();
+    let mut a = Engine::new(&server.url(), "tenant-a");
+    a.compute("a");
+    let mut b = Engine::new(&server.url(), "tenant-b");
+    assert_eq!(b.ask("b"), Some(0));
+    assert_eq!(b.s.tier_stats()[0].promote_jobs, 0);
+}
+
+#[test]
+fn a_dead_server_means_recompute() {
+    let server = Server::start();
+    let mut a = Engine::new(&server.url(), "");
+    a.compute("a");
+    let url = server.url();
+    drop(server);
+    let mut b = Engine::new(&url, "");
+    assert_eq!(
+        b.ask("b"),
+        Some(0),
+        "no answer in time: a miss, the request computes"
+    );
+    // Writes behind of its own chunks fail (or are dropped on probation): never readable.
+    b.compute_other();
+    let st = b.s.tier_stats()[0];
+    assert_eq!(st.tier.writes, 0);
+    assert!(b.client.stats().probations >= 1);
+}
+
+impl Engine {
+    fn compute_other(&mut self) {
+        self.s
+            .allocate("b", &[(1..=5).map(BlockId).collect()], 0, 0)
+            .unwrap();
+        let plan = self
+            .s
+            .schedule(&step(&[("b", 17)], &[], &[1, 2, 3, 4, 5]))
+            .unwrap();
+        self.execute(&plan);
+        let plan = self.s.schedule(&step(&[], &["b"], &[])).unwrap();
+        assert_eq!(self.execute(&plan), [("write", false)]);
+    }
+}
