@@ -40,11 +40,11 @@ mod load;
 mod lookup;
 mod plan;
 mod positions;
+mod remote_tier;
 mod requests;
 mod reset;
 mod step;
 mod stores;
-mod remote_tier;
 mod tiers;
 
 use rustc_hash::FxHashMap;
