@@ -23,6 +23,7 @@ __all__ = [
     "KeyStateError",
     "KvOffloadError",
     "RemoteClient",
+    "RemoteWorker",
     "RequestStateError",
     "Scheduler",
     "StepInputError",
@@ -270,6 +271,15 @@ class Scheduler:
     @property
     def loading_requests(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...
+    def attach_remote(
+        self,
+        url: str,
+        model: str = "",
+        cache_salt: str = "",
+        deadline_ms: float = 1000.0,
+        ttl_s: float = 60.0,
+        retry_s: float = 1.0,
+    ) -> None: ...
     def attach_disk(
         self, path: str | os.PathLike[str], disk_bytes: int, model: str = ""
     ) -> None: ...
@@ -349,5 +359,28 @@ class DiskWorker:
     def poll(self) -> list[tuple[int, bool]]: ...
     def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[tuple[int, bool]]: ...
     def stats(self) -> list[dict[str, Any]]: ...
+
+@final
+class RemoteWorker:
+    """Runs shared-tier jobs on Rust threads, straight from and into the registered CPU pool."""
+
+    def __new__(
+        cls,
+        url: str,
+        buffers: Sequence[Any],
+        groups: Sequence[tuple[int, int, Sequence[tuple[int, int, int, int]]]],
+        blocks_per_chunk: int = 1,
+        model: str = "",
+        cache_salt: str = "",
+        rank: int = 0,
+        world_size: int = 1,
+        threads: int = 2,
+        deadline_ms: float = 1000.0,
+    ) -> RemoteWorker: ...
+    def submit(
+        self, jobs: Sequence[tuple[int, str, str, int, list[int], list[int], list[int], list[int]]]
+    ) -> None: ...
+    def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[tuple[int, bool]]: ...
+    def stats(self) -> dict[str, int]: ...
 
 def disk_inspect(path: str | os.PathLike[str], verify: bool = False) -> list[dict[str, Any]]: ...

@@ -86,6 +86,15 @@ class OffloadConfig:
         disk_bytes: Bytes the disk tier may occupy, per group and worker (needs ``disk_path``).
         disk_model: Names the weights and dtype in the disk tier's namespace: engines with
             another model never read its chunks.
+        remote_url: ``redis://host:port[/db]`` of a shared tier (Redis) below the CPU pool
+            (None: none). Engines configured with the same URL, model and layout share chunks:
+            chunks ready in the CPU pool are written behind, lookups that miss the CPU pool ask
+            the server (asynchronously: "ask later") and promote what it holds. A group has one
+            lower tier: ``remote_url`` and ``disk_path`` exclude each other.
+        remote_model: Names the weights and dtype in the shared tier's namespace.
+        cache_salt: Tenant salt in the shared tier's namespace: different salts share nothing.
+        remote_deadline_ms: Longest wait for one operation of the shared tier; later is a miss
+            (the request recomputes), and repeated failures put the tier on probation.
     """
 
     groups: tuple[KvGroup, ...]
@@ -105,6 +114,10 @@ class OffloadConfig:
     disk_path: str | os.PathLike[str] | None = None
     disk_bytes: int | None = None
     disk_model: str = ""
+    remote_url: str | None = None
+    remote_model: str = ""
+    cache_salt: str = ""
+    remote_deadline_ms: float = 1000.0
 
     def _core_kwargs(self) -> dict[str, Any]:
         """The core's constructor arguments, values as given (the core checks them)."""
@@ -147,8 +160,29 @@ class OffloadConfig:
 
     def to_core(self) -> Scheduler:
         """Builds the Rust core, which validates every value (:class:`ConfigError` naming the
-        field and the value), and attaches the disk tier if ``disk_path`` is set."""
+        field and the value), and attaches the disk tier if ``disk_path`` is set, the shared
+        tier if ``remote_url`` is."""
         core = Scheduler(**self._core_kwargs())
+        if self.remote_url is not None:
+            if self.disk_path is not None:
+                raise ConfigError(
+                    f"remote_url={self.remote_url!r} and disk_path={self.disk_path!r}: a group "
+                    "has one lower tier, set one of them"
+                )
+            for name in ("remote_url", "remote_model", "cache_salt"):
+                value = getattr(self, name)
+                if not isinstance(value, str):
+                    raise ConfigError(f"{name} must be a string, got {value!r}")
+            d = self.remote_deadline_ms
+            if isinstance(d, bool) or not isinstance(d, (int, float)):
+                raise ConfigError(f"remote_deadline_ms must be a number, got {d!r}")
+            core.attach_remote(
+                self.remote_url,
+                model=self.remote_model,
+                cache_salt=self.cache_salt,
+                deadline_ms=float(d),
+            )
+            return core
         if self.disk_path is None:
             if self.disk_bytes is not None:
                 raise ConfigError(f"disk_bytes={self.disk_bytes!r} needs disk_path")

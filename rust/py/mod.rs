@@ -30,7 +30,7 @@ mod _core {
     #[pymodule_export]
     use super::pool::{CpuPool, StorePlan};
     #[pymodule_export]
-    use super::remote::{namespace_digest, RemoteClient};
+    use super::remote::{namespace_digest, RemoteClient, RemoteWorker};
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
     #[pymodule_export]

@@ -10,7 +10,11 @@ use pyo3::types::PyDict;
 
 use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
+use super::tier::{cpu_regions, register, worker_jobs, RegionArg, TierJobArg};
+use crate::ids::JobId;
 use crate::ids::Key;
+use crate::scheduler::remote_namespace;
+use crate::tier::io::{RemoteGroup, TierGroup, TierWorker};
 use crate::tier::namespace::Namespace;
 use crate::tier::remote::{ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem};
 
@@ -70,6 +74,152 @@ pub fn namespace_digest(
         cache_salt,
     }
     .digest()
+}
+
+/// A client's counters, by name.
+fn stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py, PyDict>> {
+    let s = client.stats();
+    let d = PyDict::new(py);
+    for (k, v) in [
+        ("writes", s.writes),
+        ("failed_writes", s.failed_writes),
+        ("dropped_writes", s.dropped_writes),
+        ("read_hits", s.read_hits),
+        ("read_misses", s.read_misses),
+        ("failed_reads", s.failed_reads),
+        ("checksum_mismatches", s.checksum_mismatches),
+        ("lookups", s.lookups),
+        ("lookup_hits", s.lookup_hits),
+        ("skipped_lookups", s.skipped_lookups),
+        ("round_trips", s.round_trips),
+        ("errors", s.errors),
+        ("deadline_misses", s.deadline_misses),
+        ("probations", s.probations),
+        ("recoveries", s.recoveries),
+        ("bytes_written", s.bytes_written),
+        ("bytes_read", s.bytes_read),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+/// A client of `url` with the default settings and `deadline_ms`.
+pub fn client(url: &str, deadline_ms: f64) -> PyResult<Client> {
+    let mut cfg = RemoteConfig::new(url);
+    cfg.deadline = duration("remote_deadline_ms", deadline_ms)?;
+    Client::new(cfg).map_err(to_py)
+}
+
+/// Runs shared-tier jobs (write-behind, promotion) on Rust threads, straight from and into the
+/// registered CPU pool (the same registration as `DiskWorker`).
+#[pyclass(frozen, module = "kvoffload._core")]
+pub struct RemoteWorker {
+    inner: TierWorker,
+    client: std::sync::Arc<Client>,
+    /// Keeps every registered buffer alive and unresizable.
+    _buffers: Vec<PyBuffer<u8>>,
+}
+
+#[pymethods]
+impl RemoteWorker {
+    /// Connects (lazily) to `url` and registers the CPU pool: `buffers`, and per group
+    /// `(cpu_rows, block_size, regions)` with regions `(buffer, offset, stride, row_bytes)`.
+    /// `model` and `cache_salt` must match the scheduler's.
+    #[new]
+    #[pyo3(signature = (url, buffers, groups, blocks_per_chunk = 1, model = "", cache_salt = "",
+                        rank = 0, world_size = 1, threads = 2, deadline_ms = 1000.0))]
+    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
+    fn new(
+        url: &str,
+        buffers: Vec<Bound<'_, PyAny>>,
+        groups: Vec<(usize, u32, Vec<RegionArg>)>,
+        blocks_per_chunk: u32,
+        model: &str,
+        cache_salt: &str,
+        rank: u32,
+        world_size: u32,
+        threads: usize,
+        deadline_ms: f64,
+    ) -> PyResult<Self> {
+        if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
+            return Err(ConfigError::new_err(format!(
+                "RemoteWorker: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
+                 world_size={world_size}: need blocks_per_chunk >= 1 and 0 <= rank < world_size"
+            )));
+        }
+        let client = std::sync::Arc::new(client(url, deadline_ms)?);
+        let (held, spans) = register(&buffers)?;
+        let tgroups = groups
+            .into_iter()
+            .enumerate()
+            .map(|(g, (cpu_rows, block_size, regions))| {
+                let chunk: u64 = regions
+                    .iter()
+                    .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
+                    .sum();
+                let ns = remote_namespace(
+                    model,
+                    cache_salt,
+                    chunk,
+                    block_size,
+                    blocks_per_chunk,
+                    rank,
+                    world_size,
+                    g as u32,
+                );
+                TierGroup {
+                    cpu_rows,
+                    rows_per_chunk: blocks_per_chunk as usize,
+                    regions: cpu_regions(regions),
+                    file: None,
+                    remote: Some(RemoteGroup {
+                        client: std::sync::Arc::clone(&client),
+                        namespace: ns.digest(),
+                    }),
+                }
+            })
+            .collect();
+        #[allow(unsafe_code)]
+        // SAFETY: each span is the memory of a buffer held in `_buffers` for the worker's whole
+        // lifetime; a held buffer export keeps its exporter from freeing or resizing it.
+        let inner = unsafe { TierWorker::new(&spans, tgroups, threads) }.map_err(to_py)?;
+        Ok(Self {
+            inner,
+            client,
+            _buffers: held,
+        })
+    }
+
+    /// Queues tier jobs as plans carry them (`StepPlan.tier_jobs`, medium `"remote"`); returns
+    /// at once.
+    fn submit(&self, jobs: Vec<TierJobArg>) -> PyResult<()> {
+        self.inner.submit(worker_jobs(jobs, "remote")?);
+        Ok(())
+    }
+
+    /// Waits (GIL released) until every job of `job_ids` finished or `timeout` seconds
+    /// passed; returns every job finished since the last call: `(job_id, ok)`.
+    #[pyo3(signature = (job_ids, timeout = 60.0))]
+    fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: f64) -> PyResult<Vec<(u64, bool)>> {
+        if !timeout.is_finite() || timeout < 0.0 {
+            return Err(ConfigError::new_err(format!(
+                "wait: timeout={timeout} must be a finite number of seconds >= 0"
+            )));
+        }
+        let ids: Vec<JobId> = job_ids.into_iter().map(JobId).collect();
+        let d = std::time::Duration::from_secs_f64(timeout.min(1e9));
+        Ok(py
+            .detach(|| self.inner.wait(&ids, d))
+            .into_iter()
+            .map(|(j, ok)| (j.0, ok))
+            .collect())
+    }
+
+    /// The client's counters (writes, reads, checksum mismatches, probations, ...).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, &self.client)
+    }
 }
 
 /// A client of one Redis server: pipelined batches, connection pool, deadlines, probation.
@@ -209,30 +359,7 @@ impl RemoteClient {
 
     /// Counters so far, by name.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        for (k, v) in [
-            ("writes", s.writes),
-            ("failed_writes", s.failed_writes),
-            ("dropped_writes", s.dropped_writes),
-            ("read_hits", s.read_hits),
-            ("read_misses", s.read_misses),
-            ("failed_reads", s.failed_reads),
-            ("checksum_mismatches", s.checksum_mismatches),
-            ("lookups", s.lookups),
-            ("lookup_hits", s.lookup_hits),
-            ("skipped_lookups", s.skipped_lookups),
-            ("round_trips", s.round_trips),
-            ("errors", s.errors),
-            ("deadline_misses", s.deadline_misses),
-            ("probations", s.probations),
-            ("recoveries", s.recoveries),
-            ("bytes_written", s.bytes_written),
-            ("bytes_read", s.bytes_read),
-        ] {
-            d.set_item(k, v)?;
-        }
-        Ok(d)
+        stats_dict(py, &self.inner)
     }
 
     fn __repr__(&self) -> String {

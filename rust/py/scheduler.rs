@@ -756,6 +756,40 @@ impl Scheduler {
             .map_err(to_py)
     }
 
+    /// Attaches the shared (Redis) tier at `url` to every group: chunks stored in the CPU pool
+    /// are written behind, lookups that miss the CPU pool ask the server (batched, within
+    /// `deadline_ms`) and promote what it holds. `model` and `cache_salt` are part of the
+    /// namespace: other models or tenants never share chunks. Call it before the first request.
+    #[pyo3(signature = (url, model = "", cache_salt = "", deadline_ms = 1000.0, ttl_s = 60.0, retry_s = 1.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn attach_remote(
+        &self,
+        url: &str,
+        model: &str,
+        cache_salt: &str,
+        deadline_ms: f64,
+        ttl_s: f64,
+        retry_s: f64,
+    ) -> PyResult<()> {
+        let client = super::remote::client(url, deadline_ms)?;
+        let secs = |field: &str, v: f64| {
+            if v.is_finite() && v > 0.0 && v <= 1e6 {
+                Ok(std::time::Duration::from_secs_f64(v))
+            } else {
+                Err(super::errors::ConfigError::new_err(format!(
+                    "{field} must be a number of seconds in (0, 1e6], got {v}"
+                )))
+            }
+        };
+        let (ttl, retry) = (
+            secs("remote_ttl_s", ttl_s)?,
+            secs("remote_retry_s", retry_s)?,
+        );
+        self.lock()
+            .attach_remote(&std::sync::Arc::new(client), model, cache_salt, ttl, retry)
+            .map_err(to_py)
+    }
+
     /// Per group with a lower tier: its counters (hits, bytes, promotions, quarantined, queue
     /// depth, ...).
     fn tier_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {

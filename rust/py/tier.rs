@@ -22,7 +22,7 @@ use crate::tier::io::{CpuRegion, TierGroup, TierWorker, WorkerJob};
 use crate::tier::Location;
 
 /// One region as given: `(buffer, offset, stride, row_bytes)`.
-type RegionArg = (usize, usize, usize, usize);
+pub type RegionArg = (usize, usize, usize, usize);
 /// One tier job as a plan carries it: `(job_id, kind, medium, group, keys, cpu_slots, places,
 /// generations)`.
 pub type TierJobTuple = (
@@ -37,7 +37,7 @@ pub type TierJobTuple = (
 );
 
 /// A tier job as `submit` takes it (the tuple of a plan, kind and medium as strings).
-type TierJobArg = (
+pub type TierJobArg = (
     u64,
     String,
     String,
@@ -65,7 +65,7 @@ pub fn tier_job_tuple(j: TierJob) -> TierJobTuple {
 /// One group's tier counters as a dict.
 pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("medium", "disk")?;
+    d.set_item("medium", s.medium)?;
     d.set_item("group", s.group)?;
     let t = &s.tier;
     for (k, v) in [
@@ -93,6 +93,85 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
         d.set_item(k, v)?;
     }
     Ok(d)
+}
+
+/// Holds the CPU pool's buffers (1-D, contiguous, writable `uint8`) and returns their spans.
+pub fn register(buffers: &[Bound<'_, PyAny>]) -> PyResult<(Vec<PyBuffer<u8>>, Vec<Span>)> {
+    let mut held = Vec::with_capacity(buffers.len());
+    let mut spans = Vec::with_capacity(buffers.len());
+    for (i, obj) in buffers.iter().enumerate() {
+        let buf = PyBuffer::<u8>::get(obj)
+            .map_err(|e| ConfigError::new_err(format!("buffer {i} is not a uint8 buffer: {e}")))?;
+        if buf.readonly() || buf.dimensions() != 1 || !buf.is_c_contiguous() {
+            return Err(ConfigError::new_err(format!(
+                "buffer {i} must be one-dimensional, contiguous and writable"
+            )));
+        }
+        spans.push(Span {
+            base: buf.buf_ptr() as usize,
+            len: buf.len_bytes(),
+        });
+        held.push(buf);
+    }
+    Ok((held, spans))
+}
+
+/// A group's regions as given: `(buffer, offset, stride, row_bytes)` each.
+pub fn cpu_regions(regions: Vec<RegionArg>) -> Vec<CpuRegion> {
+    regions
+        .into_iter()
+        .map(|(buffer, offset, stride, row_bytes)| CpuRegion {
+            space: RowSpace {
+                buffer,
+                offset,
+                stride,
+            },
+            row_bytes,
+        })
+        .collect()
+}
+
+/// Tier jobs as plans carry them, checked, for a worker of `medium`.
+pub fn worker_jobs(jobs: Vec<TierJobArg>, medium_of_worker: &str) -> PyResult<Vec<WorkerJob>> {
+    let mut out = Vec::with_capacity(jobs.len());
+    for (id, kind, medium, group, keys, cpu_slots, places, gens) in jobs {
+        let kind = match kind.as_str() {
+            "write" => TierJobKind::Write,
+            "promote" => TierJobKind::Promote,
+            _ => {
+                return Err(KvOffloadError::new_err(format!(
+                    "tier job {id}: kind {kind:?} is neither \"write\" nor \"promote\""
+                )))
+            }
+        };
+        if medium != medium_of_worker {
+            return Err(KvOffloadError::new_err(format!(
+                "tier job {id}: medium {medium:?} is not {medium_of_worker:?}"
+            )));
+        }
+        if keys.len() != cpu_slots.len() || keys.len() != places.len() || keys.len() != gens.len() {
+            return Err(KvOffloadError::new_err(format!(
+                "tier job {id}: {} keys, {} slots, {} places, {} generations",
+                keys.len(),
+                cpu_slots.len(),
+                places.len(),
+                gens.len()
+            )));
+        }
+        out.push(WorkerJob {
+            id: JobId(id),
+            kind,
+            group,
+            keys: keys.into_iter().map(Key).collect(),
+            cpu_slots,
+            locations: places
+                .into_iter()
+                .zip(gens)
+                .map(|(place, generation)| Location { place, generation })
+                .collect(),
+        });
+    }
+    Ok(out)
 }
 
 /// Runs disk tier jobs on Rust threads, straight from and into the registered CPU pool.
@@ -130,23 +209,7 @@ impl DiskWorker {
                  world_size={world_size}: need blocks_per_chunk >= 1 and 0 <= rank < world_size"
             )));
         }
-        let mut held = Vec::with_capacity(buffers.len());
-        let mut spans = Vec::with_capacity(buffers.len());
-        for (i, obj) in buffers.iter().enumerate() {
-            let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
-                ConfigError::new_err(format!("buffer {i} is not a uint8 buffer: {e}"))
-            })?;
-            if buf.readonly() || buf.dimensions() != 1 || !buf.is_c_contiguous() {
-                return Err(ConfigError::new_err(format!(
-                    "buffer {i} must be one-dimensional, contiguous and writable"
-                )));
-            }
-            spans.push(Span {
-                base: buf.buf_ptr() as usize,
-                len: buf.len_bytes(),
-            });
-            held.push(buf);
-        }
+        let (held, spans) = register(&buffers)?;
         let mut tgroups = Vec::with_capacity(groups.len());
         for (g, (cpu_rows, block_size, regions)) in groups.into_iter().enumerate() {
             let chunk: u64 = regions
@@ -167,17 +230,7 @@ impl DiskWorker {
             tgroups.push(TierGroup {
                 cpu_rows,
                 rows_per_chunk: blocks_per_chunk as usize,
-                regions: regions
-                    .into_iter()
-                    .map(|(buffer, offset, stride, row_bytes)| CpuRegion {
-                        space: RowSpace {
-                            buffer,
-                            offset,
-                            stride,
-                        },
-                        row_bytes,
-                    })
-                    .collect(),
+                regions: cpu_regions(regions),
                 file: Some(file),
                 remote: None,
             });
@@ -194,48 +247,7 @@ impl DiskWorker {
 
     /// Queues tier jobs as plans carry them (`StepPlan.tier_jobs`); returns at once.
     fn submit(&self, jobs: Vec<TierJobArg>) -> PyResult<()> {
-        let mut out = Vec::with_capacity(jobs.len());
-        for (id, kind, medium, group, keys, cpu_slots, places, gens) in jobs {
-            let kind = match kind.as_str() {
-                "write" => TierJobKind::Write,
-                "promote" => TierJobKind::Promote,
-                _ => {
-                    return Err(KvOffloadError::new_err(format!(
-                        "tier job {id}: kind {kind:?} is neither \"write\" nor \"promote\""
-                    )))
-                }
-            };
-            if medium != "disk" {
-                return Err(KvOffloadError::new_err(format!(
-                    "tier job {id}: medium {medium:?} is not \"disk\""
-                )));
-            }
-            if keys.len() != cpu_slots.len()
-                || keys.len() != places.len()
-                || keys.len() != gens.len()
-            {
-                return Err(KvOffloadError::new_err(format!(
-                    "tier job {id}: {} keys, {} slots, {} places, {} generations",
-                    keys.len(),
-                    cpu_slots.len(),
-                    places.len(),
-                    gens.len()
-                )));
-            }
-            out.push(WorkerJob {
-                id: JobId(id),
-                kind,
-                group,
-                keys: keys.into_iter().map(Key).collect(),
-                cpu_slots,
-                locations: places
-                    .into_iter()
-                    .zip(gens)
-                    .map(|(place, generation)| Location { place, generation })
-                    .collect(),
-            });
-        }
-        self.inner.submit(out);
+        self.inner.submit(worker_jobs(jobs, "disk")?);
         Ok(())
     }
 

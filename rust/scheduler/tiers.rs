@@ -80,6 +80,8 @@ pub struct TierJob {
 pub struct TierGroupStats {
     /// KV group.
     pub group: u32,
+    /// The tier's medium (`"disk"`, `"remote"`).
+    pub medium: &'static str,
     /// The tier's own counters.
     pub tier: TierStats,
     /// Write-behind jobs created.
@@ -186,6 +188,7 @@ impl Scheduler {
             .map(|t| {
                 let mut s = t.stats;
                 s.tier = t.index.stats();
+                s.medium = t.index.medium();
                 s
             })
             .collect()

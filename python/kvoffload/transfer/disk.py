@@ -11,11 +11,44 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from kvoffload._core import DiskWorker
 from kvoffload.errors import ConfigError
 from kvoffload.transfer.cpu import _storage_bytes
 from kvoffload.transfer.engine import TransferEngine
+
+
+def pool_registration(
+    engine: TransferEngine, block_sizes: Sequence[int]
+) -> tuple[Any, list[tuple[int, int, list[tuple[int, int, int, int]]]]]:
+    """The CPU pool of ``engine`` as tier workers register it: one byte view of the pool and,
+    per group, ``(cpu_rows, block_size, regions)`` with regions ``(0, offset, stride,
+    row_bytes)``, in pool order (a chunk's bytes below the CPU pool are the concatenation of
+    its rows in every registered tensor).
+
+    Raises:
+        ConfigError: ``block_sizes`` does not match the engine's groups.
+    """
+    groups = engine._groups  # this engine's own pool registration
+    if len(block_sizes) != len(groups):
+        raise ConfigError(
+            f"block_sizes has {len(block_sizes)} entries, the engine has {len(groups)} groups"
+        )
+    pool = engine._pool
+    base = int(pool.storage_offset())
+    layout = [
+        (
+            g.num_cpu_blocks,
+            int(bs),
+            [
+                (0, int(r.cpu.storage_offset()) - base, r.cpu.stride(0), r.bytes_per_block)
+                for r in g.regions
+            ],
+        )
+        for g, bs in zip(groups, block_sizes, strict=True)
+    ]
+    return _storage_bytes(pool)[base : base + pool.numel()], layout
 
 
 def open_disk_worker(
@@ -49,25 +82,7 @@ def open_disk_worker(
         ConfigError: ``block_sizes`` does not match the engine's groups, or the tier cannot be
             opened (the message names the value and the path).
     """
-    groups = engine._groups  # this engine's own pool registration
-    if len(block_sizes) != len(groups):
-        raise ConfigError(
-            f"block_sizes has {len(block_sizes)} entries, the engine has {len(groups)} groups"
-        )
-    pool = engine._pool
-    base = int(pool.storage_offset())
-    layout = [
-        (
-            g.num_cpu_blocks,
-            int(bs),
-            [
-                (0, int(r.cpu.storage_offset()) - base, r.cpu.stride(0), r.bytes_per_block)
-                for r in g.regions
-            ],
-        )
-        for g, bs in zip(groups, block_sizes, strict=True)
-    ]
-    view = _storage_bytes(pool)[base : base + pool.numel()]
+    view, layout = pool_registration(engine, block_sizes)
     return DiskWorker(
         os.fspath(path),
         disk_bytes,

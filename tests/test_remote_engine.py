@@ -1,0 +1,109 @@
+"""Engines sharing the Redis tier end to end: engine A (its own process) computes and writes
+behind; engine B promotes A's chunks into its CPU pool and loads them into its KV cache,
+byte-exact; other tenants share nothing; a dead server costs recomputation, never bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvoffload.errors import ConfigError
+from kvoffload.scheduler import OffloadScheduler, StepInput
+from tests.remote_engine import BLOCK, HASHES, PROMPT, compute, config, drain, engine, expected_kv
+from tests.remote_support import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fill_in_another_process(url: str, salt: str = "") -> None:
+    subprocess.run(
+        [sys.executable, "-m", "tests.remote_engine", url, salt],
+        cwd=ROOT,
+        check=True,
+        timeout=120,
+    )
+
+
+def ask(sched: OffloadScheduler, remote: object, rid: str) -> int:
+    """Asks until the lookup answers, stepping the engine (bounded)."""
+    for _ in range(2000):
+        n = sched.lookup(rid, num_computed_tokens=0)
+        if n is not None:
+            return n
+        drain(sched, sched.schedule(StepInput(written=[])), remote)
+        time.sleep(0.001)
+    raise AssertionError("lookup never answered")
+
+
+def test_engine_b_serves_engine_a_prefix_byte_exact(redis: RedisServer) -> None:
+    fill_in_another_process(redis.url)
+    sched = OffloadScheduler(config(redis.url))
+    kv, worker, remote = engine(redis.url, "", seed=2)
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    assert sched.lookup("b", num_computed_tokens=0) is None  # existence check in flight
+    n = ask(sched, remote, "b")
+    assert n == 3 * BLOCK
+    load = sched.allocate("b", [[7, 8, 9, 10]], num_computed_tokens=0, num_load_tokens=n)
+    plan = sched.schedule(StepInput(scheduled=[("b", PROMPT)], written=[7, 8, 9, 10]))
+    for job in plan.loads:
+        worker.submit_load(job.job_id, job.transfers)
+    worker.wait([load])
+    assert all(r.ok for r in worker.poll())
+    got = torch.stack([kv[0][f"layer{i}"][7:10] for i in range(2)])
+    assert torch.equal(got, expected_kv()), "engine B loaded other bytes than A computed"
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert (st["medium"], st["promote_jobs"], st["promoted_chunks"]) == ("remote", 1, 3)
+    assert st["failed_promotions"] == 0
+    assert remote.stats()["checksum_mismatches"] == 0
+    worker.shutdown()
+
+
+def test_another_cache_salt_shares_nothing(redis: RedisServer) -> None:
+    fill_in_another_process(redis.url, "tenant-a")
+    sched = OffloadScheduler(config(redis.url, "tenant-b"))
+    _, worker, remote = engine(redis.url, "tenant-b", seed=2)
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    assert ask(sched, remote, "b") == 0
+    assert sched.stats()["tiers"][0]["promote_jobs"] == 0  # type: ignore[index]
+    worker.shutdown()
+
+
+def test_a_dead_server_means_recompute_and_nothing_written(redis: RedisServer) -> None:
+    fill_in_another_process(redis.url)
+    url = redis.url
+    redis.kill()
+    sched = OffloadScheduler(config(url, remote_deadline_ms=200))
+    kv, worker, remote = engine(url, "", seed=2)
+    before = [t.clone() for t in kv[0].values()]
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    assert ask(sched, remote, "b") == 0  # no answer: the request computes
+    assert compute(sched, worker, remote, "b") == [("write", False)]
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert (st["writes"], st["failed_writes"]) == (0, 3)
+    assert all(torch.equal(a, b) for a, b in zip(before, kv[0].values(), strict=True))
+    worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"remote_url": "http://x"}, "remote_url"),
+        ({"remote_url": 5}, "remote_url must be a string, got 5"),
+        ({"cache_salt": None}, "cache_salt must be a string, got None"),
+        ({"remote_deadline_ms": 0}, "remote_deadline_ms"),
+        ({"remote_deadline_ms": "1"}, "remote_deadline_ms must be a number"),
+        ({"disk_path": "/tmp/x", "disk_bytes": 1 << 20}, "one lower tier"),
+    ],
+)
+def test_bad_remote_config_names_the_value(
+    redis: RedisServer, kw: dict[str, object], match: str
+) -> None:
+    cfg = dataclasses.replace(config(redis.url), **kw)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=match):
+        OffloadScheduler(cfg)
