@@ -123,6 +123,57 @@ def run(chunks: int = CHUNKS, rounds: int = ROUNDS) -> dict[str, float]:
     return out
 
 
+def pace(requests: int = 400, delay_s: float = 0.5) -> dict[str, float]:
+    """Scheduler time per step (lookups of new requests + an empty schedule) with a healthy
+    shared tier and with one whose replies are held back past the deadline: p50 / p99 in µs.
+    Lookups never wait for the server (the check runs on a Rust thread; the request is told
+    "ask later"), so the two should match."""
+    from tests.remote_support import DelayProxy
+
+    from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
+
+    def run_steps(url: str) -> list[float]:
+        cfg = OffloadConfig(
+            groups=(KvGroup(block_size=16, bytes_per_block=4096),),
+            num_gpu_blocks=4096,
+            cpu_chunks=256,
+            remote_url=url,
+            remote_deadline_ms=100,
+        )
+        sched = OffloadScheduler(cfg)
+        times = []
+        for i in range(requests):
+            rid = f"r{i}"
+            sched.add_request(
+                rid, prompt_len=16 * 32 + 1, block_hashes=[i * 1000 + h for h in range(32)]
+            )
+            t0 = time.perf_counter()
+            for j in range(max(0, i - 8), i + 1):  # this step's waiting requests ask again
+                sched.lookup(f"r{j}", num_computed_tokens=0)
+            sched.schedule(StepInput(written=[]))
+            times.append(time.perf_counter() - t0)
+        return sorted(times)
+
+    with redis_server() as server:
+        proxy = DelayProxy(server.port)
+        try:
+            healthy = run_steps(proxy.url)
+            proxy.delay = delay_s
+            slow = run_steps(proxy.url)
+        finally:
+            proxy.close()
+
+    def q(t: list[float], p: float) -> float:
+        return t[min(len(t) - 1, int(p * len(t)))] * 1e6
+
+    return {
+        "healthy_p50_us": q(healthy, 0.5),
+        "healthy_p99_us": q(healthy, 0.99),
+        "slow_p50_us": q(slow, 0.5),
+        "slow_p99_us": q(slow, 0.99),
+    }
+
+
 def report(out: dict[str, float]) -> None:
     """Prints the table and the JSON line."""
     print(f"\nshared tier, loopback, {out['chunks']} x {out['chunk_bytes'] >> 20} MiB chunks")
@@ -147,3 +198,10 @@ def test_bench_remote() -> None:
 
 if __name__ == "__main__":
     report(run())
+    p = pace()
+    print(
+        f"scheduler step with the shared tier: healthy p50 {p['healthy_p50_us']:.0f} µs, "
+        f"p99 {p['healthy_p99_us']:.0f} µs; replies delayed past the deadline: "
+        f"p50 {p['slow_p50_us']:.0f} µs, p99 {p['slow_p99_us']:.0f} µs"
+    )
+    print(json.dumps(p))
