@@ -7,6 +7,7 @@ tests that run engines in separate processes.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import torch
@@ -58,6 +59,19 @@ def drain(sched: OffloadScheduler, plan: Any, remote: RemoteWorker) -> list[tupl
     return [(j[1], done[j[0]]) for j in jobs]
 
 
+def ask(sched: OffloadScheduler, remote: RemoteWorker, rid: str) -> int:
+    """Asks until the lookup answers, stepping the engine between asks (bounded in time: the
+    existence check of a lookup is answered or forgotten within the deadline)."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        n = sched.lookup(rid, num_computed_tokens=0)
+        if n is not None:
+            return int(n)
+        drain(sched, sched.schedule(StepInput(written=[])), remote)
+        time.sleep(0.001)
+    raise AssertionError(f"lookup of {rid} never answered")
+
+
 def compute(
     sched: OffloadScheduler, worker: TransferEngine, remote: RemoteWorker, rid: str
 ) -> list[tuple[str, bool]]:
@@ -79,13 +93,8 @@ def fill(url: str, salt: str) -> None:
     sched = OffloadScheduler(config(url, salt))
     _, worker, remote = engine(url, salt, seed=1)
     sched.add_request("a", prompt_len=PROMPT, block_hashes=HASHES)
-    answer = None
-    for _ in range(1000):  # the first lookups wait for the existence check
-        answer = sched.lookup("a", num_computed_tokens=0)
-        if answer is not None:
-            break
-        drain(sched, sched.schedule(StepInput(written=[])), remote)
-    assert answer == 0, answer
+    assert ask(sched, remote, "a") == 0
+
     assert compute(sched, worker, remote, "a") == [("write", True)]
     worker.shutdown()
 

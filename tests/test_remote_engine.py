@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from kvoffload.errors import ConfigError
 from kvoffload.scheduler import OffloadScheduler, StepInput
-from tests.remote_engine import BLOCK, HASHES, PROMPT, compute, config, drain, engine, expected_kv
+from tests.remote_engine import BLOCK, HASHES, PROMPT, ask, compute, config, engine, expected_kv
 from tests.remote_support import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,17 +27,6 @@ def fill_in_another_process(url: str, salt: str = "") -> None:
         check=True,
         timeout=120,
     )
-
-
-def ask(sched: OffloadScheduler, remote: object, rid: str) -> int:
-    """Asks until the lookup answers, stepping the engine (bounded)."""
-    for _ in range(2000):
-        n = sched.lookup(rid, num_computed_tokens=0)
-        if n is not None:
-            return n
-        drain(sched, sched.schedule(StepInput(written=[])), remote)
-        time.sleep(0.001)
-    raise AssertionError("lookup never answered")
 
 
 def test_engine_b_serves_engine_a_prefix_byte_exact(redis: RedisServer) -> None:
