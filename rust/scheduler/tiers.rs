@@ -214,7 +214,8 @@ impl Scheduler {
                 continue;
             }
             let ct = self.cfg.chunk_tokens(g);
-            let keys: Vec<Key> = (hit / ct..cap / ct)
+            // A sliding-window group needs only the window before the end point.
+            let keys: Vec<Key> = (self.first_needed_chunk(g, hit, cap)..cap / ct)
                 .filter_map(|c| self.key(r, g, c))
                 .collect();
             // The chunks the CPU pool lacks, up to the first one no tier holds either.
