@@ -9,7 +9,7 @@ RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 .DEFAULT_GOAL := help
 
 help: ## list the targets
-	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 $(STAMP_DEPS): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -70,6 +70,39 @@ $(STAMP_VLLM_BUILD): $(STAMP_VLLM_DEPS) $(RUST_SRC) $(PY_SRC)
 test-vllm: $(STAMP_VLLM_BUILD) ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm
 	$(VLLM_PY) -m pytest -q tests/vllm
 
+# vLLM 0.33.0 has no CPU build: PyPI's CUDA wheel and its torch, without the GPU kernel packages
+# (VLLM033_GPU_ONLY) that nothing on the scheduler side imports. Its model cannot run on this
+# machine; its Scheduler, AsyncScheduler and KVCacheManager can, so the scheduler-level tests
+# (VLLM033_TESTS, every loaded block verified) run against it with the 0.32 venv's kvoffload wheel.
+VLLM033_VENV := .venv-vllm033
+VLLM033_PY := $(VLLM033_VENV)/bin/python
+STAMP_VLLM033_DEPS := $(VLLM033_VENV)/.deps-installed
+STAMP_VLLM033_BUILD := $(VLLM033_VENV)/.ext-built
+VLLM033_GPU_ONLY := torch torchaudio torchvision torchcodec pynvvideocodec flashinfer-python \
+	apache-tvm-ffi tilelang nvidia-cudnn-frontend nvtx fastsafetensors instanttensor \
+	nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels
+VLLM033_TESTS := tests/vllm/test_compat.py tests/vllm/test_scheduler.py tests/vllm/test_tp.py
+
+$(STAMP_VLLM033_DEPS):
+	test -x $(VLLM033_PY) || python3 -m venv $(VLLM033_VENV)
+	$(VLLM033_PY) -m pip install -q --upgrade pip
+	$(VLLM033_PY) -m pip install -q "torch==2.14.0"
+	$(VLLM033_PY) -m pip install -q --no-deps "vllm==0.33.0"
+	$(VLLM033_PY) -c 'import importlib.metadata as m; print("\n".join(m.requires("vllm")))' \
+		| grep -v 'extra ==' \
+		| grep -viE $(foreach p,$(VLLM033_GPU_ONLY),-e '^$(p)([^a-z0-9_.-]|$$)') \
+		> $(VLLM033_VENV)/vllm-requirements.txt
+	$(VLLM033_PY) -m pip install -q -r $(VLLM033_VENV)/vllm-requirements.txt "pytest>=8" \
+		"pytest-benchmark>=4"
+	touch $@
+
+$(STAMP_VLLM033_BUILD): $(STAMP_VLLM033_DEPS) $(STAMP_VLLM_BUILD)
+	$(VLLM033_PY) -m pip install -q --no-deps --force-reinstall $(VLLM_VENV)/wheels/kvoffload-*.whl
+	touch $@
+
+test-vllm-033: $(STAMP_VLLM033_BUILD) ## vLLM 0.33.0 (CUDA wheel, driven on the CPU) in .venv-vllm033: scheduler-level tests
+	KVOFFLOAD_EXPECT_VLLM=0.33.0 $(VLLM033_PY) -m pytest -q $(VLLM033_TESTS)
+
 bench-vllm: $(STAMP_VLLM_BUILD) ## both offload connectors in vLLM's scheduler, multi-turn chat (BENCH_VLLM_ARGS)
 	$(VLLM_PY) benches/vllm_workload.py $(BENCH_VLLM_ARGS)
 
@@ -100,4 +133,4 @@ clean: ## remove build output
 	cargo clean
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
-.PHONY: help install build lint fmt test test-vllm bench-vllm fuzz bench demo clean
+.PHONY: help install build lint fmt test test-vllm test-vllm-033 bench-vllm fuzz bench demo clean

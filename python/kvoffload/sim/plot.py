@@ -87,7 +87,9 @@ def _windowed_rates(
     clipped to the lookups the tiers above it left unserved.
     """
     n = len(c["step"])
-    idx = np.unique(np.append(np.arange(0, n, max(1, n // _WINDOWS)), n - 1)) if n else []
+    idx = np.arange(0, n, max(1, n // _WINDOWS))
+    if n and idx[-1] != n - 1:
+        idx = np.append(idx, n - 1)  # the last window ends at the last step
     looked = np.diff(c["lookup_tokens"][idx], prepend=0.0)
     left = looked.copy()
     series = []

@@ -6,9 +6,9 @@ Switch it on with configuration alone::
         "kv_connector_module_path": "kvoffload.integrations.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes": 8000000000, "blocks_per_chunk": 1}}'
 
-Tested with vLLM ``>=0.32.0,<0.33`` (:data:`SUPPORTED_VLLM`); importing this module under any
-other version raises ``ImportError`` naming that range. Works on CUDA and on vLLM's CPU
-backend (the KV cache in CPU memory).
+Tested with vLLM ``>=0.32.0,<0.34`` (:data:`SUPPORTED_VLLM`); importing this module under any
+other version raises ``ImportError`` naming that range and the installed version. Works on CUDA
+and on vLLM's CPU backend (the KV cache in CPU memory).
 
 **Extra config** (``kv_connector_extra_config``; unknown keys and bad values raise
 :class:`~kvoffload.errors.ConfigError`): ``cpu_bytes`` (CPU memory per worker, bytes) or

