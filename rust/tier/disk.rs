@@ -23,6 +23,18 @@
 //!   I/O is buffered ([`IoStats`] counts both).
 //!
 //! [`DiskTier`] puts both halves in one process (simulator, CLI, tests, benches).
+//!
+//! Why not `foyer` (issue 14 asked to evaluate it first): its hybrid cache owns the index
+//! and the I/O in one process behind an async (tokio) API, and rebuilds its index in the
+//! process that opens the device. In vLLM the scheduler (which must answer lookups
+//! synchronously, in microseconds, and plan which chunk goes where) and the workers (which
+//! hold the pool memory, one per tensor-parallel rank, each with its own bytes) are different
+//! processes: a foyer instance per worker gives the scheduler no index to look up, and one in
+//! the scheduler cannot read or write the workers' pool memory. It also has no notion of "a
+//! chunk is readable only when every rank committed it" ([`DiskIndex::recover`]). The missed
+//! acceptance points are therefore the scheduler-side lookup (the criterion bench at 10 M
+//! slots has no foyer equivalent in the scheduler process) and restart recovery across ranks;
+//! no throughput measurement could change that, so none was made.
 
 use std::fs::{File, OpenOptions};
 use std::io;
