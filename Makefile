@@ -125,10 +125,15 @@ bench: build ## criterion benches and pytest-benchmark benches
 	$(PY) -m pytest -q -s benches/bench_*.py --benchmark-enable -p no:cacheprovider
 
 DEMO_PLOT ?= out/simulate.png
+DEMO_DISK ?= out/disk-tier
 
 demo: build ## run the simulated engine end to end, with its chart (DEMO_PLOT; the plot extra)
 	mkdir -p $(dir $(DEMO_PLOT))
 	$(VENV)/bin/kvoffload simulate --plot $(DEMO_PLOT)
+	@echo "== a CPU tier smaller than the working set, without and with the disk tier"
+	$(VENV)/bin/kvoffload simulate --workload mixed --requests 300 --cpu-chunks 1024 --quiet --no-baseline
+	rm -rf $(DEMO_DISK)
+	$(VENV)/bin/kvoffload simulate --workload mixed --requests 300 --cpu-chunks 1024 --quiet --disk $(DEMO_DISK)
 
 clean: ## remove build output
 	cargo clean

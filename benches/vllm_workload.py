@@ -113,6 +113,9 @@ SCHEDULER_METHODS = (
     "reset_cache",
 )
 CONNECTORS = ("vllm", "ours")
+# --clock: this thread's CPU time (what the connector costs the engine's thread, whatever else
+# runs on the machine) or wall time.
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
 
 
 # ----------------------------------------------------------------------------- workload
@@ -135,6 +138,7 @@ class Workload:
     user_tokens: tuple[int, int] = (32, 512)
     max_turns: int = 8
     idle_steps: tuple[int, int] = (10, 100)
+    clock: str = "cpu"  # "cpu": this thread's CPU time; "wall": wall time
     conversations_per_slot: int = 2
     gpu_tokens_per_seq: int = 6144
     cpu_factor: float = 2.0
@@ -333,8 +337,11 @@ def build_scheduler(w: Workload, connector: str) -> tuple[Any, Any]:
 class Timers:
     """Wraps a connector instance's scheduler-side methods with timers (outermost calls)."""
 
-    def __init__(self, conn: Any, profile: cProfile.Profile | None = None) -> None:
+    def __init__(
+        self, conn: Any, profile: cProfile.Profile | None = None, clock: str = "cpu"
+    ) -> None:
         self.conn = conn
+        self.clock = CLOCKS[clock]
         self.total: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.step = 0.0
@@ -348,7 +355,7 @@ class Timers:
                 setattr(conn, name, self._wrap(name, fn))
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.perf_counter
+        clock = self.clock
         total, calls = self.total, self.calls
         total[name] = 0.0
         calls[name] = 0
@@ -431,13 +438,11 @@ class FakeWorker:
                         self._count(into, g, int(n))
             loads = [(j, t.req_id) for j, t in meta.load_jobs.items()]
             return loads, list(meta.store_jobs), list(meta.jobs_to_flush or ())
-        loads = meta.load_requests()
-        stores = meta.store_ids()
-        for jobs, into in ((loads, self.loaded_blocks), (stores, self.stored_blocks)):
-            for j in jobs:
-                for g, gpu, _ in meta.transfers(j[0] if isinstance(j, tuple) else j):
-                    self._count(into, g, len(gpu))
-        return loads, stores, list(meta.flush)
+        rows = meta.run_rows()  # job index, group, GPU start, CPU start, length
+        nl = len(meta.load_jobs)
+        for k, g, n in zip(*(rows[:, c].tolist() for c in (0, 1, 4)), strict=True):
+            self._count(self.loaded_blocks if k < nl else self.stored_blocks, g, n)
+        return meta.load_requests(), meta.store_ids(), list(meta.flush)
 
     def _report(self, jobs: list[int]) -> Any:
         if self.connector == "vllm":
@@ -537,7 +542,8 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
     s, hasher = build_scheduler(w, connector)
     conn = s.get_kv_connector()
     prof = cProfile.Profile() if profile else None
-    timers = Timers(conn, prof)
+    timers = Timers(conn, prof, w.clock)
+    clock = timers.clock
     worker = FakeWorker(connector, w.seed)
     convs = Conversations(w)
     res = RunResult(
@@ -577,9 +583,9 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
         inflight[rid] = (cid, req, answer)
         res.submitted += 1
         res.prompt_tokens += len(ctx)
-        t_add = time.perf_counter()
+        t_add = clock()
         s.add_request(req)
-        return time.perf_counter() - t_add
+        return clock() - t_add
 
     for step in range(w.steps):
         timers.step = 0.0
@@ -592,9 +598,9 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
         adding = 0.0
         while ready and len(inflight) < w.b:
             adding += submit(ready.popleft()[1])
-        t1 = time.perf_counter()
+        t1 = clock()
         so = s.schedule()
-        t2 = time.perf_counter()
+        t2 = clock()
         res.preemptions += len(so.preempted_req_ids or ())
         loads_before = worker.load_jobs
         report, recv = worker.step(step, so.kv_connector_metadata)
@@ -617,9 +623,9 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
                 finished_recving=recv or None, kv_connector_worker_meta=report
             ),
         )
-        t3 = time.perf_counter()
+        t3 = clock()
         s.update_from_output(so, out)
-        t4 = time.perf_counter()
+        t4 = clock()
         res.step_ms.append(1e3 * timers.step)
         res.engine_ms.append(1e3 * (adding + (t2 - t1) + (t4 - t3)))
         for rid in [r for r in ids if inflight[r][1].is_finished()]:
@@ -728,6 +734,12 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-factor", type=float, default=Workload.cpu_factor, help="CPU bytes / GPU pool bytes"
     )
     ap.add_argument("--gpu-tokens-per-seq", type=int, default=Workload.gpu_tokens_per_seq)
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="cpu: the engine thread's CPU time (default; unaffected by other processes); wall",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile ours (an extra run)")
     ap.add_argument("--json", type=Path, help="write all results here")
     args = ap.parse_args(argv)
@@ -742,7 +754,10 @@ def main(argv: list[str] | None = None) -> int:
         if c not in CONNECTORS:
             ap.error(f"--connectors: {c!r} is not one of {CONNECTORS}")
     print(f"# {' '.join(sys.argv)}")
-    print(f"# vllm_workload: {args.steps} timed steps, seed {args.seed} ({pinned})")
+    print(
+        f"# vllm_workload: {args.steps} timed steps, seed {args.seed}, "
+        f"{args.clock} clock ({pinned})"
+    )
     rows: list[dict[str, Any]] = []
     for attention in attns:
         for b in bs:
@@ -756,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_only=args.prompt_only,
                 gpu_tokens_per_seq=args.gpu_tokens_per_seq,
                 cpu_factor=args.cpu_factor,
+                clock=args.clock,
             )
             runs = {}
             for c in conns:

@@ -5,6 +5,7 @@ serving byte-exact KV, corruption never served, and the inspect / verify report.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kvoffload._core import DiskWorker, disk_inspect
+from kvoffload.cli import main
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.transfer import TransferEngine
@@ -171,3 +173,47 @@ def test_disk_worker_rejects_bad_jobs_and_arguments(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="timeout=-1 must be"):
         disk.wait([1], timeout=-1.0)
     worker.shutdown()
+
+
+def test_simulate_restart_hits_disk_and_stays_exact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["simulate", "--workload", "sysprompt", "--requests", "40", "--scale", "0.5"]
+    args += ["--cpu-chunks", "64", "--disk", str(tmp_path), "--disk-bytes", str(16 << 20)]
+    json_path = tmp_path / "run.json"
+    assert main([*args, "--restart", "--quiet", "--json", str(json_path)]) == 0
+    out = capsys.readouterr().out
+    assert "before the restart" in out
+    assert "promoted from disk first" in out
+
+    f = json.loads(json_path.read_text())["figures"]
+    # The second run starts with an empty CPU pool: its hits come from disk, byte-exact.
+    assert f["disk_promoted_chunks"] > 0
+    assert f["disk_promoted_tokens"] > 0
+    assert f["cpu_hit_tokens"] > 0
+    assert f["integrity_mismatches"] == 0
+    assert f["leaked_jobs"] == 0
+    assert f["prefill_tokens"] < f["prefill_tokens_without_offload"]
+    assert main(["disk", "verify", str(tmp_path)]) == 0
+
+
+def test_disk_cli_inspect_verify_and_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fill(tmp_path)
+    assert main(["disk", "inspect", str(tmp_path), "--json"]) == 0
+
+    (rep,) = json.loads(capsys.readouterr().out)
+    assert (rep["chunks"], rep["quarantined"]) == (3, 0)
+    slab = Path(rep["dir"]) / "slab.kvo"
+    with open(slab, "r+b") as f:
+        f.seek(4096 + 7)
+        b = f.read(1)
+        f.seek(4096 + 7)
+        f.write(bytes([b[0] ^ 1]))
+    assert main(["disk", "verify", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "1 corrupt chunks" in captured.err
+    assert main(["disk", "inspect", str(tmp_path / "missing")]) == 2
+    assert main(["simulate", "--restart", "--quiet"]) == 2
+    assert "--restart needs --disk DIR" in capsys.readouterr().err

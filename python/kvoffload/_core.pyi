@@ -250,6 +250,24 @@ class Scheduler:
         preempted: Sequence[str] | None = None,
         written: Iterable[SupportsIndex] | None = None,
     ) -> StepPlan: ...
+    def schedule_batch(
+        self,
+        scheduled: Sequence[str],
+        computed: Sequence[int],
+        *,
+        added: dict[str, int] | None = None,
+        appended: Sequence[Sequence[Sequence[SupportsIndex]] | None] | None = None,
+        tables: Sequence[tuple[str, Sequence[Sequence[SupportsIndex]]]] | None = None,
+        hashes: dict[str, Sequence[bytes | int]] | None = None,
+        finished: Sequence[str] | None = None,
+        aborted: Sequence[str] | None = None,
+        preempted: Sequence[str] | None = None,
+        written: Iterable[SupportsIndex] | None = None,
+    ) -> tuple[list[int], list[str], list[int], list[int], bytes]: ...
+    def sync_request(
+        self, request_id: str, prompt_len: int, block_hashes: Sequence[bytes | int]
+    ) -> None: ...
+    def set_event_limit(self, limit: int) -> None: ...
     def preempt(self, request_id: str) -> None: ...
     def complete(
         self, job: int, worker: int | None = None, ok: bool | None = None

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["build_parser", "main"]
 
@@ -163,6 +163,27 @@ def build_parser() -> argparse.ArgumentParser:
         "bytes moved and flushes over the run; needs pip install 'kvoffload[plot]'",
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument(
+        "--disk",
+        dest="disk_path",
+        metavar="DIR",
+        help="a disk tier below the CPU pool in DIR (kept across runs)",
+    )
+    s.add_argument(
+        "--disk-bytes",
+        dest="disk_bytes",
+        type=_positive,
+        default=1 << 30,
+        metavar="N",
+        help="bytes of the disk tier per KV group (default: 1 GiB)",
+    )
+    s.add_argument(
+        "--restart",
+        action="store_true",
+        help="with --disk: run the workload, close, reopen the same directory and run it "
+        "again; the table is the second run's (its first requests hit disk)",
+    )
+    _add_disk_parser(sub)
     return p
 
 
@@ -194,6 +215,56 @@ class _Progress:
         sys.stderr.flush()
 
 
+def _add_disk_parser(sub: Any) -> None:
+    """``kvoffload disk inspect DIR`` and ``kvoffload disk verify DIR``."""
+    d = sub.add_parser(
+        "disk",
+        help="inspect or verify a disk tier directory",
+        description="Report a disk tier directory (read-only): one line per namespace.",
+    )
+    dsub = d.add_subparsers(dest="disk_command", metavar="ACTION")
+    dsub.required = True
+    for name, what in (
+        ("inspect", "namespaces, chunks, bytes and quarantined slots (headers only)"),
+        ("verify", "read every chunk and check every checksum; exit status 1 if any is bad"),
+    ):
+        a = dsub.add_parser(name, help=what, description=what)
+        a.add_argument("dir", metavar="DIR", help="the disk tier's directory (disk_path)")
+        a.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _disk(args: argparse.Namespace) -> int:
+    from kvoffload._core import disk_inspect
+    from kvoffload.errors import KvOffloadError
+
+    verify = args.disk_command == "verify"
+    if not os.path.isdir(args.dir):
+        print(f"kvoffload disk: error: {args.dir!r} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        reports = disk_inspect(args.dir, verify=verify)
+    except KvOffloadError as e:
+        print(f"kvoffload disk: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([{**r, "dir": str(r["dir"])} for r in reports], indent=2))
+    else:
+        cols = ["namespace", "group", "chunk_bytes", "slots", "chunks", "free", "quarantined"]
+        cols += ["disk_bytes"] + (["verified", "corrupt"] if verify else [])
+        rows = [cols] + [[str(r[c]) for c in cols] for r in reports]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+        for row in rows:
+            print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+        chunks = sum(r["chunks"] for r in reports)
+        used = sum(r["disk_bytes"] for r in reports)
+        print(f"{len(reports)} namespaces, {chunks} chunks, {used} bytes on disk")
+    bad = sum(r.get("corrupt", 0) for r in reports)
+    if bad:
+        print(f"kvoffload disk verify: FAILED: {bad} corrupt chunks", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from kvoffload.errors import ConfigError
     from kvoffload.sim import SimConfig, SimError, simulate
@@ -210,6 +281,14 @@ def _simulate(args: argparse.Namespace) -> int:
         given = vars(args)
         cfg = SimConfig(**{f.name: given[f.name] for f in fields(SimConfig) if f.name in given})
         cfg.validate()
+        if args.restart and cfg.disk_path is None:
+            raise ConfigError("--restart needs --disk DIR")
+        if args.restart:
+            first = simulate(cfg, progress=_Progress("offload (fill disk)", not args.quiet))
+            print(
+                f"before the restart: {first.disk_written_chunks:,} chunks written to "
+                f"{cfg.disk_path}, {first.prefill_tokens:,} prefill tokens"
+            )
         run = simulate(cfg, progress=_Progress("offload", not args.quiet))
         base = None
         if not args.no_baseline:
@@ -255,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "simulate":
         return _simulate(args)
+    if args.command == "disk":
+        return _disk(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -2,7 +2,8 @@
 //!
 //! Integer arrays arrive as lists, tuples, ranges or any iterable of ints (numpy integer arrays
 //! included); lists and tuples take a fast path without the iterator protocol. Pool keys are
-//! ints in `0..2**128` or `bytes` (opaque hashes, see [`Key::from_bytes`]).
+//! ints in `0..2**128` or `bytes` (opaque hashes, see [`Key::from_bytes`]); engine hashes
+//! ([`engine_hash`]) keep the 64-bit int the engine publishes for its bytes.
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -27,22 +28,25 @@ pub fn describe(item: &Bound<'_, PyAny>) -> String {
     format!("{repr} ({ty})")
 }
 
-/// Extracts a non-negative integer below `limit`; `err` builds the exception.
+/// Extracts a non-negative integer below `limit`; `err` builds the exception, naming the value
+/// `what()` (called only on error: conversions of whole arrays format no names).
 fn extract_index(
     item: &Bound<'_, PyAny>,
-    what: &str,
+    what: impl FnOnce() -> String,
     limit: u128,
     err: fn(String) -> PyErr,
 ) -> PyResult<u64> {
     match int_value(item) {
         Some(Ok(v)) if v >= 0 && (v as u128) < limit => Ok(v as u64),
-        Some(Ok(v)) => Err(err(format!("{what} must be in 0..{limit}, got {v}"))),
+        Some(Ok(v)) => Err(err(format!("{} must be in 0..{limit}, got {v}", what()))),
         Some(Err(())) => Err(err(format!(
-            "{what} must be in 0..{limit}, got {}",
+            "{} must be in 0..{limit}, got {}",
+            what(),
             describe(item)
         ))),
         None => Err(err(format!(
-            "{what} must be an integer, got {}",
+            "{} must be an integer, got {}",
+            what(),
             describe(item)
         ))),
     }
@@ -80,7 +84,7 @@ pub fn for_each_item<'py>(
 pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
     let mut out = Vec::new();
     for_each_item(obj, what, |i, item| {
-        out.push(block(item, &format!("{what}[{i}]"))?);
+        out.push(block_named(item, || format!("{what}[{i}]"))?);
         Ok(())
     })
     .map_err(|e| {
@@ -108,18 +112,34 @@ impl<'py> IntoPyObject<'py> for BlockId {
 
 /// Extracts one block id.
 pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
+    block_named(obj, || what.to_owned())
+}
+
+/// Extracts one block id, named `what()` in an error.
+fn block_named(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<BlockId> {
     extract_index(obj, what, u128::from(u32::MAX), InvalidBlockError::new_err)
         .map(|b| BlockId(b as u32))
 }
 
 /// Extracts a request id used as a job owner (a non-negative 64-bit integer).
 pub fn owner(obj: &Bound<'_, PyAny>) -> PyResult<OwnerId> {
-    extract_index(obj, "request id", 1 << 64, InvalidRequestError::new_err).map(OwnerId)
+    extract_index(
+        obj,
+        || "request id".to_owned(),
+        1 << 64,
+        InvalidRequestError::new_err,
+    )
+    .map(OwnerId)
 }
 
 /// Extracts one pool key: an `int` in `0..2**128` (numpy integers included) or `bytes`.
 /// Negative ints, bools, floats, strings and everything else raise `InvalidKeyError`.
 pub fn key(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Key> {
+    key_named(obj, || what.to_owned())
+}
+
+/// [`key`], naming the value `what()` (called only on error).
+fn key_named(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<Key> {
     if let Ok(b) = obj.cast::<PyBytes>() {
         return Ok(Key::from_bytes(b.as_bytes()));
     }
@@ -129,15 +149,50 @@ pub fn key(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Key> {
         }
         if obj.is_instance_of::<PyInt>() || obj.extract::<i128>().is_ok() {
             return Err(InvalidKeyError::new_err(format!(
-                "{what} must be an int in 0..2**128 or bytes, got {}",
+                "{} must be an int in 0..2**128 or bytes, got {}",
+                what(),
                 describe(obj)
             )));
         }
     }
     Err(InvalidKeyError::new_err(format!(
-        "{what} must be an int or bytes, got {}",
+        "{} must be an int or bytes, got {}",
+        what(),
         describe(obj)
     )))
+}
+
+/// Extracts one engine hash as the engine publishes it: `bytes` become the integer of their
+/// last 8 bytes, big-endian (vLLM's 32-byte `BlockHash` -> the 64-bit int of its KV events);
+/// ints are taken as [`key`] takes them.
+pub fn engine_hash(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<Key> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let b = b.as_bytes();
+        let tail = &b[b.len().saturating_sub(8)..];
+        let mut be = [0u8; 8];
+        be[8 - tail.len()..].copy_from_slice(tail);
+        return Ok(Key(u128::from(u64::from_be_bytes(be))));
+    }
+    key_named(obj, what)
+}
+
+/// Extracts the engine hashes of a hash list (a list or a tuple) from position `start` on.
+pub fn engine_hashes_from(obj: &Bound<'_, PyAny>, start: usize, what: &str) -> PyResult<Vec<Key>> {
+    let one = |i: usize, item: &Bound<'_, PyAny>| engine_hash(item, || format!("{what}[{i}]"));
+    if let Ok(list) = obj.cast::<PyList>() {
+        (start..list.len())
+            .map(|i| one(i, &list.get_item(i)?))
+            .collect()
+    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        (start..tuple.len())
+            .map(|i| one(i, &tuple.get_item(i)?))
+            .collect()
+    } else {
+        Err(InvalidKeyError::new_err(format!(
+            "{what} must be a list or tuple of hashes (bytes or int), got {}",
+            describe(obj)
+        )))
+    }
 }
 
 /// Extracts a sequence of pool keys (a list, tuple or any iterable of keys; not a lone `str`,
@@ -154,7 +209,7 @@ pub fn keys(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Key>> {
     }
     let mut out = Vec::new();
     for_each_item(obj, what, |i, item| {
-        out.push(key(item, &format!("{what}[{i}]"))?);
+        out.push(key_named(item, || format!("{what}[{i}]"))?);
         Ok(())
     })
     .map_err(|e| {

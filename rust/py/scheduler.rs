@@ -12,8 +12,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
+use super::batch;
 use super::convert;
 use super::convert::Arg;
 use super::errors::to_py;
@@ -649,6 +650,226 @@ impl Scheduler {
             )?
             .unbind(),
         })
+    }
+
+    /// One engine step from the sequences the engine holds (see `batch`): `scheduled` ids and
+    /// their `computed` tokens before the step, plus `added[id]` (the step's scheduled tokens)
+    /// where `added` is given; `appended` (parallel to `scheduled`, `None` or one block list per
+    /// group) the blocks appended this step; `tables` `(id, one block list per group)` whole
+    /// tables, of which the blocks beyond the core's are appended; `hashes` maps ids to their
+    /// whole, growing hash lists (read where the core lacks hashes). Appended blocks count as
+    /// written; `written` adds the others (`None`: the conservative fence). Returns `(load job
+    /// ids, their request ids, store job ids, flush, runs)`.
+    #[pyo3(signature = (
+        scheduled, computed, *, added = None, appended = None, tables = None, hashes = None,
+        finished = None, aborted = None, preempted = None, written = None
+    ))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn schedule_batch<'py>(
+        &self,
+        py: Python<'py>,
+        scheduled: &Bound<'py, PyAny>,
+        computed: &Bound<'py, PyAny>,
+        added: Option<&Bound<'py, PyAny>>,
+        appended: Option<&Bound<'py, PyAny>>,
+        tables: Option<&Bound<'py, PyAny>>,
+        hashes: Option<&Bound<'py, PyAny>>,
+        finished: Option<&Bound<'py, PyAny>>,
+        aborted: Option<&Bound<'py, PyAny>>,
+        preempted: Option<&Bound<'py, PyAny>>,
+        written: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(
+        Vec<u64>,
+        Vec<String>,
+        Vec<u64>,
+        Vec<u64>,
+        Bound<'py, PyBytes>,
+    )> {
+        let added = batch::dict_arg(added, "added")?;
+        let hashes = batch::dict_arg(hashes, "hashes")?;
+        let sched = convert::items(
+            scheduled,
+            "scheduled",
+            "a sequence of request ids (str)",
+            StepInputError::new_err,
+        )?
+        .into_iter()
+        .enumerate()
+        .map(|(i, obj)| {
+            let id = convert::request_id_owned(obj.clone(), || format!("scheduled[{i}]"))?;
+            Ok(batch::Scheduled { obj, id })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+        let counts = convert::items(
+            computed,
+            "computed",
+            "a sequence of token counts",
+            StepInputError::new_err,
+        )?;
+        if counts.len() != sched.len() {
+            return Err(StepInputError::new_err(format!(
+                "step input: {} scheduled request ids but {} computed-token counts",
+                sched.len(),
+                counts.len()
+            )));
+        }
+        let mut tokens = Vec::with_capacity(sched.len());
+        for (i, (c, s)) in counts.iter().zip(&sched).enumerate() {
+            let mut n = match convert::int_value(c) {
+                Some(Ok(v)) if (0..=i128::from(u32::MAX)).contains(&v) => v as u32,
+                _ => convert::tokens(c, &format!("computed[{i}]"), StepInputError::new_err)?,
+            };
+            if let Some(more) = added.map(|a| a.get_item(&s.obj)).transpose()?.flatten() {
+                let what = || format!("added[{:?}]", &*s.id);
+                let more = match convert::int_value(&more) {
+                    Some(Ok(v)) if (0..=i128::from(u32::MAX)).contains(&v) => v as u32,
+                    _ => convert::tokens(&more, &what(), StepInputError::new_err)?,
+                };
+                n = n.checked_add(more).ok_or_else(|| {
+                    StepInputError::new_err(format!("computed[{i}] + {} overflows 2**32", what()))
+                })?;
+            }
+            tokens.push(n);
+        }
+        let finished = id_list(finished, "finished")?;
+        let aborted = id_list(aborted, "aborted")?;
+        let preempted = id_list(preempted, "preempted")?;
+        let whole = match tables {
+            Some(t) if !t.is_none() => convert::items(
+                t,
+                "tables",
+                "a sequence of (request_id, block tables) pairs",
+                StepInputError::new_err,
+            )?
+            .iter()
+            .enumerate()
+            .map(|(i, pair)| {
+                let what = format!("tables[{i}]");
+                let f = fields(pair, 2, &what, "(request_id, block tables) pair")?;
+                let [id, lists] = <[_; 2]>::try_from(f).expect("two fields");
+                let name = convert::request_id_owned(id.clone(), || format!("{what}[0]"))?;
+                Ok((id, name, batch::group_lists(&lists, &format!("{what}[1]"))?))
+            })
+            .collect::<PyResult<Vec<_>>>()?,
+            _ => Vec::new(),
+        };
+        let released: Vec<&str> = finished.iter().chain(&aborted).map(|id| &**id).collect();
+        let table_ids: Vec<&str> = whole.iter().map(|(_, name, _)| &**name).collect();
+        let sizes = batch::sizes(&self.lock(), &sched, &released, &table_ids);
+
+        let mut hash_tails = Vec::new();
+        if let Some(lists) = hashes {
+            for (k, (s, held)) in sched.iter().zip(&sizes.hashes).enumerate() {
+                let Some(held) = *held else { continue };
+                if (tokens[k] / sizes.hash_block_size) as usize <= held {
+                    continue;
+                }
+                if let Some(tail) = batch::hash_tail(lists, &s.obj, held)? {
+                    hash_tails.push((s.id.to_string(), tail));
+                }
+            }
+            for (id, held) in released.iter().zip(&sizes.released_hashes) {
+                let Some(held) = *held else { continue };
+                let key = PyString::new(py, id);
+                if let Some(tail) = batch::hash_tail(lists, key.as_any(), held)? {
+                    hash_tails.push(((*id).to_owned(), tail));
+                }
+            }
+        }
+        let mut new_blocks = Vec::new();
+        let mut fresh = Vec::new();
+        if let Some(app) = appended.filter(|a| !a.is_none()) {
+            let items = convert::items(
+                app,
+                "appended",
+                "a sequence of per-group block lists (or None), one per scheduled request",
+                StepInputError::new_err,
+            )?;
+            if items.len() != sched.len() {
+                return Err(StepInputError::new_err(format!(
+                    "step input: {} scheduled request ids but {} appended block lists",
+                    sched.len(),
+                    items.len()
+                )));
+            }
+            for (k, (item, s)) in items.iter().zip(&sched).enumerate() {
+                if item.is_none() {
+                    continue;
+                }
+                let what = format!("appended[{k}]");
+                let lists = batch::group_lists(item, &what)?;
+                batch::append_groups(&s.obj, &lists, &[], &what, &mut new_blocks, &mut fresh)?;
+            }
+        }
+        for (k, ((id, _, lists), held)) in whole.iter().zip(&sizes.tables).enumerate() {
+            let what = format!("tables[{k}][1]");
+            batch::append_groups(id, lists, held, &what, &mut new_blocks, &mut fresh)?;
+        }
+        let written = match written {
+            Some(w) if !w.is_none() => {
+                let mut w = convert::blocks(w, "written")?;
+                w.append(&mut fresh);
+                Some(w)
+            }
+            _ => None,
+        };
+        let input = StepInput {
+            scheduled: sched.into_iter().map(|s| s.id).collect(),
+            computed: tokens,
+            new_blocks,
+            resumed: Vec::new(),
+            finished,
+            aborted,
+            preempted,
+            written,
+        };
+        let plan = {
+            let mut core = self.lock();
+            for (id, tail) in &hash_tails {
+                core.extend_hashes(id, tail).map_err(to_py)?;
+            }
+            core.schedule(&input).map_err(to_py)?
+        };
+        let runs = batch::encode_runs(plan.loads.iter().chain(&plan.stores));
+        Ok((
+            plan.loads.iter().map(|j| j.id.0).collect(),
+            plan.loads.into_iter().map(|j| j.request).collect(),
+            plan.stores.iter().map(|j| j.id.0).collect(),
+            plan.flush.iter().map(|j| j.0).collect(),
+            PyBytes::new(py, &runs),
+        ))
+    }
+
+    /// Registers a request (prompt length and hashes) if the core does not track it, else
+    /// appends the hashes beyond those it holds. `block_hashes` is the request's whole hash list
+    /// so far; `bytes` hashes are keyed by the int of their last 8 bytes, big-endian (the
+    /// 64-bit ints vLLM publishes in its KV events). Only the new hashes are converted.
+    fn sync_request(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        prompt_len: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = convert::request_id(request_id, "request_id")?;
+        let held = self.lock().num_hashes(id).ok();
+        let tail = convert::engine_hashes_from(block_hashes, held.unwrap_or(0), "block_hashes")?;
+        match held {
+            None => {
+                let n = request_tokens(prompt_len, "prompt_len")?;
+                self.lock().add_request(id, n, tail).map_err(to_py)
+            }
+            Some(_) if tail.is_empty() => Ok(()),
+            Some(_) => self.lock().extend_hashes(id, &tail).map_err(to_py),
+        }
+    }
+
+    /// Bounds each CPU pool's event queue to `limit` keys; 0 records no events (for an engine
+    /// that publishes none).
+    fn set_event_limit(&self, limit: &Bound<'_, PyAny>) -> PyResult<()> {
+        let limit = convert::config_int(limit, "limit")?;
+        let limit = crate::config::event_limit(limit).map_err(to_py)?;
+        self.lock().set_event_limit(limit);
+        Ok(())
     }
 
     /// Records worker `worker`'s report for `job`. Returns the completed job when every worker

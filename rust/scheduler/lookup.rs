@@ -48,7 +48,9 @@ impl Scheduler {
             r.first_ask = Some(self.step);
         }
         let (end, storing) = self.hit_end(r, hit);
-        if self.promote(r, hit.max(end), self.lookup_cap(r)) {
+        // Promote on the first ask only: later asks wait for those chunks (being stored in the
+        // CPU pool) and load what is there; they never chase chunks promoted since.
+        if first_ask && self.promote(r, hit.max(end), self.lookup_cap(r)) {
             return None;
         }
         if end == 0 {

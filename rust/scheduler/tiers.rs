@@ -7,7 +7,7 @@
 //!   [`TierJobKind::Write`] job per group goes into the next plan. When every rank reported it,
 //!   the slots are unpinned and the tier publishes the keys (or drops them if any rank failed).
 //!   Eviction from the CPU pool never writes.
-//! - *Promotion*: a lookup whose leading chunks are neither ready nor being stored in the CPU
+//! - *Promotion*: a request's first lookup (per admission) whose leading chunks are neither ready nor being stored in the CPU
 //!   pool but ready in the tier reserves CPU slots for them (storing: not readable), pins them in
 //!   the tier ([`TierIndex::prepare_read`]), emits a [`TierJobKind::Promote`] job and answers
 //!   "ask later". Other requests needing the same chunks see them as being stored and wait for
@@ -217,7 +217,8 @@ impl Scheduler {
                 continue;
             }
             let ct = self.cfg.chunk_tokens(g);
-            let keys: Vec<Key> = (hit / ct..cap / ct)
+            // A sliding-window group needs only the window before the end point.
+            let keys: Vec<Key> = (self.first_needed_chunk(g, hit, cap)..cap / ct)
                 .filter_map(|c| self.key(r, g, c))
                 .collect();
             // The chunks the CPU pool lacks, up to the first one no tier holds either.
@@ -242,6 +243,8 @@ impl Scheduler {
                 }
                 want.push(k);
             }
+            // At most half the CPU pool: a promotion must not evict what it promotes.
+            want.truncate((self.cfg.cpu_chunks as usize / 2).max(1));
             if want.is_empty() {
                 continue;
             }

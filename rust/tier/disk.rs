@@ -13,7 +13,8 @@
 //!   [`SlabFile::scan`] on every rank: a slot is readable only when every rank committed the same
 //!   key and generation in it.
 //! - [`SlabFile`] (worker side, the I/O): [`SlabFile::write`] publishes a batch in two phases —
-//!   old headers invalidated, data written, one `fdatasync`, then the new headers — so a crash at
+//!   each slot's header block zeroed together with its data (one write), one `fdatasync`,
+//!   then the new headers — so a crash at
 //!   any point leaves every slot either free, or holding the old chunk's header never over new
 //!   data that fails its checksum, or holding the new, complete chunk. [`SlabFile::read`] checks
 //!   the header against what the index expects (namespace, key, group, length, generation) and
@@ -22,6 +23,18 @@
 //!   I/O is buffered ([`IoStats`] counts both).
 //!
 //! [`DiskTier`] puts both halves in one process (simulator, CLI, tests, benches).
+//!
+//! Why not `foyer` (issue 14 asked to evaluate it first): its hybrid cache owns the index
+//! and the I/O in one process behind an async (tokio) API, and rebuilds its index in the
+//! process that opens the device. In vLLM the scheduler (which must answer lookups
+//! synchronously, in microseconds, and plan which chunk goes where) and the workers (which
+//! hold the pool memory, one per tensor-parallel rank, each with its own bytes) are different
+//! processes: a foyer instance per worker gives the scheduler no index to look up, and one in
+//! the scheduler cannot read or write the workers' pool memory. It also has no notion of "a
+//! chunk is readable only when every rank committed it" ([`DiskIndex::recover`]). The missed
+//! acceptance points are therefore the scheduler-side lookup (the criterion bench at 10 M
+//! slots has no foyer equivalent in the scheduler process) and restart recovery across ranks;
+//! no throughput measurement could change that, so none was made.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -235,6 +248,8 @@ pub struct SlabFile {
     group: u32,
     sync: bool,
     stats: IoStats,
+    /// Two blocks of zeros, one of them block-aligned ([`SlabFile::zero_block`]).
+    zeros: Vec<u8>,
 }
 
 fn io_err(path: &Path, what: &str, e: &io::Error) -> Error {
@@ -299,7 +314,14 @@ impl SlabFile {
             group: ns.group,
             sync,
             stats: IoStats::default(),
+            zeros: vec![0; 2 * BLOCK as usize],
         })
+    }
+
+    /// A block-aligned block of zeros (written over a slot's header block with its data).
+    fn zero_block(&self) -> &[u8] {
+        let at = self.zeros.as_ptr().align_offset(BLOCK as usize);
+        &self.zeros[at..at + BLOCK as usize]
     }
 
     /// The file's path.
@@ -401,23 +423,17 @@ impl SlabFile {
                 Ok(0)
             })
             .collect();
-        // Phase 0: no old header may stand over new data.
-        for (it, r) in items.iter().zip(&mut results) {
-            if r.is_ok() {
-                if let Err(e) = self
-                    .file
-                    .write_all_at(&[0u8; HEADER_LEN], self.layout.header_offset(it.slot))
-                {
-                    *r = Err(e);
-                }
-            }
-        }
-        // Phase 1: data, then one barrier for the whole batch.
+        // Phase 1: each slot's header block zeroed (no old header may stand over new data)
+        // and its data, in one write; then one barrier for the whole batch. The checksum is
+        // computed on this I/O thread (a second thread would take a core from the engine).
         for (it, r) in items.iter().zip(&mut results) {
             if r.is_ok() {
                 let crc = checksum(it.pieces.iter().copied());
+                let mut pieces = Vec::with_capacity(it.pieces.len() + 1);
+                pieces.push(self.zero_block());
+                pieces.extend_from_slice(&it.pieces);
                 *r = self
-                    .write_data(self.layout.data_offset(it.slot), &it.pieces)
+                    .write_data(self.layout.header_offset(it.slot), &pieces)
                     .map(|()| crc);
             }
         }
@@ -1121,6 +1137,7 @@ pub fn inspect(root: &Path, verify: bool) -> Result<Vec<NamespaceReport>> {
                 group,
                 sync: false,
                 stats: IoStats::default(),
+                zeros: Vec::new(),
             };
             for &(slot, _, _) in &scan.chunks {
                 match slab.verify_slot(slot) {

@@ -71,9 +71,7 @@ pub enum HeaderError {
 /// CRC-32C of a chunk's data given as pieces, in order (the same value as of their
 /// concatenation).
 pub fn checksum<'a>(pieces: impl IntoIterator<Item = &'a [u8]>) -> u32 {
-    pieces
-        .into_iter()
-        .fold(0, crc32c::crc32c_append)
+    pieces.into_iter().fold(0, crc32c::crc32c_append)
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {

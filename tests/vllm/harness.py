@@ -23,6 +23,7 @@ import torch
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -58,8 +59,10 @@ def make_config(
     async_scheduling: bool = False,
     failure_policy: str = "fail",
     tensor_parallel_size: int = 1,
+    kv_events: bool = False,
 ) -> tuple[VllmConfig, KVCacheConfig]:
-    """A vLLM config with our connector (``extra``: its ``kv_connector_extra_config``)."""
+    """A vLLM config with our connector (``extra``: its ``kv_connector_extra_config``); with
+    ``kv_events``, vLLM collects KV events (published nowhere)."""
     model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32", seed=0)
     sched = SchedulerConfig(
         max_num_seqs=8,
@@ -85,6 +88,9 @@ def make_config(
         kv_transfer_config=ktc,
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
     )
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32)
     names = [f"layer{i}" for i in range(LAYERS)]
@@ -152,10 +158,11 @@ class Harness:
         copy_delay_s: float = 0.0,
         failure_policy: str = "fail",
         block_errors_only: bool = False,
+        kv_events: bool = False,
         **extra: Any,
     ) -> None:
         ex = {"cpu_chunks": 256, **extra}
-        vc, kcc = make_config(num_blocks, ex, async_scheduling, failure_policy, tp)
+        vc, kcc = make_config(num_blocks, ex, async_scheduling, failure_policy, tp, kv_events)
         assert vc.parallel_config.world_size == tp
         self.vc = vc
         self.hasher, self.sched, self.conn = build_scheduler(vc, kcc, async_scheduling)

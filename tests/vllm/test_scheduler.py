@@ -122,8 +122,9 @@ def test_conservative_fence_flushes_at_least_as_much() -> None:
     assert run(False) >= run(True) >= 1
 
 
-def test_stats_and_events_surface() -> None:
-    h = Harness(64)
+@pytest.mark.parametrize("kv_events", [True, False], ids=["events", "no-events"])
+def test_stats_and_events_surface(kv_events: bool) -> None:
+    h = Harness(64, kv_events=kv_events)
     seen: list[Any] = []
     take = h.conn.take_events
 
@@ -148,8 +149,19 @@ def test_stats_and_events_surface() -> None:
     h.run_until_done()
     h.drain()
     stored = [e for e in seen if type(e).__name__ == "BlockStored"]
-    assert sum(len(e.block_hashes) for e in stored) == 5  # 80 tokens: 5 full blocks
-    assert all(e.medium == "CPU" for e in seen)
+    pool = h.conn.scheduler_side.sched.stats()["pools"][0]
+    if kv_events:
+        assert sum(len(e.block_hashes) for e in stored) == 5  # 80 tokens: 5 full blocks
+        assert all(e.medium == "CPU" for e in seen)
+        # The keys are vLLM's own 64-bit event ints of the request's block hashes.
+        want = [int.from_bytes(x, "big") & ((1 << 64) - 1) for x in h.reqs["a"].block_hashes]
+        assert [k for e in stored for k in e.block_hashes] == want[:5]
+    else:
+        # KV events off: the core queues none (the pool counts them as dropped).
+        assert seen == []
+        assert pool["event_keys_queued"] == 0
+        assert pool["events_dropped"] >= 1
+    assert pool["used"] == 5
     red = stats.reduce()
     assert red["store_jobs"] == 1
     assert red["sched_steps"] >= 3

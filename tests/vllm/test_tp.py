@@ -34,7 +34,7 @@ def async_sched(request: pytest.FixtureRequest) -> bool:
 
 @pytest.fixture
 def harness(async_sched: bool) -> Any:
-    h = Harness(64, tp=TP, async_scheduling=async_sched)
+    h = Harness(64, tp=TP, async_scheduling=async_sched, kv_events=True)
     yield h
     h.shutdown()
 

@@ -69,6 +69,9 @@ class SimConfig:
             ``seed``): the run must stay exact, the requests recompute.
         store_fault_rate: Share of store jobs failed on purpose (never published).
         max_steps: Give up after this many steps.
+        disk_path: Directory of a disk tier below the CPU pool (None: no disk tier). A run on a
+            directory an earlier run filled starts with its chunks on disk.
+        disk_bytes: Bytes of the disk tier per KV group (with ``disk_path``).
     """
 
     workload: str = "mixed"
@@ -97,6 +100,8 @@ class SimConfig:
     load_fault_rate: float = 0.0
     store_fault_rate: float = 0.0
     max_steps: int = 1_000_000
+    disk_path: str | None = None
+    disk_bytes: int = 0
 
     @property
     def windows(self) -> list[int | None]:
@@ -124,6 +129,9 @@ class SimConfig:
             max_loading_requests=self.max_loading_requests,
             null_block=NULL_BLOCK,
             debug_skip_deferred_arming=self.skip_deferred_arming,
+            disk_path=self.disk_path,
+            disk_bytes=self.disk_bytes if self.disk_path is not None else None,
+            disk_model="kvoffload-sim",
         )
 
     def validate(self) -> None:
@@ -148,6 +156,12 @@ class SimConfig:
             v = getattr(self, name)
             if v not in choices:
                 raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {v!r}")
+        if self.disk_path is not None:
+            b = self.disk_bytes
+            if not isinstance(self.disk_path, str):
+                raise ConfigError(f"disk_path must be a string, got {self.disk_path!r}")
+            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+                raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' was asked for, but CUDA is not available here")
         self.offload_config().resolved_cpu_chunks()  # the core checks the scheduler's values

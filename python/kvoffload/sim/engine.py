@@ -303,7 +303,10 @@ class Simulator:
             r.state = "waiting"
             self.waiting.append(r)
             if self.offload is not None:
-                hashes = r.stream.hash_list[: r.known // self.bs]
+                # Not the block of the last prompt token: the engine computes at least one
+                # token to sample (as its own prefix cache does), so the offload tier must not
+                # answer the whole prompt (a repeated prompt, e.g. after a restart, stalled).
+                hashes = r.stream.hash_list[: (r.known - 1) // self.bs]
                 r.hashes_sent = len(hashes)
                 self.offload.add_request(r, hashes)
 

@@ -31,6 +31,7 @@ from kvoffload.sim.request import SimRequest
 from kvoffload.sim.result import SimResult
 from kvoffload.sim.vllm_rule import VllmRuleFence
 from kvoffload.transfer import TransferEngine
+from kvoffload.transfer.disk import open_disk_worker
 
 __all__ = ["LoadDone", "Offload"]
 
@@ -74,6 +75,17 @@ class Offload:
             _before_copy=hook,
             _fault_injector=self._inject_fault if faults else None,
         )
+        self.disk = None
+        self.tier_ids: set[int] = set()
+        """Tier jobs (write-behind, promotion) submitted and not completed yet."""
+        if cfg.disk_path is not None:
+            self.disk = open_disk_worker(
+                self.xfer,
+                cfg.disk_path,
+                cfg.disk_bytes,
+                [cfg.block_size] * len(cfg.windows),
+                model="kvoffload-sim",
+            )
 
     def _inject_fault(self, job_id: int) -> None:
         """Fails a job with the configured probability (the same jobs for the same config)."""
@@ -135,6 +147,31 @@ class Offload:
         self.result.flushes_vllm_rule = self.vllm_rule.flushed
         self._workers(plan)
 
+    def _tiers(self, plan: Any) -> None:
+        """Hands the plan's tier jobs to the disk worker (its own threads run them)."""
+        if plan.tier_jobs and self.disk is not None:
+            self.disk.submit(plan.tier_jobs)
+            for j in plan.tier_jobs:
+                self.tier_ids.add(j[0])
+                if j[1] == "write":
+                    self.result.disk_written_chunks += len(j[4])
+                else:
+                    self.result.disk_promoted_chunks += len(j[4])
+                    if j[3] == 0:
+                        self.result.disk_promoted_group0_chunks += len(j[4])
+
+    def _collect_tiers(self, block: bool) -> int:
+        """Completes finished tier jobs (with ``block``, waits for every one first); returns
+        how many."""
+        if self.disk is None or not self.tier_ids:
+            return 0
+        done = self.disk.wait(list(self.tier_ids)) if block else self.disk.poll()
+        for job_id, ok in sorted(done):
+            self.tier_ids.discard(job_id)
+            self.result.disk_failed_jobs += not ok
+            self._sc(self.sched.complete, job_id, 0, ok)
+        return len(done)
+
     def _track_store(self, job: Any) -> tuple[int, Transfers]:
         """Records a plan's store job for verification; returns it as ``step`` takes it."""
         transfers = [(int(g), list(gb), list(cb)) for g, gb, cb in job.transfers]
@@ -168,6 +205,7 @@ class Offload:
             loads.append((job.job_id, transfers))
         self.result.flushed_jobs += len(plan.flush)
         flush = list(plan.flush) if self.cfg.fence != "off" else []
+        self._tiers(plan)
         t = time.perf_counter()
         self.xfer.step(stores, flush, loads)
         if flush:
@@ -178,19 +216,21 @@ class Offload:
 
     def busy(self) -> bool:
         """Whether a job is in flight or a copy is queued."""
-        return bool(self.inflight_ids) or self.xfer.stats()["queued"] > 0
+        return bool(self.inflight_ids) or bool(self.tier_ids) or self.xfer.stats()["queued"] > 0
 
     def wait_inflight(self, step: int) -> None:
         """Waits for every job in flight and completes them."""
         if self.inflight_ids:
             self.xfer.wait(list(self.inflight_ids))
             self.collect(block=False, step=step)
+        self._collect_tiers(block=True)
 
     def collect(self, *, block: bool, step: int) -> None:
         """Takes finished copies (with ``block``, waits for every job in flight first) and
         completes them in the scheduler; stores are checked, loads go to ``on_load``."""
         if block and self.inflight_ids:
             self.xfer.wait(list(self.inflight_ids))
+        self._collect_tiers(block)
         results = sorted(self.xfer.poll(), key=lambda res: res.job_id)
         res_acc = self.result
         for res in results:
@@ -230,7 +270,11 @@ class Offload:
         self.collect(block=False, step=step)
         left = -1
         for _ in range(10_000):  # each round completes jobs or drops requests; bounded anyway
-            if not self.sched.num_requests or self.sched.num_requests == left:
+            # With a disk tier, the last stores' write-behind jobs may still be to run.
+            tiers_busy = self.disk is not None and bool(self.sched.pending_jobs())
+            if not self.sched.num_requests and not tiers_busy:
+                break
+            if self.sched.num_requests == left:
                 break
             left = self.sched.num_requests
             plan = self._sc(self.sched.schedule, StepInput(scheduled=[], written=[]))
@@ -238,6 +282,8 @@ class Offload:
             self.xfer.step()
             self.xfer.wait(list(self.inflight_ids))
             self.collect(block=False, step=step)
+            if self._collect_tiers(block=True):
+                left = -1  # progress: unpinned CPU slots may make room for retried stores
             if plan.stores:
                 left = -1  # progress: more stores of finished requests
 
@@ -250,9 +296,15 @@ class Offload:
         r.flushes_conservative = int(st.get("flushes_conservative", 0))
         r.leaked_requests = self.sched.num_requests
         r.leaked_jobs = len(self.sched.pending_jobs())
+        tiers: list[dict[str, Any]] = st.get("tiers") or []
+        if tiers:  # summed over the groups
+            r.disk_tier = {
+                k: sum(t[k] for t in tiers) for k in tiers[0] if k not in ("medium", "group")
+            }
 
     def close(self) -> None:
         """Shuts the data plane down (idempotent)."""
         if not self.closed:
             self.xfer.shutdown(wait=False)
+            self.disk = None  # its threads end once the worker is dropped
         self.closed = True

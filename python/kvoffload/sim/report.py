@@ -54,6 +54,15 @@ def figures(run: SimResult, baseline: SimResult | None) -> dict[str, Any]:
         "leaked_requests": run.leaked_requests,
         "leaked_jobs": run.leaked_jobs,
         "wall_seconds": run.wall_seconds + (0.0 if baseline is None else baseline.wall_seconds),
+        "disk_path": run.config.get("disk_path"),
+        "disk_written_chunks": run.disk_written_chunks,
+        "disk_promoted_chunks": run.disk_promoted_chunks,
+        "disk_promoted_tokens": run.disk_promoted_group0_chunks
+        * run.config["block_size"]
+        * run.config["blocks_per_chunk"],
+        "disk_failed_jobs": run.disk_failed_jobs,
+        "disk_chunks_held": run.disk_tier.get("used", 0),
+        "disk_quarantined": run.disk_tier.get("quarantined", 0),
     }
 
 
@@ -71,6 +80,22 @@ def format_table(f: dict[str, Any]) -> str:
         ("workload", f"{f['workload']}, {f['requests']} requests, {f['steps']} steps"),
         ("GPU prefix hits", f"{f['gpu_prefix_hit_tokens']:,} tokens"),
         ("CPU hits (loaded)", f"{f['cpu_hit_tokens']:,} tokens"),
+        *(
+            [
+                (
+                    "promoted from disk first",
+                    f"{f['disk_promoted_tokens']:,} tokens ({f['disk_promoted_chunks']:,} chunks)",
+                ),
+                (
+                    "disk tier",
+                    f"{f['disk_written_chunks']:,} chunks written, {f['disk_chunks_held']:,} "
+                    f"held, {f['disk_quarantined']} quarantined, "
+                    f"{f['disk_failed_jobs']} failed jobs",
+                ),
+            ]
+            if f.get("disk_path")
+            else []
+        ),
         ("hit rate", f"{f['hit_rate']:.1%} of {f['lookup_tokens']:,} looked-up tokens"),
         (
             "prefill tokens saved",

@@ -71,6 +71,11 @@ class SimResult:
     store_seconds: float = 0.0
     load_seconds: float = 0.0
     failed_jobs: int = 0
+    disk_written_chunks: int = 0
+    disk_promoted_chunks: int = 0
+    disk_promoted_group0_chunks: int = 0
+    disk_failed_jobs: int = 0
+    disk_tier: dict[str, Any] = field(default_factory=dict)
     flushes_necessary: int = 0
     flushes_conservative: int = 0
     flushes_vllm_rule: int = 0

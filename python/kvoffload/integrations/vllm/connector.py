@@ -58,7 +58,13 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             ktc = vllm_config.kv_transfer_config
             policy = getattr(ktc, "kv_load_failure_policy", "fail")
-            self.scheduler_side = SchedulerSide(cfg, exact, recompute=policy == "recompute")
+            events = vllm_config.kv_events_config
+            self.scheduler_side = SchedulerSide(
+                cfg,
+                exact,
+                recompute=policy == "recompute",
+                kv_events=events is not None and bool(events.enable_kv_cache_events),
+            )
         else:
             self.worker_side = WorkerSide(cfg, kv_cache_config, worker_rank(vllm_config))
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
@@ -16,42 +18,75 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = ["KvOffloadMetadata", "KvOffloadStats", "KvOffloadWorkerMetadata"]
 
-_Transfers = list[tuple[int, list[int], list[int]]]
+_RUN_WORDS = 5  # job index, group, GPU start, CPU start, length
 
 
 @dataclass
 class KvOffloadMetadata(KVConnectorMetadata):
-    """Scheduler → workers, one per step: the step plan.
+    """Scheduler → workers, one per step: the step plan, as the core returns it.
 
     Attributes:
-        loads: ``(job_id, request_id, transfers)`` per load job.
-        stores: ``(job_id, transfers)`` per store job.
+        load_jobs: Load job ids.
+        load_reqs: The request of each load job.
+        store_jobs: Store job ids (they start at the next step).
         flush: Jobs that must complete before this step writes its blocks.
+        runs: The jobs' copies as runs of consecutive GPU blocks and CPU positions: rows of
+            five little-endian ``uint32`` (index of the job in ``load_jobs + store_jobs``,
+            group, first GPU block, first CPU position, length).
         cancelled: Load jobs a cache reset cancelled: workers report them as failed.
     """
 
-    loads: list[tuple[int, str, _Transfers]] = field(default_factory=list)
-    stores: list[tuple[int, _Transfers]] = field(default_factory=list)
+    load_jobs: list[int] = field(default_factory=list)
+    load_reqs: list[str] = field(default_factory=list)
+    store_jobs: list[int] = field(default_factory=list)
     flush: list[int] = field(default_factory=list)
+    runs: bytes = b""
     cancelled: list[int] = field(default_factory=list)
 
     def load_requests(self) -> list[tuple[int, str]]:
         """``(job_id, request_id)`` per load job."""
-        return [(j, rid) for j, rid, _ in self.loads]
+        return list(zip(self.load_jobs, self.load_reqs, strict=True))
 
     def store_ids(self) -> list[int]:
         """Store job ids."""
-        return [j for j, _ in self.stores]
+        return list(self.store_jobs)
+
+    def run_rows(self) -> npt.NDArray[np.int64]:
+        """The runs, one row each: job index, group, GPU start, CPU start, length."""
+        return np.frombuffer(self.runs, dtype="<u4").reshape(-1, _RUN_WORDS).astype(np.int64)
+
+    def job_transfers(
+        self,
+    ) -> dict[int, list[tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]]]:
+        """Job id → ``(group, gpu_blocks, cpu_blocks)`` per group, expanded from the runs
+        (vectorised; one slice per job and group)."""
+        rows = self.run_rows()
+        if not len(rows):
+            return {}
+        lengths = rows[:, 4]
+        starts = np.cumsum(lengths) - lengths
+        idx = np.repeat(np.arange(len(rows)), lengths)
+        offset = np.arange(int(lengths.sum())) - starts[idx]
+        gpu = rows[idx, 2] + offset
+        cpu = rows[idx, 3] + offset
+        segment = rows[:, 0] * (1 << 32) + rows[:, 1]
+        first = np.flatnonzero(np.diff(segment)) + 1
+        jobs = self.load_jobs + self.store_jobs
+        out: dict[int, list[tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]]] = {}
+        bounds = zip([0, *first.tolist()], [*first.tolist(), len(rows)], strict=True)
+        for r0, r1 in bounds:
+            b0, b1 = int(starts[r0]), int(starts[r1 - 1] + lengths[r1 - 1])
+            job = jobs[int(rows[r0, 0])]
+            out.setdefault(job, []).append((int(rows[r0, 1]), gpu[b0:b1], cpu[b0:b1]))
+        return out
 
     def transfers(self, job: int) -> list[tuple[int, list[int], list[int]]]:
-        """``(group, gpu_blocks, cpu_blocks)`` per group of job ``job``."""
-        for j, _, t in self.loads:
-            if j == job:
-                return t
-        for j, t in self.stores:
-            if j == job:
-                return t
-        raise KeyError(job)
+        """``(group, gpu_blocks, cpu_blocks)`` per group of job ``job``, as lists."""
+        if job not in self.load_jobs and job not in self.store_jobs:
+            raise KeyError(job)
+        return [
+            (g, gpu.tolist(), cpu.tolist()) for g, gpu, cpu in self.job_transfers().get(job, [])
+        ]
 
 
 @dataclass

@@ -23,21 +23,25 @@
   then calls the core's ``preempt``. ``reset_cache`` with loads in flight reports those loads
   as failed (``"recompute"`` only; refused under ``"fail"``).
 
-Request state lives in the core; the adapter keeps vLLM's ``Request`` objects (their hash
-lists grow as tokens are generated), the local hit of this step's lookups and this step's
-written blocks.
+Request state lives in the core; the adapter keeps vLLM's ``Request`` objects and their live
+hash lists (vLLM appends to them as tokens are generated; the core reads the hashes it lacks),
+the local hit of this step's lookups and this step's written blocks. No Python loop runs over
+blocks or hashes: hashes (bytes), block tables and the step's sequences go to the core as vLLM
+holds them (:meth:`~kvoffload._core.Scheduler.schedule_batch`), and the plan comes back as job
+ids and one buffer of copy runs. With KV events off (vLLM's ``kv_events_config``) the CPU pools
+record none.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.request import RequestStatus
 
+from kvoffload._core import CompletedJob
 from kvoffload.errors import DuplicateReportError, KvOffloadError, UnknownJobError
 from kvoffload.integrations.vllm.messages import (
     KvOffloadMetadata,
@@ -54,31 +58,28 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
-
-
-def _keys(hashes: Iterable[Any]) -> list[int]:
-    """vLLM ``BlockHash`` bytes → the 64-bit ints vLLM publishes in its KV events."""
-    return [
-        int.from_bytes(h, "big") & _MASK64 if isinstance(h, (bytes, bytearray)) else int(h)
-        for h in hashes
-    ]
-
 
 class SchedulerSide:
     """Maps vLLM's scheduler-side connector calls onto the Rust core scheduler."""
 
-    def __init__(self, cfg: OffloadConfig, exact_fence: bool, recompute: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: OffloadConfig,
+        exact_fence: bool,
+        recompute: bool = False,
+        kv_events: bool = True,
+    ) -> None:
         self.cfg = cfg
         self.exact_fence = exact_fence
         self.recompute = recompute  # vLLM's kv_load_failure_policy is "recompute"
+        self.kv_events = kv_events
         self.sched = cfg.to_core()
+        if not kv_events:
+            self.sched.set_event_limit(0)
         self.block_size = cfg.groups[0].block_size
         self.chunk_tokens = self.block_size * cfg.blocks_per_chunk
         self.reqs: dict[str, Request] = {}
-        self.sent: dict[str, int] = {}  # hashes sent per request
-        self.running: set[str] = set()  # allocated in the core and not released
-        self.known: dict[str, list[int]] = {}  # blocks the core knows per group
+        self.hashes: dict[str, Any] = {}  # request id -> vLLM's live block_hashes list
         self.hit: dict[str, int] = {}  # block-aligned local hit passed to this step's lookup
         self.written: list[int] = []
         self.conservative = False
@@ -91,19 +92,12 @@ class SchedulerSide:
         """Whether some job is still pending in the core."""
         return bool(self.sched.pending_jobs())
 
-    def _sync_hashes(self, rid: str, request: Request) -> None:
-        n = len(request.block_hashes)
-        sent = self.sent.get(rid, 0)
-        if n > sent:
-            self.sched.extend_hashes(rid, _keys(request.block_hashes[sent:n]))
-            self.sent[rid] = n
-
     def on_new_request(self, request: Request) -> None:
         t = time.perf_counter()
         rid = request.request_id
         self.reqs[rid] = request
-        self.sched.add_request(rid, max(1, request.num_prompt_tokens), _keys(request.block_hashes))
-        self.sent[rid] = len(request.block_hashes)
+        self.hashes[rid] = request.block_hashes
+        self.sched.sync_request(rid, max(1, request.num_prompt_tokens), request.block_hashes)
         self.t += time.perf_counter() - t
 
     def get_num_new_matched_tokens(
@@ -114,12 +108,12 @@ class SchedulerSide:
         try:
             if rid not in self.reqs:
                 self.on_new_request(request)
-            if rid in self.running:
+            elif self.sched.status(rid) == "running":
                 # vLLM asks again for a request it admitted: it freed the blocks of a failed
                 # load (kv_load_failure_policy "recompute", nothing valid kept) and re-queued
                 # it. Release it in the core and start afresh.
-                self._released(rid)
-            self._sync_hashes(rid, request)
+                self.sched.preempt(rid)
+            self.sched.sync_request(rid, 1, request.block_hashes)
             got = self.sched.lookup(rid, num_computed_tokens)
             self.stats.data["lookups"] += 1
             self.hit[rid] = num_computed_tokens
@@ -132,37 +126,26 @@ class SchedulerSide:
         finally:
             self.t += time.perf_counter() - t
 
-    def _released(self, rid: str) -> None:
-        """vLLM released ``rid``'s blocks outside a step: forget its block table."""
-        self.sched.preempt(rid)
-        self.running.discard(rid)
-        self.known.pop(rid, None)
-        self.hit.pop(rid, None)
-
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         t = time.perf_counter()
         rid = request.request_id
         try:
-            if rid in self.running:
+            tables = blocks.get_block_ids()
+            if self.sched.status(rid) == "running":
                 # Second call after an asynchronous load: the new blocks arrive with the
                 # scheduler output. After a failed load vLLM kept the valid prefix and
                 # recomputes from the first invalid block: those blocks are written again.
-                known = self.known.get(rid)
-                if known is not None:
-                    first = request.num_computed_tokens // self.block_size
-                    for g, tb in enumerate(blocks.get_block_ids()):
-                        self.written += tb[first : known[g]]
+                first = request.num_computed_tokens // self.block_size
+                for tb in tables:
+                    self.written += tb[first:]
                 return
-            tables = blocks.get_block_ids()
             hit = self.hit.pop(rid, None)
             if hit is None:
                 self.conservative = True
                 hit = 0
             job = self.sched.allocate(rid, tables, hit, num_external_tokens)
-            self.running.add(rid)
-            self.known[rid] = [len(tb) for tb in tables]
             first = hit // self.block_size
             for tb in tables:
                 self.written += tb[first:]
@@ -177,101 +160,56 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KvOffloadMetadata:
         t = time.perf_counter()
-        scheduled: list[tuple[str, int]] = []
-        new_blocks: list[tuple[str, int, list[int]]] = []
-        written = self.written
-        nst = so.num_scheduled_tokens
-        for nr in so.scheduled_new_reqs:
-            rid = nr.req_id
-            if rid not in self.running:
-                continue
-            known = self.known[rid]
-            for g, ids in enumerate(nr.block_ids):
-                if len(ids) > known[g]:
-                    tail = list(ids[known[g] :])
-                    new_blocks.append((rid, g, tail))
-                    written.extend(tail)
-                    known[g] = len(ids)
-            scheduled.append((rid, nr.num_computed_tokens + nst.get(rid, 0)))
+        new = so.scheduled_new_reqs
         cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        running = self.running
-        reqs, sent = self.reqs, self.sent
-        for i in [i for i, ids in enumerate(cached.new_block_ids) if ids]:
-            rid = cached.req_ids[i]
-            if rid not in running:
-                continue
-            known = self.known[rid]
-            for g, ids in enumerate(cached.new_block_ids[i]):
-                if rid in resumed:
-                    if len(ids) <= known[g]:
-                        continue
-                    ids = ids[known[g] :]
-                if ids:
-                    tail = list(ids)
-                    new_blocks.append((rid, g, tail))
-                    written.extend(tail)
-                    known[g] += len(tail)
-        # Steady decode is the hot path: one pass over the scheduled requests, no tuples.
-        ids = [rid for rid in cached.req_ids if rid in running]
-        if len(ids) == len(cached.req_ids):
-            computed = [c + nst[r] for r, c in zip(ids, cached.num_computed_tokens, strict=True)]
-        else:
-            computed = [
-                c + nst[r]
-                for r, c in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
-                if r in running
-            ]
-        # Hashes matter once computed tokens cross a block boundary (a store may need them);
-        # _sync_hashes then sends every hash vLLM made since the last sync.
-        bs = self.block_size
-        crossing = [r for r, c in zip(ids, computed, strict=True) if c % bs < nst[r]]
-        for rid in [rid for rid, _ in scheduled] + crossing:
-            req = reqs.get(rid)
-            if req is not None and len(req.block_hashes) > sent.get(rid, 0):
-                self._sync_hashes(rid, req)
-        ids = [rid for rid, _ in scheduled] + ids
-        computed = [c for _, c in scheduled] + computed
-        preempted = [r for r in (so.preempted_req_ids or ()) if r in self.running]
-        for rid in preempted:
-            self.running.discard(rid)
+        appended: list[Any] = cached.new_block_ids
+        # New requests bring their whole tables (the core appends what it lacks: blocks
+        # allocated after an asynchronous load), and so do resumed ones.
+        tables = [(nr.req_id, nr.block_ids) for nr in new]
+        if cached.resumed_req_ids:
+            appended = list(appended)
+            for i, rid in enumerate(cached.req_ids):
+                if rid in cached.resumed_req_ids:
+                    if appended[i]:
+                        tables.append((rid, appended[i]))
+                    appended[i] = None
         finished: list[str] = []
         aborted: list[str] = []
         for rid in so.finished_req_ids:
             req = self.reqs.pop(rid, None)
-            if req is None:
-                continue
-            self._sync_hashes(rid, req)
-            self.running.discard(rid)
-            self.known.pop(rid, None)
-            self.sent.pop(rid, None)
-            self.hit.pop(rid, None)
-            (aborted if req.status == RequestStatus.FINISHED_ABORTED else finished).append(rid)
+            if req is not None:
+                (aborted if req.status == RequestStatus.FINISHED_ABORTED else finished).append(rid)
         exact = self.exact_fence and not self.conservative
-        plan = self.sched.schedule(
-            ids,
-            computed,
-            new_blocks,
-            None,
-            finished,
-            aborted,
-            preempted,
-            written if exact else None,
+        load_jobs, load_reqs, store_jobs, flush, runs = self.sched.schedule_batch(
+            [nr.req_id for nr in new] + cached.req_ids,
+            [nr.num_computed_tokens for nr in new] + cached.num_computed_tokens,
+            added=so.num_scheduled_tokens,
+            appended=[None] * len(new) + appended if new else appended,
+            tables=tables,
+            hashes=self.hashes,
+            finished=finished,
+            aborted=aborted,
+            preempted=list(so.preempted_req_ids or ()),
+            written=self.written if exact else None,
         )
+        for rid in finished + aborted:
+            del self.hashes[rid]
         self.written = []
         self.conservative = False
         self.hit.clear()
         meta = KvOffloadMetadata(
-            loads=[(j.job_id, j.request_id, j.transfers) for j in plan.loads],
-            stores=[(j.job_id, j.transfers) for j in plan.stores],
-            flush=list(plan.flush),
+            load_jobs=load_jobs,
+            load_reqs=load_reqs,
+            store_jobs=store_jobs,
+            flush=flush,
+            runs=runs,
             cancelled=self.cancelled,
         )
         self.cancelled = []
         d = self.stats.data
-        d["load_jobs"] += len(meta.loads)
-        d["store_jobs"] += len(meta.stores)
-        d["flushed_jobs"] += len(meta.flush)
+        d["load_jobs"] += len(load_jobs)
+        d["store_jobs"] += len(store_jobs)
+        d["flushed_jobs"] += len(flush)
         self.t += time.perf_counter() - t
         d["sched_seconds"] += self.t
         d["sched_steps"] += 1
@@ -299,7 +237,7 @@ class SchedulerSide:
                     d["jobs_completed" if job.ok else "jobs_failed"] += 1
         self.t += time.perf_counter() - t
 
-    def _complete_each(self, done: list[int], failed: list[int], rank: int) -> list[Any]:
+    def _complete_each(self, done: list[int], failed: list[int], rank: int) -> list[CompletedJob]:
         """A report with a job vLLM delivered twice or this scheduler never made: the valid
         ones are applied one by one, the others counted and ignored."""
         out = []
@@ -316,6 +254,8 @@ class SchedulerSide:
         return out
 
     def take_events(self) -> list[KVCacheEvent]:
+        if not self.kv_events:
+            return []
         events: list[KVCacheEvent] = []
         for kind, group, keys, _medium in self.sched.take_events():
             if kind == "stored":

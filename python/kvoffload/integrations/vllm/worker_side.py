@@ -70,7 +70,8 @@ class WorkerSide:
         self.rank = rank  # reported with every job
         self.kv_cache_config = kv_cache_config
         self.xfer: TransferEngine | None = None
-        self.load_req: dict[int, tuple[str, list[int]]] = {}
+        # Load job -> (request, its transfers): a failed load reports its GPU blocks.
+        self.load_req: dict[int, tuple[str, list[tuple[int, Any, Any]]]] = {}
         self.before_done: KvOffloadMetadata | None = None
         self.meta = KvOffloadWorkerMetadata()
         self.invalid: set[int] = set()
@@ -116,9 +117,11 @@ class WorkerSide:
         x = self.xfer
         assert x is not None
         self.cancelled.update(j for j in meta.cancelled if j in self.load_req)
-        for job, rid, transfers in meta.loads:
-            self.load_req[job] = (rid, [b for _, gb, _ in transfers for b in gb])
-        x.step(meta.stores, meta.flush, [(job, transfers) for job, _, transfers in meta.loads])
+        transfers = meta.job_transfers()
+        loads = [(job, transfers.get(job, [])) for job in meta.load_jobs]
+        for (job, t), rid in zip(loads, meta.load_reqs, strict=True):
+            self.load_req[job] = (rid, t)
+        x.step([(job, transfers.get(job, [])) for job in meta.store_jobs], meta.flush, loads)
 
     def start_load(self, meta: KvOffloadMetadata) -> None:
         self.before_forward(meta)
@@ -141,13 +144,14 @@ class WorkerSide:
             if r.kind == "load":
                 m.bytes_loaded += r.bytes
                 m.load_seconds += r.seconds
-                rid, blocks = self.load_req.pop(r.job_id, ("", []))
+                rid, transfers = self.load_req.pop(r.job_id, ("", []))
                 if rid:
                     out.finished_recving.add(rid)
                     if not ok:
                         out.failed_recving.add(rid)
                         if self.report_blocks:
-                            self.invalid.update(blocks)
+                            for _, gpu, _ in transfers:
+                                self.invalid.update(gpu.tolist())
             else:
                 m.bytes_stored += r.bytes
                 m.store_seconds += r.seconds

@@ -1,0 +1,216 @@
+//! The engine-shaped step of `Scheduler.schedule_batch`: an adapter hands over the sequences
+//! its engine already holds, and gets back a plan it can ship as it is.
+//!
+//! * Hashes: a mapping from request id to the request's whole, growing hash list (vLLM's
+//!   `Request.block_hashes`). Only requests whose computed tokens passed the hashes the core
+//!   holds are read, and only the hashes the core lacks are converted ([`convert::engine_hash`]).
+//! * Blocks: per scheduled request, the blocks appended this step (per group), and for new or
+//!   resumed requests their whole tables, of which only the blocks beyond the core's table are
+//!   converted. Appended blocks count as written.
+//! * Tokens: the computed tokens before the step plus the step's scheduled tokens, looked up in
+//!   the engine's own dict.
+//! * The plan: job ids, the load jobs' requests, the flush set and one little-endian `u32`
+//!   buffer of copy runs (`job index, group, gpu start, cpu start, length` per run; loads are
+//!   indexed first, then stores), instead of a Python object per job and a list per group.
+//!
+//! The sizes the conversion needs are read under the core lock, the Python inputs converted
+//! with the lock released, and the step applied under it again (the module convention: never
+//! call Python while holding the core lock). The hashes are appended before the step is
+//! validated: they are facts of the engine, not part of the step.
+
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use super::convert;
+use super::errors::StepInputError;
+use crate::ids::{BlockId, Key};
+use crate::scheduler::{PlannedJob, Scheduler as Core};
+
+/// Words per copy run in the runs buffer.
+pub const RUN_WORDS: usize = 5;
+
+/// A scheduled request's items: its id object (a dict key) and owned id.
+pub struct Scheduled<'py> {
+    pub obj: Bound<'py, PyAny>,
+    pub id: PyBackedStr,
+}
+
+/// What the core must be asked before converting: per scheduled request the hashes it holds,
+/// per finished one too, per whole table the lengths it holds.
+pub struct Sizes {
+    pub hash_block_size: u32,
+    pub hashes: Vec<Option<usize>>,
+    pub released_hashes: Vec<Option<usize>>,
+    pub tables: Vec<Vec<usize>>,
+}
+
+/// Reads the [`Sizes`] (under the core lock held by the caller).
+pub fn sizes(
+    core: &Core,
+    scheduled: &[Scheduled<'_>],
+    released: &[&str],
+    tables: &[&str],
+) -> Sizes {
+    let groups = core.config().groups.len();
+    Sizes {
+        hash_block_size: core.config().hash_block_size,
+        hashes: scheduled
+            .iter()
+            .map(|s| core.num_hashes(&s.id).ok())
+            .collect(),
+        released_hashes: released.iter().map(|id| core.num_hashes(id).ok()).collect(),
+        tables: tables
+            .iter()
+            .map(|id| {
+                (0..groups)
+                    .map(|g| core.table_len(id, g).unwrap_or(0))
+                    .collect()
+            })
+            .collect(),
+    }
+}
+
+/// An optional dict argument (`None`: absent); anything else raises `StepInputError`.
+pub fn dict_arg<'a, 'py>(
+    obj: Option<&'a Bound<'py, PyAny>>,
+    what: &str,
+) -> PyResult<Option<&'a Bound<'py, PyDict>>> {
+    match obj {
+        Some(o) if !o.is_none() => o.cast::<PyDict>().map(Some).map_err(|_| {
+            StepInputError::new_err(format!(
+                "{what} must be a dict, got {}",
+                convert::describe(o)
+            ))
+        }),
+        _ => Ok(None),
+    }
+}
+
+/// The hashes of `id` beyond the `held` ones, read from `lists[key]` (nothing when the mapping
+/// has no list for it or the list is not longer).
+pub fn hash_tail(
+    lists: &Bound<'_, PyDict>,
+    key: &Bound<'_, PyAny>,
+    held: usize,
+) -> PyResult<Option<Vec<Key>>> {
+    let Some(list) = lists.get_item(key)? else {
+        return Ok(None);
+    };
+    if list.len()? <= held {
+        return Ok(None);
+    }
+    let what = format!("hashes[{}]", key.str()?);
+    convert::engine_hashes_from(&list, held, &what).map(Some)
+}
+
+/// The per-group block lists of one request (a sequence with one item per group).
+pub fn group_lists<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    convert::items(
+        obj,
+        what,
+        "a sequence of block id lists, one per group",
+        StepInputError::new_err,
+    )
+}
+
+/// The blocks of `list` from position `start` on (a list or tuple is sliced first).
+pub fn blocks_from(list: &Bound<'_, PyAny>, start: usize, what: &str) -> PyResult<Vec<BlockId>> {
+    if start == 0 {
+        return convert::blocks(list, what);
+    }
+    if let Ok(l) = list.cast::<PyList>() {
+        return convert::blocks(&l.get_slice(start, l.len()).into_any(), what);
+    }
+    if let Ok(t) = list.cast::<PyTuple>() {
+        return convert::blocks(&t.get_slice(start, t.len()).into_any(), what);
+    }
+    Ok(convert::blocks(list, what)?.split_off(start))
+}
+
+/// Appends `(request, group, blocks)` for every non-empty group list of `lists` (each from its
+/// position in `from`), and the blocks to `written`.
+pub fn append_groups(
+    id: &Bound<'_, PyAny>,
+    lists: &[Bound<'_, PyAny>],
+    from: &[usize],
+    what: &str,
+    new_blocks: &mut Vec<(PyBackedStr, u32, Vec<BlockId>)>,
+    written: &mut Vec<BlockId>,
+) -> PyResult<()> {
+    for (g, list) in lists.iter().enumerate() {
+        let start = from.get(g).copied().unwrap_or(0);
+        if list.len()? <= start {
+            continue;
+        }
+        let blocks = blocks_from(list, start, &format!("{what}[{g}]"))?;
+        written.extend_from_slice(&blocks);
+        let id = convert::request_id_owned(id.clone(), || what.to_owned())?;
+        new_blocks.push((id, g as u32, blocks));
+    }
+    Ok(())
+}
+
+/// The runs of the plan's jobs (loads first, then stores), encoded as described in the module
+/// header: consecutive GPU blocks with consecutive CPU positions form one run.
+pub fn encode_runs<'a>(jobs: impl Iterator<Item = &'a PlannedJob>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (k, job) in jobs.enumerate() {
+        for t in &job.transfers {
+            let n = t.gpu_blocks.len();
+            let mut i = 0;
+            while i < n {
+                let (g0, c0) = (t.gpu_blocks[i].0, t.cpu_blocks[i]);
+                let mut len = 1;
+                while i + len < n
+                    && t.gpu_blocks[i + len].0 == g0.wrapping_add(len as u32)
+                    && t.cpu_blocks[i + len] == c0.wrapping_add(len as u32)
+                {
+                    len += 1;
+                }
+                let row: [u32; RUN_WORDS] = [k as u32, t.group, g0, c0, len as u32];
+                for w in row {
+                    out.extend_from_slice(&w.to_le_bytes());
+                }
+                i += len;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::JobId;
+    use crate::jobs::JobKind;
+    use crate::scheduler::GroupTransfer;
+
+    fn words(b: &[u8]) -> Vec<u32> {
+        b.chunks(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn runs_coalesce_consecutive_blocks_and_slots_only() {
+        let job = |id, gpu: &[u32], cpu: &[u32]| PlannedJob {
+            id: JobId(id),
+            kind: JobKind::Store,
+            request: "r".into(),
+            transfers: vec![GroupTransfer {
+                group: 1,
+                gpu_blocks: gpu.iter().map(|b| BlockId(*b)).collect(),
+                cpu_blocks: cpu.to_vec(),
+                keys: Vec::new(),
+            }],
+        };
+        let jobs = [job(7, &[4, 5, 6, 9], &[10, 11, 13, 14]), job(8, &[1], &[0])];
+        let w = words(&encode_runs(jobs.iter()));
+        assert_eq!(
+            w,
+            vec![0, 1, 4, 10, 2, 0, 1, 6, 13, 1, 0, 1, 9, 14, 1, 1, 1, 1, 0, 1]
+        );
+        assert_eq!(w.len() % RUN_WORDS, 0);
+    }
+}

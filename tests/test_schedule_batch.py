@@ -1,0 +1,258 @@
+"""``Scheduler.schedule_batch`` and ``sync_request``: the engine-shaped step (whole hash lists,
+whole or appended block tables, a dict of scheduled tokens) and the compact plan (job ids and
+one buffer of copy runs).
+
+Two cores driven through the same random schedules, one with ``schedule`` and one with
+``schedule_batch``, must plan the same jobs, the same flush sets and the same copies; bad input
+raises a kvoffload error naming the value and leaves the core as it was.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from typing import Any
+
+import pytest
+
+from kvoffload._core import Scheduler
+from kvoffload.errors import InvalidBlockError, InvalidKeyError, KvOffloadError, StepInputError
+
+BS = 4
+MASK64 = (1 << 64) - 1
+
+
+def core(groups: int = 1, window: int | None = None, **kw: Any) -> Scheduler:
+    specs = [(BS, None, 64)] + [(BS, window, 64)] * (groups - 1)
+    return Scheduler(specs, num_gpu_blocks=256, cpu_chunks=kw.pop("cpu_chunks", 64), **kw)
+
+
+def hashes(seed: int, n: int) -> list[bytes]:
+    return [random.Random(f"{seed}/{i}").randbytes(32) for i in range(n)]
+
+
+def engine_int(h: bytes) -> int:
+    return int.from_bytes(h, "big") & MASK64
+
+
+def decode(runs: bytes, jobs: list[int]) -> dict[int, list[tuple[int, list[int], list[int]]]]:
+    """The runs buffer, expanded: job id -> (group, gpu blocks, cpu blocks) per group."""
+    out: dict[int, list[tuple[int, list[int], list[int]]]] = {}
+    for k, g, gpu, cpu, n in struct.iter_unpack("<5I", runs):
+        groups = out.setdefault(jobs[k], [])
+        if not groups or groups[-1][0] != g:
+            groups.append((g, [], []))
+        groups[-1][1].extend(range(gpu, gpu + n))
+        groups[-1][2].extend(range(cpu, cpu + n))
+    return out
+
+
+def snapshot(s: Scheduler) -> tuple[Any, ...]:
+    st = s.stats()
+    return (st, s.pending_jobs(), s.num_requests, s.armed_pairs)
+
+
+class Twin:
+    """The same engine driven into two cores: ``a`` through ``schedule``, ``b`` through
+    ``schedule_batch``."""
+
+    def __init__(self, seed: int, groups: int = 1) -> None:
+        self.rng = random.Random(seed)
+        self.groups = groups
+        self.a = core(groups, window=8)
+        self.b = core(groups, window=8)
+        self.free = list(range(1, 256))
+        self.rng.shuffle(self.free)
+        self.reqs: dict[str, dict[str, Any]] = {}
+        self.lists: dict[str, list[bytes]] = {}
+        self.synced: dict[str, int] = {}  # hashes core a holds
+        self.stored = 0
+        self.n = 0
+
+    def add(self) -> None:
+        rid = f"r{self.n}"
+        self.n += 1
+        prompt = self.rng.randrange(4, 40)
+        hs = hashes(self.rng.randrange(3), prompt // BS)  # shared prefixes across requests
+        self.a.add_request(rid, prompt, [engine_int(h) for h in hs])
+        self.b.sync_request(rid, prompt, hs)
+        self.lists[rid] = list(hs)
+        self.synced[rid] = len(hs)
+        self.reqs[rid] = {"prompt": prompt, "computed": 0, "tables": None, "tokens": prompt}
+
+    def admit(self, rid: str) -> None:
+        r = self.reqs[rid]
+        got_a = self.a.lookup(rid, 0)
+        got_b = self.b.lookup(rid, 0)
+        assert got_a == got_b
+        load = got_a or 0
+        need = -(-max(r["prompt"], load + 1) // BS)
+        if len(self.free) < need * self.groups:
+            return
+        tables = [[self.free.pop() for _ in range(need)] for _ in range(self.groups)]
+        ja = self.a.allocate(rid, tables, 0, load)
+        jb = self.b.allocate(rid, tables, 0, load)
+        assert ja == jb
+        r["tables"] = tables
+        r["computed"] = load
+        r["written"] = [b for t in tables for b in t]
+
+    def step(self) -> None:
+        running = [rid for rid, r in self.reqs.items() if r["tables"] is not None]
+        finished = [
+            rid
+            for rid in running
+            if self.reqs[rid]["computed"] >= self.reqs[rid]["prompt"] and self.rng.random() < 0.2
+        ]
+        ids, before, added, appended, new_blocks, written = [], [], {}, [], [], []
+        for rid in running:
+            r = self.reqs[rid]
+            written += r.pop("written", [])
+            if rid in finished:
+                continue
+            n = min(r["tokens"] - r["computed"], self.rng.randrange(1, 12))
+            if n <= 0:  # decode one token
+                r["tokens"] += 1
+                n = 1
+            end = r["computed"] + n
+            need = -(-end // BS) - len(r["tables"][0])
+            app = None
+            if need > 0:
+                if len(self.free) < need * self.groups:
+                    continue
+                app = [[self.free.pop() for _ in range(need)] for _ in range(self.groups)]
+                for g, blocks in enumerate(app):
+                    r["tables"][g] += blocks
+                    new_blocks.append((rid, g, blocks))
+            ids.append(rid)
+            before.append(r["computed"])
+            added[rid] = n
+            appended.append(app)
+            r["computed"] = end
+            while len(self.lists[rid]) < end // BS:
+                self.lists[rid].append(random.Random(f"{rid}/{end}").randbytes(32))
+        for rid in ids + finished:  # the facade path sends the new hashes itself
+            hs = self.lists[rid]
+            self.a.extend_hashes(rid, [engine_int(h) for h in hs[self.synced[rid] :]])
+            self.synced[rid] = len(hs)
+        fresh = [b for _, _, blocks in new_blocks for b in blocks]
+        plan = self.a.schedule(
+            ids,
+            [c + added[r] for r, c in zip(ids, before, strict=True)],
+            new_blocks,
+            None,
+            finished,
+            None,
+            None,
+            written + fresh,
+        )
+        loads, load_reqs, stores, flush, runs = self.b.schedule_batch(
+            ids,
+            before,
+            added=added,
+            appended=appended,
+            hashes=self.lists,
+            finished=finished,
+            written=written,
+        )
+        assert loads == [j.job_id for j in plan.loads]
+        assert load_reqs == [j.request_id for j in plan.loads]
+        assert stores == [j.job_id for j in plan.stores]
+        assert flush == list(plan.flush)
+        want = {
+            j.job_id: [(g, list(gb), list(cb)) for g, gb, cb in j.transfers]
+            for j in [*plan.loads, *plan.stores]
+        }
+        assert decode(runs, loads + stores) == {j: t for j, t in want.items() if t}
+        self.stored += len(stores)
+        for rid in finished:
+            r = self.reqs.pop(rid)
+            self.free += [b for t in r["tables"] for b in t]
+            del self.lists[rid]
+        for job in loads + stores:
+            assert (self.a.complete(job) is None) == (self.b.complete(job) is None)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("groups", [1, 2])
+def test_schedule_batch_plans_what_schedule_plans(seed: int, groups: int) -> None:
+    t = Twin(seed, groups)
+    for _ in range(60):
+        if t.rng.random() < 0.5:
+            t.add()
+        for rid, r in list(t.reqs.items()):
+            if r["tables"] is None and t.rng.random() < 0.5:
+                t.admit(rid)
+        t.step()
+    assert t.stored > 0
+    assert snapshot(t.a) == snapshot(t.b)
+
+
+def test_sync_request_keys_are_the_engine_ints_and_only_the_tail_is_read() -> None:
+    s = core(cpu_chunks=8)
+    hs = hashes(1, 3)
+    s.sync_request("a", 12, hs)
+    s.set_event_limit(1000)
+    s.allocate("a", [[1, 2, 3]], 0, 0)
+    s.schedule_batch(["a"], [0], added={"a": 12}, written=[1, 2, 3])
+    (job,) = s.pending_jobs()
+    s.complete(job)
+    (kind, group, keys, medium) = s.take_events()[0]
+    assert (kind, group, medium) == ("stored", 0, "cpu")
+    assert keys == [engine_int(h) for h in hs]
+    # The core holds three hashes: earlier items are not read again (not even checked).
+    s.sync_request("a", 12, [None, None, None, hashes(2, 1)[0]])
+    before = snapshot(s)
+    with pytest.raises(InvalidKeyError, match=r"block_hashes\[5\]"):
+        s.sync_request("a", 12, [*hs, None, b"x" * 32, "not a hash"])
+    assert snapshot(s) == before
+
+
+def test_tables_append_only_what_the_core_lacks() -> None:
+    s = core()
+    hs = hashes(1, 4)
+    lists = {"a": hs[:3]}
+    s.sync_request("a", 12, lists["a"])
+    s.allocate("a", [[5, 6]], 0, 0)
+    # vLLM's scheduler output repeats the whole table, grown by one block: the store reads it.
+    plan = s.schedule_batch(
+        ["a"], [0], added={"a": 12}, tables=[("a", [[5, 6, 7]])], hashes=lists, written=[5, 6]
+    )
+    loads, _, stores, _, runs = plan
+    assert decode(runs, loads + stores) == {stores[0]: [(0, [5, 6, 7], [0, 1, 2])]}
+    # The same whole table again: nothing is appended (a fourth position would be stored).
+    lists["a"] = hs
+    plan = s.schedule_batch(["a"], [12], added={"a": 4}, tables=[("a", [[5, 6, 7]])], hashes=lists)
+    assert plan[2] == []
+    assert plan[4] == b""
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"added": [1]}, StepInputError, "added must be a dict"),
+        ({"hashes": "a"}, StepInputError, "hashes must be a dict"),
+        ({"appended": [None, None]}, StepInputError, "1 scheduled request ids but 2 appended"),
+        ({"appended": [[[3, -1]]]}, InvalidBlockError, r"appended\[0\]\[0\]\[1\]"),
+        ({"appended": [[["x"]]]}, InvalidBlockError, "must be an integer"),
+        ({"added": {"a": -4}}, StepInputError, "added"),
+        ({"added": {"a": 2**32 - 1}}, StepInputError, "overflows"),
+        ({"tables": [("a",)]}, StepInputError, r"tables\[0\]"),
+        ({"tables": [(7, [[1]])]}, KvOffloadError, r"tables\[0\]\[0\]"),
+        ({"written": [1, "b"]}, InvalidBlockError, r"written\[1\]"),
+        ({"hashes": {"a": [None] * 5}}, InvalidKeyError, r"hashes\[a\]\[2\]"),
+    ],
+)
+def test_bad_batch_input_raises_and_changes_nothing(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    s = core()
+    s.sync_request("a", 8, hashes(1, 2))
+    s.allocate("a", [[1, 2]], 0, 0)
+    before = snapshot(s)
+    with pytest.raises(error, match=match):
+        s.schedule_batch(["a"], [4], **{"added": {"a": 8}, **kwargs})
+    assert snapshot(s) == before
+    with pytest.raises(StepInputError, match="2 computed-token counts"):
+        s.schedule_batch(["a"], [4, 4])
+    assert snapshot(s) == before
