@@ -131,6 +131,7 @@ impl Scheduler {
         r.status = Status::Running;
         r.computed = hit_tokens;
         r.first_ask = None;
+        r.tier_pending = false;
         r.wait_on.clear();
         r.lookup = None;
         if transfers.is_empty() {

@@ -48,10 +48,15 @@ impl Scheduler {
             r.first_ask = Some(self.step);
         }
         let (end, storing) = self.hit_end(r, hit);
-        // Promote on the first ask only: later asks wait for those chunks (being stored in the
-        // CPU pool) and load what is there; they never chase chunks promoted since.
-        if first_ask && self.promote(r, hit.max(end), self.lookup_cap(r)) {
-            return None;
+        // Promote on the first ask only (or while a tier's answer to it is pending): later asks
+        // wait for those chunks (being stored in the CPU pool) and load what is there; they
+        // never chase chunks promoted since.
+        if first_ask || r.tier_pending {
+            let (created, pending) = self.promote(r, hit.max(end), self.lookup_cap(r));
+            r.tier_pending = pending;
+            if created || pending {
+                return None;
+            }
         }
         if end == 0 {
             if storing {

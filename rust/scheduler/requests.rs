@@ -57,6 +57,9 @@ pub(super) struct Request {
     pub(super) groups: Vec<ReqGroup>,
     pub(super) load: Option<JobId>,
     pub(super) first_ask: Option<u64>,
+    /// A lower tier's answer about its chunks was pending at its last ask (a remote tier's
+    /// existence check): the next ask may still promote, as the first one could.
+    pub(super) tier_pending: bool,
     pub(super) wait_on: Vec<JobId>,
     pub(super) lookup: Option<LookupResult>,
     /// Step at which it was last queued for store planning (dedup of the work list).
@@ -141,6 +144,7 @@ impl Scheduler {
             groups,
             load: None,
             first_ask: None,
+            tier_pending: false,
             wait_on: Vec::new(),
             lookup: None,
             queued: u64::MAX,

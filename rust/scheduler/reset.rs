@@ -55,6 +55,7 @@ impl Scheduler {
                 cancelled.push((r.id.clone(), job));
             }
             r.first_ask = None;
+            r.tier_pending = false;
             r.wait_on.clear();
             r.lookup = None;
             match r.status {

@@ -206,12 +206,13 @@ impl Scheduler {
     }
 
     /// Creates promotion jobs for the chunks of `r` beyond `hit` (up to `cap` tokens) that the
-    /// CPU pool lacks and a tier holds; returns whether any was created (ask later).
-    pub(super) fn promote(&mut self, r: &Request, hit: u32, cap: u32) -> bool {
+    /// CPU pool lacks and a tier holds; returns whether any was created, and whether a tier's
+    /// answer about them is still pending (either: ask later).
+    pub(super) fn promote(&mut self, r: &Request, hit: u32, cap: u32) -> (bool, bool) {
         if !self.has_tiers() {
-            return false;
+            return (false, false);
         }
-        let mut created = false;
+        let (mut created, mut pending) = (false, false);
         for g in 0..self.cfg.groups.len() {
             if self.tiers.get(g).is_none_or(Option::is_none) {
                 continue;
@@ -230,7 +231,7 @@ impl Scheduler {
                 .filter(|&k| self.pools[g].state(k) == KeyState::Absent)
                 .collect();
             if tier.index.prefetch(&missing) {
-                created = true;
+                pending = true;
                 continue;
             }
             let mut want = Vec::new();
@@ -277,7 +278,7 @@ impl Scheduler {
             });
             created = true;
         }
-        created
+        (created, pending)
     }
 
     /// Write-behind of `keys` of group `g`, just published in the CPU pool.
