@@ -5,6 +5,7 @@ byte-exact; other tenants share nothing; a dead server costs recomputation, neve
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,23 @@ def test_bad_remote_config_names_the_value(
     cfg = dataclasses.replace(config(redis.url), **kw)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=match):
         OffloadScheduler(cfg)
+
+
+def test_simulate_two_engines_share_the_remote_tier_exactly(
+    redis: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvoffload.cli import main
+
+    args = ["simulate", "--workload", "sysprompt", "--requests", "40", "--scale", "0.5"]
+    args += ["--cpu-chunks", "64", "--remote", redis.url]
+    json_path = tmp_path / "run.json"
+    assert main([*args, "--quiet", "--json", str(json_path)]) == 0
+    assert "engine A:" in capsys.readouterr().out
+    f = json.loads(json_path.read_text())["figures"]
+    # Engine B starts with an empty CPU pool: its first hits are promoted from the shared tier.
+    assert f["disk_promoted_chunks"] > 0
+    assert f["cpu_hit_tokens"] > 0
+    assert f["integrity_mismatches"] == 0
+    assert f["leaked_jobs"] == 0
+    assert f["prefill_tokens"] < f["prefill_tokens_without_offload"]
+    assert redis.dbsize() > 0

@@ -183,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --disk: run the workload, close, reopen the same directory and run it "
         "again; the table is the second run's (its first requests hit disk)",
     )
+    s.add_argument(
+        "--remote",
+        dest="remote_url",
+        metavar="URL",
+        help="a shared tier (Redis, redis://host:port) below the CPU pool: engine A runs the "
+        "workload and writes its chunks behind, then engine B runs it against the same server; "
+        "the table is engine B's (its first requests are served from the shared tier)",
+    )
     _add_disk_parser(sub)
     return p
 
@@ -288,6 +296,12 @@ def _simulate(args: argparse.Namespace) -> int:
             print(
                 f"before the restart: {first.disk_written_chunks:,} chunks written to "
                 f"{cfg.disk_path}, {first.prefill_tokens:,} prefill tokens"
+            )
+        if cfg.remote_url is not None:
+            first = simulate(cfg, progress=_Progress("offload (engine A)", not args.quiet))
+            print(
+                f"engine A: {first.disk_written_chunks:,} chunks written to {cfg.remote_url}, "
+                f"{first.prefill_tokens:,} prefill tokens; engine B:"
             )
         run = simulate(cfg, progress=_Progress("offload", not args.quiet))
         base = None

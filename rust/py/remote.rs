@@ -198,6 +198,14 @@ impl RemoteWorker {
         Ok(())
     }
 
+    /// Jobs finished since the last poll or wait: `(job_id, ok)`.
+    fn poll(&self, py: Python<'_>) -> Vec<(u64, bool)> {
+        py.detach(|| self.inner.poll())
+            .into_iter()
+            .map(|(j, ok)| (j.0, ok))
+            .collect()
+    }
+
     /// Waits (GIL released) until every job of `job_ids` finished or `timeout` seconds
     /// passed; returns every job finished since the last call: `(job_id, ok)`.
     #[pyo3(signature = (job_ids, timeout = 60.0))]

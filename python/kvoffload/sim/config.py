@@ -72,6 +72,8 @@ class SimConfig:
         disk_path: Directory of a disk tier below the CPU pool (None: no disk tier). A run on a
             directory an earlier run filled starts with its chunks on disk.
         disk_bytes: Bytes of the disk tier per KV group (with ``disk_path``).
+        remote_url: A shared tier (Redis) below the CPU pool at this URL (None: none). A run
+            against a server an earlier run (another engine) filled finds its chunks there.
     """
 
     workload: str = "mixed"
@@ -102,6 +104,7 @@ class SimConfig:
     max_steps: int = 1_000_000
     disk_path: str | None = None
     disk_bytes: int = 0
+    remote_url: str | None = None
 
     @property
     def windows(self) -> list[int | None]:
@@ -132,6 +135,8 @@ class SimConfig:
             disk_path=self.disk_path,
             disk_bytes=self.disk_bytes if self.disk_path is not None else None,
             disk_model="kvoffload-sim",
+            remote_url=self.remote_url,
+            remote_model="kvoffload-sim",
         )
 
     def validate(self) -> None:
@@ -162,6 +167,8 @@ class SimConfig:
                 raise ConfigError(f"disk_path must be a string, got {self.disk_path!r}")
             if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
                 raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
+        if self.remote_url is not None and not isinstance(self.remote_url, str):
+            raise ConfigError(f"remote_url must be a string, got {self.remote_url!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' was asked for, but CUDA is not available here")
         self.offload_config().resolved_cpu_chunks()  # the core checks the scheduler's values

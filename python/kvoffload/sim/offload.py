@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload._core import DiskWorker, RemoteWorker
 from kvoffload.scheduler import OffloadScheduler, StepInput
 from kvoffload.sim.config import NULL_BLOCK, SimConfig
 from kvoffload.sim.kv import KvCache, Transfers
@@ -32,6 +33,7 @@ from kvoffload.sim.result import SimResult
 from kvoffload.sim.vllm_rule import VllmRuleFence
 from kvoffload.transfer import TransferEngine
 from kvoffload.transfer.disk import open_disk_worker
+from kvoffload.transfer.remote import open_remote_worker
 
 __all__ = ["LoadDone", "Offload"]
 
@@ -75,7 +77,8 @@ class Offload:
             _before_copy=hook,
             _fault_injector=self._inject_fault if faults else None,
         )
-        self.disk = None
+        self.disk: DiskWorker | RemoteWorker | None = None
+        """The worker of the lower tier (disk or shared), if any."""
         self.tier_ids: set[int] = set()
         """Tier jobs (write-behind, promotion) submitted and not completed yet."""
         if cfg.disk_path is not None:
@@ -83,6 +86,13 @@ class Offload:
                 self.xfer,
                 cfg.disk_path,
                 cfg.disk_bytes,
+                [cfg.block_size] * len(cfg.windows),
+                model="kvoffload-sim",
+            )
+        elif cfg.remote_url is not None:
+            self.disk = open_remote_worker(
+                self.xfer,
+                cfg.remote_url,
                 [cfg.block_size] * len(cfg.windows),
                 model="kvoffload-sim",
             )
