@@ -40,6 +40,7 @@ MIB = 1 << 20
 CHUNK = 2 * MIB
 CHUNKS = 64  # 128 MiB per round and direction
 ROUNDS = 5
+CONNECTIONS = None  # the client's default: one per core, at most 4
 HEADER = 72
 NAMESPACE = 0x5EED
 GOAL_GBPS = 1.0
@@ -90,7 +91,7 @@ def run(chunks: int = CHUNKS, rounds: int = ROUNDS) -> dict[str, float]:
     keys = list(range(1, chunks + 1))
     best = {"ours_w": 1e9, "ours_r": 1e9, "py_w": 1e9, "py_r": 1e9}
     with redis_server(maxmemory=4 * chunks * CHUNK + (256 << 20)) as server:
-        client = RemoteClient(server.url, deadline_ms=10_000)
+        client = RemoteClient(server.url, deadline_ms=10_000, connections=CONNECTIONS)
         conn = redis_py_module.Redis(host="127.0.0.1", port=server.port)
         for _ in range(rounds):
             dst[:] = 0

@@ -79,7 +79,7 @@ class RemoteClient:
         url: str,
         *,
         deadline_ms: float = 1000.0,
-        connections: int = 4,
+        connections: int | None = None,
         part_bytes: int = ...,
         probation_after: int = 3,
         probation_ms: float = 2000.0,

@@ -240,12 +240,12 @@ pub struct RemoteClient {
 impl RemoteClient {
     /// A client of `url` (`redis://host:port[/db]`). Connects lazily.
     #[new]
-    #[pyo3(signature = (url, *, deadline_ms = 1000.0, connections = 4, part_bytes = 64 << 20,
+    #[pyo3(signature = (url, *, deadline_ms = 1000.0, connections = None, part_bytes = 64 << 20,
                         probation_after = 3, probation_ms = 2000.0))]
     fn new(
         url: &str,
         deadline_ms: f64,
-        connections: usize,
+        connections: Option<usize>,
         part_bytes: usize,
         probation_after: u32,
         probation_ms: f64,
@@ -253,7 +253,7 @@ impl RemoteClient {
         let cfg = RemoteConfig {
             url: url.to_owned(),
             deadline: duration("remote_deadline_ms", deadline_ms)?,
-            connections,
+            connections: connections.unwrap_or(RemoteConfig::new(url).connections),
             part_bytes,
             probation_after,
             probation: duration("remote_probation_ms", probation_ms)?,
