@@ -6,7 +6,7 @@ Run with the vLLM virtualenv (``make test-vllm`` builds it)::
     make bench-vllm [BENCH_VLLM_ARGS="--b 512 --attention hybrid --profile"]
     .venv-vllm/bin/python benches/vllm_workload.py [--b 64,256,512] [--attention full,hybrid]
         [--steps 300] [--warmup W] [--seed 0] [--connectors vllm,ours] [--cpu-factor 2]
-        [--prompt-only] [--profile] [--json out.json]
+        [--prompt-only] [--clock cpu|wall] [--profile] [--json out.json]
 
 Each run is ``--warmup`` untimed steps (default 300 + B: the first wave of prompts is
 prefilled and later turns come back to the CPU tier, about three load jobs a step at B=512),
@@ -49,7 +49,9 @@ builds it for a model with both kinds of layers (2 layers each, 4 KiB pages).
 ``update_connector_output``, ``request_finished_all_groups``, ``take_events``,
 ``get_kv_connector_stats``, ``on_new_request``, ``has_pending_push_work`` ...) is wrapped with a
 timer on the connector instance (outermost calls only; a generator result is drained inside the
-timer). *ms/step* is the connector's total time in one engine step (the step's ``add_request``
+timer). The timers read the engine thread's CPU time (``--clock cpu``, the default: what the
+connector costs the engine, whatever else runs on the machine) or wall time (``--clock wall``).
+*ms/step* is the connector's total time in one engine step (the step's ``add_request``
 calls, ``schedule``, ``update_from_output``), median and p90 over the timed steps; per method,
 the calls, total and mean per call over the whole run. Over the whole run too: *flushes*, the
 jobs the plans told the workers to complete before the forward pass (ours:
@@ -61,7 +63,9 @@ runs: the requests both finished, and their loaded tokens (and GPU hit + loaded 
 both connectors load the same tokens the two runs are the same schedule step for step; where
 their rules differ (keys per CPU byte, which sliding-window blocks are stored, how a
 sliding-window hit is aligned, eviction order under pressure) the runs drift apart and the
-differences are reported, not asserted. *engine ms/step* is vLLM's whole ``schedule``,
+differences are reported, not asserted; where the rules agree (full attention, ``--cpu-factor``
+at least 2: nothing is evicted) the bench exits 1 unless both finished the same requests with
+the same loaded tokens. *engine ms/step* is vLLM's whole ``schedule``,
 ``update_from_output`` and ``add_request`` (connector included), for scale. ``--profile`` adds
 a run of ours under cProfile (only inside its scheduler-side calls) and prints the top 25
 functions by cumulative time. The process is pinned to one core where the OS allows, and runs
@@ -759,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.clock} clock ({pinned})"
     )
     rows: list[dict[str, Any]] = []
+    failed: list[str] = []
     for attention in attns:
         for b in bs:
             warmup = 300 + b if args.warmup is None else args.warmup
@@ -804,7 +809,9 @@ def main(argv: list[str] | None = None) -> int:
                     "step_load_jobs": r.step_loads,
                 }
             if "vllm" in runs and "ours" in runs:
-                row["check"] = compare(runs["vllm"], runs["ours"])
+                row["check"] = chk = compare(runs["vllm"], runs["ours"])
+                if rules_agree(w) and not (chk["same_finished"] and chk["loaded_differ"] == 0):
+                    failed.append(f"B={b} {attention}")
                 o = row["ours"]["median_ms"]
                 row["ratio"] = row["vllm"]["median_ms"] / o if o else float("inf")
             if args.profile and "ours" in conns:
@@ -814,7 +821,21 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(rows, args)
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "pinned": pinned, "rows": rows}))
+    if failed:
+        print(
+            f"FAILED: the connectors finished different requests or loaded different tokens "
+            f"where their rules agree: {', '.join(failed)}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def rules_agree(w: Workload) -> bool:
+    """Whether both connectors must finish the same requests with the same loaded tokens:
+    full attention (no sliding-window alignment rules) with a CPU tier that holds everything
+    stored (no eviction order decides a load): at least twice the GPU pool."""
+    return w.attention == "full" and w.cpu_factor >= 2.0
 
 
 def _print_detail(row: dict[str, Any]) -> None:
