@@ -317,3 +317,133 @@ fn reset_releases_tier_jobs_and_attach_is_checked() {
         .is_err());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A hybrid model (full attention + an 8-token sliding window, 4-token blocks) with an
+/// index-only disk tier on both groups and `cpu_chunks` CPU slots per group.
+fn hybrid(cpu_chunks: u32) -> Scheduler {
+    let mut cfg = config();
+    cfg.groups.push(GroupConfig {
+        sliding_window: Some(8),
+        ..cfg.groups[0]
+    });
+    cfg.cpu_chunks = cpu_chunks;
+    let mut s = Scheduler::new(cfg).unwrap();
+    for g in 0..2 {
+        let idx = DiskIndex::new(layout(), PolicyKind::Lru).unwrap();
+        s.attach_tier(g, Box::new(idx)).unwrap();
+    }
+    s
+}
+
+/// Reports every store and tier job of `plan` (no bytes move: these tests are about answers).
+fn report_all(s: &mut Scheduler, plan: &StepPlan) -> Vec<(TierJobKind, u32, Vec<Key>)> {
+    for job in &plan.stores {
+        s.complete(job.id, 0, true).unwrap();
+    }
+    let mut seen = Vec::new();
+    for j in &plan.tier_jobs {
+        s.complete(j.id, 0, true).unwrap();
+        seen.push((j.kind, j.group, j.keys.clone()));
+    }
+    seen
+}
+
+/// Request `id` computes a 33-token prompt with `keys` (8 blocks per group, first GPU block
+/// `first`), is stored, finishes, and its chunks are written behind to both groups' tiers.
+fn through_tier(s: &mut Scheduler, id: &'static str, keys: &[Key], first: u32) {
+    s.add_request(id, 33, keys.to_vec()).unwrap();
+    assert_eq!(s.lookup(id, 0).unwrap(), Some(0));
+    let blocks = |o: u32| (first + o..first + o + 9).map(BlockId).collect::<Vec<_>>();
+    s.allocate(id, &[blocks(0), blocks(9)], 0, 0).unwrap();
+    let written: Vec<u32> = (first..first + 18).collect();
+    let plan = s.schedule(&step(&[(id, 33)], &[], &written)).unwrap();
+    report_all(s, &plan);
+    let plan = s.schedule(&step(&[], &[id], &[])).unwrap();
+    let writes = report_all(s, &plan);
+    assert_eq!(
+        writes.len(),
+        2,
+        "one write-behind job per group: {writes:?}"
+    );
+}
+
+fn hybrid_keys(base: u128, shared: &[Key]) -> Vec<Key> {
+    let mut k = shared.to_vec();
+    k.extend((k.len() as u128..8).map(|i| Key(base + i)));
+    k
+}
+
+#[test]
+fn a_hybrid_promotion_brings_the_window_before_the_shared_prefix_end() {
+    // "a" is on disk only (the CPU tier was reset); "b" shares its first 5 blocks, then
+    // differs. The best end point is 20 tokens: the full-attention group needs chunks 0..5,
+    // the window group the window before token 20 (chunks 3, 4), not the window before b's
+    // prompt end (chunks b never shared with anyone).
+    let mut s = hybrid(64);
+    let a = hybrid_keys(0xA000, &[]);
+    through_tier(&mut s, "a", &a, 1);
+    s.reset();
+    let b = hybrid_keys(0xB000, &a[..5]);
+    s.add_request("b", 33, b.clone()).unwrap();
+    assert_eq!(
+        s.lookup("b", 0).unwrap(),
+        None,
+        "ask later: promotion in flight"
+    );
+    let plan = s.schedule(&step(&[], &[], &[])).unwrap();
+    let mut promoted = report_all(&mut s, &plan);
+    promoted.sort_by_key(|p| p.1);
+    assert_eq!(
+        promoted,
+        [
+            (TierJobKind::Promote, 0, a[..5].to_vec()),
+            (TierJobKind::Promote, 1, a[3..5].to_vec())
+        ]
+    );
+    assert_eq!(s.lookup("b", 0).unwrap(), Some(20));
+    assert!(s.tier_stats().iter().all(|t| t.promoting == 0));
+}
+
+#[test]
+fn promotions_in_flight_hold_at_most_half_the_cpu_pool_and_later_asks_get_the_room() {
+    // 8 CPU slots per group: promotions may hold 4. "a" and "c" are on disk only.
+    let mut s = hybrid(8);
+    let a = hybrid_keys(0xA000, &[]);
+    let c = hybrid_keys(0xC000, &[]);
+    through_tier(&mut s, "a", &a, 1);
+    through_tier(&mut s, "c", &c, 21);
+    s.reset();
+    // "b" (a's prefix) alone would need 8 + 2 chunks: it takes the end point whose chunks
+    // fit in 4 slots per group (16 tokens: full chunks 0..4, window chunks 2..4).
+    s.add_request("b", 33, a.clone()).unwrap();
+    assert_eq!(s.lookup("b", 0).unwrap(), None);
+    // "d" (c's prefix) finds no room while b's promotion is in flight: it asks later.
+    s.add_request("d", 33, c.clone()).unwrap();
+    assert_eq!(s.lookup("d", 0).unwrap(), None);
+    let plan = s.schedule(&step(&[], &[], &[])).unwrap();
+    let mut promoted = report_all(&mut s, &plan);
+    promoted.sort_by_key(|p| p.1);
+    assert_eq!(
+        promoted,
+        [
+            (TierJobKind::Promote, 0, a[..4].to_vec()),
+            (TierJobKind::Promote, 1, a[2..4].to_vec())
+        ]
+    );
+    assert_eq!(s.lookup("b", 0).unwrap(), Some(16));
+    // b's promotion finished: d's next ask promotes c's prefix.
+    assert_eq!(s.lookup("d", 0).unwrap(), None);
+    let plan = s.schedule(&step(&[], &[], &[])).unwrap();
+    let promoted = report_all(&mut s, &plan);
+    assert_eq!(promoted.len(), 2, "{promoted:?}");
+    assert!(promoted.iter().any(|p| p.2 == c[..4]), "{promoted:?}");
+    assert_eq!(s.lookup("d", 0).unwrap(), Some(16));
+    // A reset while a promotion is in flight gives its room back.
+    s.add_request("e", 33, hybrid_keys(0xE000, &a[..5]))
+        .unwrap();
+    s.reset();
+    assert!(s
+        .tier_stats()
+        .iter()
+        .all(|t| t.promoting == 0 && t.pending == 0));
+}

@@ -88,6 +88,7 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
         ("failed_write_jobs", s.failed_writes),
         ("promote_no_room", s.promote_no_room),
         ("queue_depth", s.pending),
+        ("promoting_chunks", s.promoting),
         ("promoted_chunks", s.promoted_chunks),
     ] {
         d.set_item(k, v)?;

@@ -52,7 +52,7 @@ impl Scheduler {
         // wait for those chunks (being stored in the CPU pool) and load what is there; they
         // never chase chunks promoted since.
         if first_ask || r.tier_pending {
-            let (created, pending) = self.promote(r, hit.max(end), self.lookup_cap(r));
+            let (created, pending) = self.promote(r, hit, end);
             r.tier_pending = pending;
             if created || pending {
                 return None;
@@ -143,60 +143,62 @@ impl Scheduler {
         }
         // Per group, prefix counts from the hit chunk of chunks that are ready, and of chunks
         // that are ready or being stored.
-        let mut counts: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::with_capacity(self.pools.len());
-        // Full attention needs every chunk from the hit: its leading run bounds the answer.
-        let (mut bound_ready, mut bound_maybe) = (cap, cap);
+        let mut ready = Vec::with_capacity(self.pools.len());
+        let mut maybe = Vec::with_capacity(self.pools.len());
         for g in 0..self.cfg.groups.len() {
-            let ct = self.cfg.chunk_tokens(g);
-            let (s, n) = (hit / ct, cap / ct);
-            let keys: Vec<Key> = (s..n).filter_map(|c| self.key(r, g, c)).collect();
+            let keys = self.chunk_keys(r, g, hit, cap);
             self.pools[g].lookup(&keys);
-            let mut ready = Vec::with_capacity(keys.len() + 1);
-            let mut maybe = Vec::with_capacity(keys.len() + 1);
-            ready.push(0u32);
-            maybe.push(0u32);
-            for k in &keys {
-                let st = self.pools[g].state(*k);
-                let (r0, m0) = (
-                    *ready.last().expect("seeded"),
-                    *maybe.last().expect("seeded"),
-                );
-                ready.push(r0 + u32::from(matches!(st, KeyState::Ready { .. })));
-                maybe.push(m0 + u32::from(st != KeyState::Absent));
-            }
-            if self.cfg.groups[g].sliding_window.is_none() {
-                let run = |c: &[u32]| {
-                    c.iter()
-                        .enumerate()
-                        .take_while(|(i, v)| **v as usize == *i)
-                        .count() as u32
-                        - 1
-                };
-                bound_ready = bound_ready.min((s + run(&ready)) * ct);
-                bound_maybe = bound_maybe.min((s + run(&maybe)) * ct);
-            }
-            counts.push((g, ready, maybe));
+            let pool = &self.pools[g];
+            ready.push(prefix_counts(&keys, |k| {
+                matches!(pool.state(k), KeyState::Ready { .. })
+            }));
+            maybe.push(prefix_counts(&keys, |k| pool.state(k) != KeyState::Absent));
         }
-        let best = |use_maybe: bool| -> u32 {
-            let mut p = if use_maybe { bound_maybe } else { bound_ready };
-            p -= p % self.align;
-            while p > hit && p - hit >= self.align {
-                let ok = counts.iter().all(|(g, ready, maybe)| {
-                    let c = if use_maybe { maybe } else { ready };
-                    let s = hit / self.cfg.chunk_tokens(*g);
-                    let first = self.first_needed_chunk(*g, hit, p);
-                    let last = p / self.cfg.chunk_tokens(*g);
-                    c[(last - s) as usize] - c[(first - s) as usize] == last - first
-                });
-                if ok {
-                    return p;
-                }
-                p -= self.align;
+        let end = self.best_end(&ready, hit, cap);
+        (end, self.best_end(&maybe, hit, cap) > end)
+    }
+
+    /// Keys of group `g`'s chunks from the one holding token `hit` to the last one ending by
+    /// `cap`.
+    pub(super) fn chunk_keys(&self, r: &Request, g: usize, hit: u32, cap: u32) -> Vec<Key> {
+        let ct = self.cfg.chunk_tokens(g);
+        (hit / ct..cap / ct)
+            .filter_map(|c| self.key(r, g, c))
+            .collect()
+    }
+
+    /// Highest aligned end point `p` with `hit < p <= cap` at which every group's needed
+    /// chunks are available, or 0. `counts[g]` are group `g`'s prefix counts of available
+    /// chunks over [`Self::chunk_keys`] `(hit, cap)`.
+    pub(super) fn best_end(&self, counts: &[Vec<u32>], hit: u32, cap: u32) -> u32 {
+        // Full attention needs every chunk from the hit: its leading run bounds the answer.
+        let mut p = cap;
+        for (g, c) in counts.iter().enumerate() {
+            if self.cfg.groups[g].sliding_window.is_none() {
+                let run = c
+                    .iter()
+                    .enumerate()
+                    .take_while(|(i, v)| **v as usize == *i)
+                    .count() as u32
+                    - 1;
+                let ct = self.cfg.chunk_tokens(g);
+                p = p.min((hit / ct + run) * ct);
             }
-            0
-        };
-        let end = best(false);
-        (end, best(true) > end)
+        }
+        p -= p % self.align;
+        while p > hit && p - hit >= self.align {
+            let ok = counts.iter().enumerate().all(|(g, c)| {
+                let s = hit / self.cfg.chunk_tokens(g);
+                let first = self.first_needed_chunk(g, hit, p);
+                let last = p / self.cfg.chunk_tokens(g);
+                c[(last - s) as usize] - c[(first - s) as usize] == last - first
+            });
+            if ok {
+                return p;
+            }
+            p -= self.align;
+        }
+        0
     }
 
     /// First chunk a group needs to load for an end point `end` beyond `hit`.
@@ -215,4 +217,15 @@ impl Scheduler {
             .filter_map(|c| self.key(r, g, c))
             .collect()
     }
+}
+
+/// `c[i]` = how many of the first `i` keys are available.
+pub(super) fn prefix_counts(keys: &[Key], mut available: impl FnMut(Key) -> bool) -> Vec<u32> {
+    let mut c = Vec::with_capacity(keys.len() + 1);
+    c.push(0u32);
+    for &k in keys {
+        let last = *c.last().expect("seeded");
+        c.push(last + u32::from(available(k)));
+    }
+    c
 }

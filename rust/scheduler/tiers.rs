@@ -28,6 +28,7 @@ use crate::pool::KeyState;
 use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
 use crate::tier::{Location, TierEvent, TierIndex, TierStats};
 
+use super::lookup::prefix_counts;
 use super::requests::Request;
 use super::{JobPayload, Scheduler};
 
@@ -96,6 +97,8 @@ pub struct TierGroupStats {
     pub promote_no_room: u64,
     /// Tier jobs pending now (queue depth).
     pub pending: u64,
+    /// Chunks being promoted now (at most half the CPU pool).
+    pub promoting: u64,
     /// Tokens lookups answered from chunks promoted from this tier.
     pub promoted_chunks: u64,
 }
@@ -205,50 +208,87 @@ impl Scheduler {
         out
     }
 
-    /// Creates promotion jobs for the chunks of `r` beyond `hit` (up to `cap` tokens) that the
-    /// CPU pool lacks and a tier holds; returns whether any was created, and whether a tier's
+    /// Creates promotion jobs that take `r` beyond `end` (the end its ready CPU chunks reach
+    /// from the engine's hit `hit`, 0 if none): the highest end point at which every group's
+    /// needed chunks are in the CPU pool or ready in its tier, and for it exactly the needed
+    /// chunks the CPU pool lacks (a sliding-window group: the window before that end point,
+    /// not before the prompt's end). Returns whether a job was created, and whether a tier's
     /// answer about them is still pending (either: ask later).
-    pub(super) fn promote(&mut self, r: &Request, hit: u32, cap: u32) -> (bool, bool) {
+    pub(super) fn promote(&mut self, r: &Request, hit: u32, end: u32) -> (bool, bool) {
         if !self.has_tiers() {
             return (false, false);
         }
-        let (mut created, mut pending) = (false, false);
-        for g in 0..self.cfg.groups.len() {
-            if self.tiers.get(g).is_none_or(Option::is_none) {
+        let cap = self.lookup_cap(r);
+        let from = hit.max(end);
+        if cap <= from || cap - from < self.align {
+            return (false, false);
+        }
+        let groups = self.cfg.groups.len();
+        let mut counts = Vec::with_capacity(groups);
+        let mut pending = false;
+        for g in 0..groups {
+            let keys = self.chunk_keys(r, g, hit, cap);
+            let pool = &self.pools[g];
+            let Some(tier) = self.tiers.get_mut(g).and_then(Option::as_mut) else {
+                counts.push(prefix_counts(&keys, |k| pool.state(k) != KeyState::Absent));
                 continue;
-            }
-            let ct = self.cfg.chunk_tokens(g);
-            // A sliding-window group needs only the window before the end point.
-            let keys: Vec<Key> = (self.first_needed_chunk(g, hit, cap)..cap / ct)
-                .filter_map(|c| self.key(r, g, c))
-                .collect();
-            // The chunks the CPU pool lacks, up to the first one no tier holds either.
-            let tier = self.tiers[g].as_mut().expect("checked");
+            };
             // A remote tier answers asynchronously: while it is asked, the request asks later.
             let missing: Vec<Key> = keys
                 .iter()
                 .copied()
-                .filter(|&k| self.pools[g].state(k) == KeyState::Absent)
+                .filter(|&k| pool.state(k) == KeyState::Absent)
                 .collect();
-            if tier.index.prefetch(&missing) {
-                pending = true;
-                continue;
+            pending |= tier.index.prefetch(&missing);
+            let index = &tier.index;
+            counts.push(prefix_counts(&keys, |k| {
+                pool.state(k) != KeyState::Absent
+                    || matches!(index.state(k), KeyState::Ready { .. })
+            }));
+        }
+        if pending {
+            return (false, true);
+        }
+        // Promotions in flight hold at most half of each group's CPU pool: they must not
+        // evict what they promote before it is loaded. Without room now, the request asks
+        // again later (promotions in flight finish within a few steps).
+        let limit = (self.cfg.cpu_chunks as usize / 2).max(1);
+        let room: Vec<usize> = (0..groups)
+            .map(|g| {
+                let promoting = self.tiers[g].as_ref().map_or(0, |t| t.stats.promoting);
+                limit.saturating_sub(promoting as usize)
+            })
+            .collect();
+        let mut p = self.best_end(&counts, hit, cap);
+        let mut full = false;
+        let wants = loop {
+            if p <= from {
+                return (false, full);
             }
-            let mut want = Vec::new();
-            for &k in &keys {
-                if self.pools[g].state(k) != KeyState::Absent {
-                    continue;
-                }
-                if !matches!(tier.index.state(k), KeyState::Ready { .. }) {
-                    break;
-                }
-                want.push(k);
+            let wants: Vec<Vec<Key>> = (0..groups)
+                .map(|g| {
+                    self.needed_keys(r, g, hit, p)
+                        .into_iter()
+                        .filter(|&k| self.pools[g].state(k) == KeyState::Absent)
+                        .collect()
+                })
+                .collect();
+            let short: Vec<usize> = (0..groups).filter(|&g| wants[g].len() > room[g]).collect();
+            if short.is_empty() {
+                break wants;
             }
-            // At most half the CPU pool: a promotion must not evict what it promotes.
-            want.truncate((self.cfg.cpu_chunks as usize / 2).max(1));
+            // Waiting helps only where promotions in flight hold the room.
+            full |= short.iter().any(|&g| room[g] < limit);
+            p = self.best_end(&counts, hit, p - self.align);
+        };
+        let mut created = false;
+        for (g, want) in wants.into_iter().enumerate() {
             if want.is_empty() {
                 continue;
             }
+            let tier = self.tiers[g]
+                .as_mut()
+                .expect("only a group with a tier has chunks the CPU pool lacks at p");
             tier.index.lookup(&want);
             let Some(plan) = self.pools[g].prepare_store(&want) else {
                 tier.stats.promote_no_room += 1;
@@ -267,6 +307,7 @@ impl Scheduler {
             );
             tier.stats.promote_jobs += 1;
             tier.stats.pending += 1;
+            tier.stats.promoting += plan.keys.len() as u64;
             self.new_tier_jobs.push(TierJob {
                 id: job,
                 kind: TierJobKind::Promote,
@@ -278,7 +319,7 @@ impl Scheduler {
             });
             created = true;
         }
-        (created, pending)
+        (created, false)
     }
 
     /// Write-behind of `keys` of group `g`, just published in the CPU pool.
@@ -328,6 +369,7 @@ impl Scheduler {
                 tier.stats.failed_writes += u64::from(!ok);
             }
             TierJobKind::Promote => {
+                tier.stats.promoting -= keys.len() as u64;
                 let published = pool.complete_store(keys, ok);
                 debug_assert!(published.is_ok(), "{published:?}");
                 // A failed promotion drops its keys from the tier: bad bytes were quarantined
@@ -352,7 +394,10 @@ impl Scheduler {
         tier.stats.pending -= 1;
         let done = match kind {
             TierJobKind::Write => tier.index.complete_write(keys, false),
-            TierJobKind::Promote => tier.index.complete_read(keys, &[]),
+            TierJobKind::Promote => {
+                tier.stats.promoting -= keys.len() as u64;
+                tier.index.complete_read(keys, &[])
+            }
         };
         debug_assert!(done.is_ok(), "{done:?}");
     }
