@@ -87,7 +87,8 @@ def test_a_dead_server_means_recompute_and_nothing_written(redis: RedisServer) -
         ({"cache_salt": None}, "cache_salt must be a string, got None"),
         ({"remote_deadline_ms": 0}, "remote_deadline_ms"),
         ({"remote_deadline_ms": "1"}, "remote_deadline_ms must be a number"),
-        ({"disk_path": "/tmp/x", "disk_bytes": 1 << 20}, "one lower tier"),
+        ({"remote_min_hits": -1}, r"remote_min_hits must be an integer in 0..2\*\*32-1, got -1"),
+        ({"disk_min_hits": True}, "disk_min_hits must be an integer"),
     ],
 )
 def test_bad_remote_config_names_the_value(
@@ -107,10 +108,15 @@ def test_simulate_two_engines_share_the_remote_tier_exactly(
     args += ["--cpu-chunks", "64", "--remote", redis.url]
     json_path = tmp_path / "run.json"
     assert main([*args, "--quiet", "--json", str(json_path)]) == 0
-    assert "engine A:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "engine A:" in out
+    assert "promoted from remote first" in out
+    assert "disk" not in out
     f = json.loads(json_path.read_text())["figures"]
-    # Engine B starts with an empty CPU pool: its first hits are promoted from the shared tier.
-    assert f["disk_promoted_chunks"] > 0
+    # Engine B starts with an empty CPU pool while A runs: it promotes what A wrote behind.
+    assert f["remote_promoted_chunks"] > 0
+    assert f["remote_written_chunks"] > 0
+    assert not any(k.startswith("disk_") and k != "disk_path" for k in f)
     assert f["cpu_hit_tokens"] > 0
     assert f["integrity_mismatches"] == 0
     assert f["leaked_jobs"] == 0

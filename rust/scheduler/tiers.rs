@@ -21,11 +21,16 @@
 //! sees them. A reset flushes them like every pending job; their tier state is released then.
 
 use std::path::Path;
+use std::time::Instant;
+
+use rustc_hash::FxHashMap;
 
 use crate::error::{Error, Result};
 use crate::ids::{JobId, Key, OwnerId};
 use crate::pool::KeyState;
 use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
+use crate::tier::namespace::Namespace;
+use crate::tier::remote_index::MEDIUM as REMOTE;
 use crate::tier::{Location, TierEvent, TierIndex, TierStats};
 
 use super::requests::Request;
@@ -96,21 +101,71 @@ pub struct TierGroupStats {
     pub promote_no_room: u64,
     /// Tier jobs pending now (queue depth).
     pub pending: u64,
-    /// Tokens lookups answered from chunks promoted from this tier.
+    /// Most tier jobs pending at once so far (peak queue depth).
+    pub max_pending: u64,
+    /// Chunks promoted from this tier and published in the CPU pool.
     pub promoted_chunks: u64,
+    /// Microseconds write-behind jobs took, summed: from their plan to the last rank's report
+    /// (queueing on the workers, the I/O, and the report), completed jobs only.
+    pub write_us: u64,
+    /// Microseconds promotion jobs took, summed (as `write_us`).
+    pub promote_us: u64,
 }
 
-/// One group's tier and its counters.
+/// Which chunks a tier admits for write-behind (DESIGN.md §9: an admission filter per tier).
+///
+/// `min_hits = 0` writes every chunk behind as soon as it is ready in the CPU pool (its store
+/// completed). `min_hits = n > 0` writes a chunk behind when it has been *loaded* from the
+/// CPU pool `n` times (counted per group and tier, since the tier was attached): only chunks
+/// that were reused go down. That suits a shared tier: every chunk written there costs the
+/// network and the server's memory for the whole fleet, and a chunk this engine never reused
+/// (one user's last turn) is rarely reused by another engine, while a system prompt or a
+/// document is reused at once. A local disk tier is cheap and private: it admits everything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierAdmission {
+    /// Loads from the CPU pool a chunk needs before it is written behind (0: on store).
+    pub min_hits: u32,
+}
+
+/// One tier of one group and its counters.
 #[derive(Debug)]
 pub(super) struct GroupTier {
     pub(super) index: Box<dyn TierIndex>,
     pub(super) stats: TierGroupStats,
+    pub(super) admission: TierAdmission,
+    /// Loads per key (with `admission.min_hits > 0`), cleared when it grows past
+    /// [`HIT_COUNTS`] keys (counts are then recent ones).
+    hits: FxHashMap<Key, u32>,
+    /// When each pending job of this tier was created (its I/O time ends at completion).
+    started: FxHashMap<JobId, Instant>,
+}
+
+/// Most keys whose loads a tier with `min_hits > 0` counts at once.
+const HIT_COUNTS: usize = 1 << 20;
+
+/// Where a tier job belongs: its kind and its tier among its group's tiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TierRef {
+    pub(super) kind: TierJobKind,
+    pub(super) tier: u32,
 }
 
 impl Scheduler {
-    /// Attaches a lower tier to KV group `group` (before the first request is added). Chunks
-    /// become readable through it only by promotion into the CPU pool.
+    /// Attaches a lower tier to KV group `group` (before the first request is added), written
+    /// behind to as `admission` says. A group may have one tier per medium; lookups promote
+    /// from the nearest tier holding a chunk (local tiers before the shared one). Chunks become
+    /// readable through a tier only by promotion into the CPU pool.
     pub fn attach_tier(&mut self, group: u32, index: Box<dyn TierIndex>) -> Result<()> {
+        self.attach_tier_with(group, index, TierAdmission::default())
+    }
+
+    /// [`Scheduler::attach_tier`] with an admission filter.
+    pub fn attach_tier_with(
+        &mut self,
+        group: u32,
+        index: Box<dyn TierIndex>,
+        admission: TierAdmission,
+    ) -> Result<()> {
         let g = group as usize;
         if g >= self.cfg.groups.len() {
             return Err(Error::Config(format!(
@@ -118,19 +173,54 @@ impl Scheduler {
                 self.cfg.groups.len()
             )));
         }
-        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
+        self.check_no_requests("attach_tier")?;
+        let medium = index.medium();
+        if self
+            .tiers
+            .get(g)
+            .is_some_and(|ts| ts.iter().any(|t| t.index.medium() == medium))
+        {
             return Err(Error::Config(format!(
-                "attach_tier: group {group}: attach tiers before the first request"
+                "attach_tier: group {group} has a {medium} tier already"
             )));
         }
-        self.tiers.resize_with(self.cfg.groups.len(), || None);
-        self.tiers[g] = Some(GroupTier {
+        self.tiers.resize_with(self.cfg.groups.len(), Vec::new);
+        let tiers = &mut self.tiers[g];
+        tiers.push(GroupTier {
             index,
             stats: TierGroupStats {
                 group,
                 ..TierGroupStats::default()
             },
+            admission,
+            hits: FxHashMap::default(),
+            started: FxHashMap::default(),
         });
+        // Nearest first: the shared tier after the local ones.
+        tiers.sort_by_key(|t| t.index.medium() == REMOTE);
+        Ok(())
+    }
+
+    /// Sets the admission filter of every group's tier of `medium`; returns how many tiers
+    /// it set (0: no such tier).
+    pub fn set_tier_admission(&mut self, medium: &str, admission: TierAdmission) -> usize {
+        let mut n = 0;
+        for t in self.tiers.iter_mut().flatten() {
+            if t.index.medium() == medium {
+                t.admission = admission;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// `Err` naming `what` once a request or a job exists (tiers attach before them).
+    pub(super) fn check_no_requests(&self, what: &str) -> Result<()> {
+        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
+            return Err(Error::Config(format!(
+                "{what}: attach tiers before the first request"
+            )));
+        }
         Ok(())
     }
 
@@ -138,36 +228,60 @@ impl Scheduler {
     /// namespaces from `model` and the configuration ([`engine_namespace`]), each index rebuilt
     /// from every rank's headers. All or nothing.
     pub fn attach_disk(&mut self, root: &Path, disk_bytes: u64, model: &str) -> Result<()> {
-        let cfg = &self.cfg;
-        let mut indexes = Vec::with_capacity(cfg.groups.len());
-        for (g, gc) in cfg.groups.iter().enumerate() {
-            if gc.bytes_per_chunk == 0 {
-                return Err(Error::Config(format!(
-                    "disk tier: group {g} has bytes_per_chunk=0; the disk tier needs the size of \
-                     a chunk"
-                )));
-            }
-            let layout = SlabLayout::new(gc.bytes_per_chunk, disk_bytes)?;
-            let scans = (0..cfg.num_workers)
-                .map(|rank| {
-                    let ns = engine_namespace(
-                        model,
-                        gc.bytes_per_chunk,
-                        gc.block_size,
-                        cfg.blocks_per_chunk,
-                        rank,
-                        cfg.num_workers,
-                        g as u32,
-                    );
-                    scan_namespace(root, &ns, layout)
-                })
+        let mut indexes = Vec::with_capacity(self.cfg.groups.len());
+        for g in 0..self.cfg.groups.len() {
+            let chunk = self.tier_chunk_bytes(g, "disk")?;
+            let layout = SlabLayout::new(chunk, disk_bytes)?;
+            let scans = (0..self.cfg.num_workers)
+                .map(|rank| scan_namespace(root, &self.tier_namespace(g, rank, model), layout))
                 .collect::<Result<Vec<_>>>()?;
-            indexes.push(DiskIndex::recover(layout, cfg.policy, &scans)?);
+            indexes.push(DiskIndex::recover(layout, self.cfg.policy, &scans)?);
         }
-        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
-            return Err(Error::Config(
-                "attach_disk: attach tiers before the first request".into(),
-            ));
+        self.attach_all("attach_disk", indexes)
+    }
+
+    /// Bytes of a chunk of group `g` (a lower tier of `medium` needs them).
+    pub(super) fn tier_chunk_bytes(&self, g: usize, medium: &str) -> Result<u64> {
+        match self.cfg.groups[g].bytes_per_chunk {
+            0 => Err(Error::Config(format!(
+                "{medium} tier: group {g} has bytes_per_chunk=0; a lower tier needs the size of \
+                 a chunk"
+            ))),
+            n => Ok(n),
+        }
+    }
+
+    /// The engine namespace of group `g`'s chunks on worker `rank` ([`engine_namespace`]).
+    pub(super) fn tier_namespace(&self, g: usize, rank: u32, model: &str) -> Namespace {
+        let (cfg, gc) = (&self.cfg, &self.cfg.groups[g]);
+        engine_namespace(
+            model,
+            gc.bytes_per_chunk,
+            gc.block_size,
+            cfg.blocks_per_chunk,
+            rank,
+            cfg.num_workers,
+            g as u32,
+        )
+    }
+
+    /// Attaches one index per group (group `i` gets `indexes[i]`), all or nothing.
+    pub(super) fn attach_all<T: TierIndex + 'static>(
+        &mut self,
+        what: &str,
+        indexes: Vec<T>,
+    ) -> Result<()> {
+        self.check_no_requests(what)?;
+        if let Some(g) = (0..indexes.len()).find(|&g| {
+            let m = indexes[g].medium();
+            self.tiers
+                .get(g)
+                .is_some_and(|ts| ts.iter().any(|t| t.index.medium() == m))
+        }) {
+            return Err(Error::Config(format!(
+                "{what}: group {g} has a {} tier already",
+                indexes[g].medium()
+            )));
         }
         for (g, idx) in indexes.into_iter().enumerate() {
             self.attach_tier(g as u32, Box::new(idx))?;
@@ -177,10 +291,10 @@ impl Scheduler {
 
     /// Whether any group has a lower tier.
     pub fn has_tiers(&self) -> bool {
-        self.tiers.iter().any(Option::is_some)
+        self.tiers.iter().any(|ts| !ts.is_empty())
     }
 
-    /// Per group with a tier: its counters.
+    /// Per group and tier (groups in order, nearest tier first): its counters.
     pub fn tier_stats(&self) -> Vec<TierGroupStats> {
         self.tiers
             .iter()
@@ -197,8 +311,8 @@ impl Scheduler {
     /// Drains every tier's events, with their group.
     pub fn take_tier_events(&mut self) -> Vec<(u32, TierEvent)> {
         let mut out = Vec::new();
-        for (g, t) in self.tiers.iter_mut().enumerate() {
-            if let Some(t) = t {
+        for (g, ts) in self.tiers.iter_mut().enumerate() {
+            for t in ts {
                 out.extend(t.index.take_events().into_iter().map(|e| (g as u32, e)));
             }
         }
@@ -206,15 +320,16 @@ impl Scheduler {
     }
 
     /// Creates promotion jobs for the chunks of `r` beyond `hit` (up to `cap` tokens) that the
-    /// CPU pool lacks and a tier holds; returns whether any was created, and whether a tier's
-    /// answer about them is still pending (either: ask later).
+    /// CPU pool lacks and a tier holds, each from the nearest tier holding it; returns whether
+    /// any was created, and whether a tier's answer about them is still pending (either: ask
+    /// later).
     pub(super) fn promote(&mut self, r: &Request, hit: u32, cap: u32) -> (bool, bool) {
         if !self.has_tiers() {
             return (false, false);
         }
         let (mut created, mut pending) = (false, false);
         for g in 0..self.cfg.groups.len() {
-            if self.tiers.get(g).is_none_or(Option::is_none) {
+            if self.tiers.get(g).is_none_or(Vec::is_empty) {
                 continue;
             }
             let ct = self.cfg.chunk_tokens(g);
@@ -222,114 +337,185 @@ impl Scheduler {
             let keys: Vec<Key> = (self.first_needed_chunk(g, hit, cap)..cap / ct)
                 .filter_map(|c| self.key(r, g, c))
                 .collect();
-            // The chunks the CPU pool lacks, up to the first one no tier holds either.
-            let tier = self.tiers[g].as_mut().expect("checked");
-            // A remote tier answers asynchronously: while it is asked, the request asks later.
-            let missing: Vec<Key> = keys
+            let pool = &self.pools[g];
+            let tiers = &mut self.tiers[g];
+            // Each tier is asked about the chunks the CPU pool and the nearer tiers lack; a
+            // remote tier answers asynchronously: while it is asked, the request asks later.
+            let mut missing: Vec<Key> = keys
                 .iter()
                 .copied()
-                .filter(|&k| self.pools[g].state(k) == KeyState::Absent)
+                .filter(|&k| pool.state(k) == KeyState::Absent)
                 .collect();
-            if tier.index.prefetch(&missing) {
+            if tiers.iter_mut().any(|t| {
+                let asked = t.index.prefetch(&missing);
+                missing.retain(|&k| !matches!(t.index.state(k), KeyState::Ready { .. }));
+                asked
+            }) {
                 pending = true;
                 continue;
             }
-            let mut want = Vec::new();
+            // The chunks the CPU pool lacks, up to the first one no tier holds, each with the
+            // nearest tier that holds it.
+            let mut want: Vec<(Key, usize)> = Vec::new();
             for &k in &keys {
-                if self.pools[g].state(k) != KeyState::Absent {
+                if pool.state(k) != KeyState::Absent {
                     continue;
                 }
-                if !matches!(tier.index.state(k), KeyState::Ready { .. }) {
+                let Some(ti) = tiers
+                    .iter()
+                    .position(|t| matches!(t.index.state(k), KeyState::Ready { .. }))
+                else {
                     break;
-                }
-                want.push(k);
+                };
+                want.push((k, ti));
             }
             // At most half the CPU pool: a promotion must not evict what it promotes.
             want.truncate((self.cfg.cpu_chunks as usize / 2).max(1));
             if want.is_empty() {
                 continue;
             }
-            tier.index.lookup(&want);
-            let Some(plan) = self.pools[g].prepare_store(&want) else {
-                tier.stats.promote_no_room += 1;
+            let all: Vec<Key> = want.iter().map(|w| w.0).collect();
+            let Some(plan) = self.pools[g].prepare_store(&all) else {
+                self.tiers[g][want[0].1].stats.promote_no_room += 1;
+                continue;
+            };
+            for ti in 0..self.tiers[g].len() {
+                let (keys, slots): (Vec<Key>, Vec<u32>) = plan
+                    .keys
+                    .iter()
+                    .zip(&plan.slots)
+                    .filter(|(k, _)| want.iter().any(|&(w, t)| w == **k && t == ti))
+                    .map(|(k, s)| (*k, s.0))
+                    .unzip();
+                if keys.is_empty() {
+                    continue;
+                }
+                let index = &mut self.tiers[g][ti].index;
+                index.lookup(&keys);
+                let locations = index
+                    .prepare_read(&keys)
+                    .expect("ready keys, not pinned by this call");
+                self.push_tier_job(TierJobKind::Promote, g, ti, keys, slots, locations);
+                created = true;
+            }
+        }
+        (created, pending)
+    }
+
+    /// Creates tier job `kind` of group `g`'s tier `ti` and queues it for the next plan.
+    fn push_tier_job(
+        &mut self,
+        kind: TierJobKind,
+        g: usize,
+        ti: usize,
+        keys: Vec<Key>,
+        cpu_slots: Vec<u32>,
+        locations: Vec<Location>,
+    ) {
+        let job = self.tracker.create_unfenced(
+            TIER_OWNER,
+            JobPayload::tier(
+                TierRef {
+                    kind,
+                    tier: ti as u32,
+                },
+                g as u32,
+                keys.clone(),
+            ),
+        );
+        let tier = &mut self.tiers[g][ti];
+        match kind {
+            TierJobKind::Write => tier.stats.write_jobs += 1,
+            TierJobKind::Promote => tier.stats.promote_jobs += 1,
+        }
+        tier.stats.pending += 1;
+        tier.stats.max_pending = tier.stats.max_pending.max(tier.stats.pending);
+        tier.started.insert(job, Instant::now());
+        self.new_tier_jobs.push(TierJob {
+            id: job,
+            kind,
+            medium: tier.index.medium(),
+            group: g as u32,
+            keys,
+            cpu_slots,
+            locations,
+        });
+    }
+
+    /// Write-behind of `keys` of group `g`, just published in the CPU pool (`loaded`: just
+    /// loaded from it instead), to every tier whose admission filter lets them through.
+    pub(super) fn write_behind(&mut self, g: usize, keys: &[Key], loaded: bool) {
+        for ti in 0..self.tiers.get(g).map_or(0, Vec::len) {
+            let tier = &mut self.tiers[g][ti];
+            let need = tier.admission.min_hits;
+            let admitted: Vec<Key> = match (need, loaded) {
+                (0, false) => keys.to_vec(),
+                (0, true) | (1.., false) => continue,
+                (1.., true) => {
+                    if tier.hits.len() > HIT_COUNTS {
+                        tier.hits.clear();
+                    }
+                    keys.iter()
+                        .copied()
+                        .filter(|k| {
+                            let n = tier.hits.entry(*k).or_insert(0);
+                            *n += 1;
+                            *n == need
+                        })
+                        .collect()
+                }
+            };
+            if admitted.is_empty() {
+                continue;
+            }
+            let Some(plan) = tier.index.prepare_write(&admitted) else {
                 continue;
             };
             if plan.keys.is_empty() {
                 continue;
             }
-            let locations = tier
-                .index
-                .prepare_read(&plan.keys)
-                .expect("ready keys, not pinned by this call");
-            let job = self.tracker.create_unfenced(
-                TIER_OWNER,
-                JobPayload::tier(TierJobKind::Promote, g as u32, plan.keys.clone()),
-            );
-            tier.stats.promote_jobs += 1;
-            tier.stats.pending += 1;
-            self.new_tier_jobs.push(TierJob {
-                id: job,
-                kind: TierJobKind::Promote,
-                medium: tier.index.medium(),
-                group: g as u32,
-                keys: plan.keys,
-                cpu_slots: plan.slots.iter().map(|s| s.0).collect(),
-                locations,
-            });
-            created = true;
+            let slots = self.pools[g]
+                .prepare_load(&plan.keys)
+                .expect("keys ready in the CPU pool");
+            let slots = slots.iter().map(|s| s.0).collect();
+            self.push_tier_job(TierJobKind::Write, g, ti, plan.keys, slots, plan.locations);
         }
-        (created, pending)
     }
 
-    /// Write-behind of `keys` of group `g`, just published in the CPU pool.
-    pub(super) fn write_behind(&mut self, g: usize, keys: &[Key]) {
-        let Some(Some(tier)) = self.tiers.get_mut(g) else {
-            return;
-        };
-        let Some(plan) = tier.index.prepare_write(keys) else {
-            return;
-        };
-        if plan.keys.is_empty() {
-            return;
-        }
-        let slots = self.pools[g]
-            .prepare_load(&plan.keys)
-            .expect("keys just published in the CPU pool");
-        let job = self.tracker.create_unfenced(
-            TIER_OWNER,
-            JobPayload::tier(TierJobKind::Write, g as u32, plan.keys.clone()),
-        );
-        tier.stats.write_jobs += 1;
-        tier.stats.pending += 1;
-        self.new_tier_jobs.push(TierJob {
-            id: job,
-            kind: TierJobKind::Write,
-            medium: tier.index.medium(),
-            group: g as u32,
-            keys: plan.keys,
-            cpu_slots: slots.iter().map(|s| s.0).collect(),
-            locations: plan.locations,
-        });
-    }
-
-    /// Applies a tier job every rank reported (`ok`: all succeeded).
-    pub(super) fn complete_tier(&mut self, kind: TierJobKind, g: usize, keys: &[Key], ok: bool) {
-        let tier = self.tiers[g]
-            .as_mut()
-            .expect("tier jobs exist only for tiers");
+    /// Ends tier job `job` of group `g` in its tier's counters (pending, I/O time).
+    fn end_tier_job(&mut self, job: JobId, t: TierRef, g: usize) -> &mut GroupTier {
+        let tier = &mut self.tiers[g][t.tier as usize];
         tier.stats.pending -= 1;
-        let pool = &mut self.pools[g];
-        match kind {
+        let us = tier
+            .started
+            .remove(&job)
+            .map_or(0, |s| s.elapsed().as_micros() as u64);
+        match t.kind {
+            TierJobKind::Write => tier.stats.write_us += us,
+            TierJobKind::Promote => tier.stats.promote_us += us,
+        }
+        tier
+    }
+
+    /// Applies tier job `job` every rank reported (`ok`: all succeeded).
+    pub(super) fn complete_tier(
+        &mut self,
+        job: JobId,
+        t: TierRef,
+        g: usize,
+        keys: &[Key],
+        ok: bool,
+    ) {
+        let tier = self.end_tier_job(job, t, g);
+        match t.kind {
             TierJobKind::Write => {
-                let unpinned = pool.complete_load(keys);
-                debug_assert!(unpinned.is_ok(), "{unpinned:?}");
                 let done = tier.index.complete_write(keys, ok);
                 debug_assert!(done.is_ok(), "{done:?}");
                 tier.stats.failed_writes += u64::from(!ok);
+                let unpinned = self.pools[g].complete_load(keys);
+                debug_assert!(unpinned.is_ok(), "{unpinned:?}");
             }
             TierJobKind::Promote => {
-                let published = pool.complete_store(keys, ok);
-                debug_assert!(published.is_ok(), "{published:?}");
                 // A failed promotion drops its keys from the tier: bad bytes were quarantined
                 // by the rank that found them, and a persistent I/O fault must not loop.
                 let bad: &[Key] = if ok { &[] } else { keys };
@@ -339,18 +525,23 @@ impl Scheduler {
                 if ok {
                     tier.stats.promoted_chunks += keys.len() as u64;
                 }
+                let published = self.pools[g].complete_store(keys, ok);
+                debug_assert!(published.is_ok(), "{published:?}");
+                if ok {
+                    // Promoted chunks are ready in the CPU pool: the other tiers may want them
+                    // (a restart with a disk tier refills an empty shared tier; the tier they
+                    // came from holds them and writes nothing).
+                    self.write_behind(g, keys, false);
+                }
             }
         }
     }
 
-    /// A reset flushed tier job `kind` of group `g`: its tier state is released (a write
+    /// A reset flushed tier job `job` of group `g`: its tier state is released (a write
     /// counts as failed, a promotion's pins go; the CPU pool was emptied anyway).
-    pub(super) fn reset_tier_job(&mut self, kind: TierJobKind, g: usize, keys: &[Key]) {
-        let tier = self.tiers[g]
-            .as_mut()
-            .expect("tier jobs exist only for tiers");
-        tier.stats.pending -= 1;
-        let done = match kind {
+    pub(super) fn reset_tier_job(&mut self, job: JobId, t: TierRef, g: usize, keys: &[Key]) {
+        let tier = self.end_tier_job(job, t, g);
+        let done = match t.kind {
             TierJobKind::Write => tier.index.complete_write(keys, false),
             TierJobKind::Promote => tier.index.complete_read(keys, &[]),
         };

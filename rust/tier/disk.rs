@@ -928,6 +928,7 @@ impl TierIndex for DiskIndex {
             no_room: p.no_room,
             writing: u64::from(p.storing),
             reading: u64::from(p.pinned),
+            ..TierStats::default()
         }
     }
 }

@@ -69,8 +69,6 @@ pub struct RemoteIndex {
     answers: Receiver<Answer>,
     events: Vec<TierEvent>,
     stats: TierStats,
-    checks: u64,
-    expired_checks: u64,
 }
 
 impl RemoteIndex {
@@ -114,8 +112,6 @@ impl RemoteIndex {
             answers,
             events: Vec::new(),
             stats: TierStats::default(),
-            checks: 0,
-            expired_checks: 0,
         })
     }
 
@@ -126,7 +122,7 @@ impl RemoteIndex {
 
     /// Existence checks sent, and those forgotten after their deadline.
     pub fn checks(&self) -> (u64, u64) {
-        (self.checks, self.expired_checks)
+        (self.stats.checks, self.stats.expired_checks)
     }
 
     /// Takes in the answers that arrived and forgets questions past their deadline.
@@ -161,7 +157,7 @@ impl RemoteIndex {
             keep
         });
         if !expired.is_empty() {
-            self.expired_checks += 1;
+            self.stats.expired_checks += 1;
         }
         for k in expired {
             if !matches!(
@@ -231,14 +227,18 @@ impl TierIndex for RemoteIndex {
             .filter(|k| !self.inflight.contains_key(k))
             .take(MAX_CHECK)
             .collect();
-        if !ask.is_empty() && !self.client.on_probation() {
-            let due = now + self.client.config().deadline;
-            for &k in &ask {
-                self.inflight.insert(k, due);
+        if !ask.is_empty() {
+            if self.client.on_probation() {
+                self.stats.skipped_checks += 1;
+            } else {
+                let due = now + self.client.config().deadline;
+                for &k in &ask {
+                    self.inflight.insert(k, due);
+                }
+                self.stats.checks += 1;
+                // The thread lives as long as the index; a send cannot fail before.
+                let _ = self.ask.send((ask, due));
             }
-            self.checks += 1;
-            // The thread lives as long as the index; a send cannot fail before.
-            let _ = self.ask.send((ask, due));
         }
         self.inflight.contains_key(&keys[n])
     }
@@ -357,7 +357,10 @@ impl TierIndex for RemoteIndex {
     }
 
     fn stats(&self) -> TierStats {
+        let client = self.client.stats();
         TierStats {
+            probations: client.probations,
+            recoveries: client.recoveries,
             used: self
                 .entries
                 .values()
