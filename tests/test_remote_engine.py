@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.scheduler import OffloadScheduler, StepInput
 from tests.remote_engine import BLOCK, HASHES, PROMPT, ask, compute, config, engine, expected_kv
-from tests.remote_support import RedisServer
+from tests.remote_support import NetnsHosts, RedisServer, redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,3 +123,47 @@ def test_simulate_two_engines_share_the_remote_tier_exactly(
     assert f["leaked_jobs"] == 0
     assert f["prefill_tokens"] < f["prefill_tokens_without_offload"]
     assert redis.dbsize() > 0
+
+
+def test_hosts_in_network_namespaces_share_one_server_exactly() -> None:
+    """Three simulated hosts (network namespaces joined by veth pairs), each running an engine
+    (scheduler, worker, oracle) against one server on this namespace's side of their links:
+    host 0 computes the system prompts and writes them behind; hosts 1 and 2, at the same time,
+    promote them across their links. Every loaded byte is checked by each host's oracle."""
+    hosts = NetnsHosts(3)
+    try:
+        with redis_server(bind=[hosts.gateway(i) for i in range(3)]) as server:
+
+            def start(i: int) -> subprocess.Popen[bytes]:
+                cmd = [sys.executable, "-m", "tests.remote_engine", "--host"]
+                return subprocess.Popen(
+                    [*hosts.exec_prefix(i), *cmd, server.url_at(hosts.gateway(i))],
+                    cwd=ROOT,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                )
+
+            def figures(p: subprocess.Popen[bytes]) -> dict[str, Any]:
+                out, _ = p.communicate(b"go\n", timeout=120)
+                assert p.returncode == 0
+                return dict(json.loads(out))
+
+            procs = [start(i) for i in range(3)]  # start up together, run when told
+            first = figures(procs[0])
+            for p in procs[1:]:
+                assert p.stdin is not None
+                p.stdin.write(b"go\n")
+                p.stdin.flush()
+            others = [figures(p) for p in procs[1:]]
+    finally:
+        hosts.close()
+    assert first["remote_written_chunks"] > 0
+    for f in [first, *others]:
+        assert (f["integrity_mismatches"], f["hit_mismatches"], f["torn_stores"]) == (0, 0, 0)
+        assert (f["leaked_jobs"], f["remote_failed_jobs"]) == (0, 0)
+    for f in others:
+        assert f["remote_promoted_chunks"] > 0, "a host found no chunk of host 0"
+        # Host 0 loaded nothing from its CPU pool (each prompt's first use was on the GPU);
+        # these hosts load what they promoted, every block checked.
+        assert f["cpu_hit_tokens"] > first["cpu_hit_tokens"] == 0, (f, first)
+        assert f["blocks_verified"] > 0

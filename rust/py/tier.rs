@@ -95,6 +95,7 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
         ("checks", t.checks),
         ("expired_checks", t.expired_checks),
         ("skipped_checks", t.skipped_checks),
+        ("asked_later", t.asked_later),
         ("probations", t.probations),
         ("recoveries", t.recoveries),
     ] {
