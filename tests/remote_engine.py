@@ -135,6 +135,8 @@ class FaultRun:
     deadline_ms: float = 200.0
     slow_delay_s: float = 1.0
     probation_s: float = 2.1
+    inject: bool = True
+    """False: the same run and phases without faults (the baseline of a benchmark)."""
     phase: int = -1
     phase_of_step: list[str] = field(default_factory=list)
     tier: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -188,10 +190,12 @@ class FaultRun:
         phase = min((step - 1) // self.phase_steps, len(FAULTS) - 1)
         while self.phase < phase:
             if self.phase >= 0:
-                self._leave(FAULTS[self.phase])
+                if self.inject:
+                    self._leave(FAULTS[self.phase])
                 self._snapshot()
             self.phase += 1
-            self._enter(FAULTS[self.phase])
+            if self.inject:
+                self._enter(FAULTS[self.phase])
         self.phase_of_step.append(FAULTS[self.phase])
         time.sleep(self.pace_s)
 

@@ -16,8 +16,10 @@ from kvoffload._core import DiskWorker, disk_inspect
 from kvoffload.cli import main
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
+from kvoffload.sim import SimConfig, simulate
 from kvoffload.transfer import TransferEngine
 from kvoffload.transfer.disk import open_disk_worker
+from tests.remote_support import RedisServer
 
 BLOCK = 16
 HASHES = [0xA1, 0xA2, 0xA3]
@@ -217,3 +219,37 @@ def test_disk_cli_inspect_verify_and_errors(
     assert main(["disk", "inspect", str(tmp_path / "missing")]) == 2
     assert main(["simulate", "--restart", "--quiet"]) == 2
     assert "--restart needs --disk DIR" in capsys.readouterr().err
+
+
+def test_both_tiers_restart_promotes_from_disk_and_refills_the_shared_tier(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    """Disk and shared tier at once (DESIGN §9): every stored chunk goes down to both; after a
+    restart on the same directory with the server flushed, promotions come from the disk (the
+    nearest tier) and the promoted chunks refill the shared tier; an engine with an empty disk
+    then promotes from the shared tier. Every loaded byte checked."""
+    cfg = SimConfig(
+        workload="sysprompt",
+        num_requests=40,
+        scale=0.5,
+        cpu_chunks=64,
+        disk_path=str(tmp_path / "a"),
+        disk_bytes=16 << 20,
+        remote_url=redis.url,
+    )
+    runs = [simulate(cfg)]
+    written = runs[0].tier_written_chunks
+    assert written["disk"] == written["remote"] > 0
+    redis.flushall()
+    runs.append(simulate(cfg))  # the restart: the disk holds everything, the server nothing
+    assert runs[1].tier_promoted_chunks["disk"] > 0
+    assert runs[1].tier_promoted_chunks.get("remote", 0) == 0
+    assert runs[1].tier_written_chunks["remote"] > 0, "promoted chunks refill the server"
+    assert redis.dbsize() > 0
+    runs.append(simulate(dataclasses.replace(cfg, disk_path=str(tmp_path / "b"))))
+    assert runs[2].tier_promoted_chunks["remote"] > 0
+    for r in runs:
+        assert (r.mismatches, r.hit_mismatches, r.torn_stores, r.leaked_jobs) == (0, 0, 0, 0)
+        assert sum(r.tier_failed_jobs.values()) == 0
+    assert runs[1].cpu_hit_tokens > 0
+    assert runs[2].cpu_hit_tokens > 0
