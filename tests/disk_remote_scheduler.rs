@@ -5,36 +5,21 @@
 //! only (no I/O: the plans are the subject; bytes are checked end to end by
 //! `tests/test_disk.py`): a [`DiskIndex`], and one posing as the shared tier.
 
-use kvoffload::config::{GroupConfig, SchedulerConfig};
+use kvoffload::config::SchedulerConfig;
 use kvoffload::policy::PolicyKind;
 use kvoffload::pool::KeyState;
-use kvoffload::scheduler::{Scheduler, StepInput, StepPlan, TierAdmission, TierJobKind};
+use kvoffload::scheduler::{Scheduler, StepPlan, TierAdmission, TierJobKind};
 use kvoffload::tier::disk::{DiskIndex, SlabLayout, BLOCK};
 use kvoffload::tier::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
 use kvoffload::{BlockId, Key};
 
+mod tier_support;
+use tier_support::step;
+
 const CHUNK: u64 = 4096;
 
 fn config() -> SchedulerConfig {
-    SchedulerConfig {
-        groups: vec![GroupConfig {
-            block_size: 4,
-            sliding_window: None,
-            bytes_per_chunk: CHUNK,
-        }],
-        blocks_per_chunk: 1,
-        hash_block_size: 4,
-        num_gpu_blocks: 64,
-        null_block: Some(BlockId(0)),
-        cpu_chunks: 16,
-        policy: PolicyKind::Lru,
-        num_workers: 1,
-        max_loading_requests: 0,
-        offload_prompt_only: false,
-        max_offload_tokens: None,
-        store_threshold: 0,
-        debug_skip_deferred_arming: false,
-    }
+    tier_support::config(CHUNK, 16)
 }
 
 /// A disk index holding `held` (published).
@@ -85,20 +70,6 @@ fn keys() -> Vec<Key> {
     (1..=4).map(|i| Key(0xD500 + i)).collect()
 }
 
-fn step(scheduled: &[(&str, u32)], finished: &[&str], written: &[u32]) -> StepInput<&'static str> {
-    let leak = |s: &str| -> &'static str { Box::leak(s.to_string().into_boxed_str()) };
-    StepInput {
-        scheduled: scheduled.iter().map(|(r, _)| leak(r)).collect(),
-        computed: scheduled.iter().map(|(_, c)| *c).collect(),
-        new_blocks: Vec::new(),
-        resumed: Vec::new(),
-        finished: finished.iter().map(|r| leak(r)).collect(),
-        aborted: Vec::new(),
-        preempted: Vec::new(),
-        written: Some(written.iter().copied().map(BlockId).collect()),
-    }
-}
-
 /// A scheduler whose group 0 has a disk tier holding `on_disk` and a shared tier holding
 /// `shared` (attached shared first: the order of attachment does not decide the nearest).
 fn scheduler(on_disk: &[Key], shared: &[Key], admit_shared: TierAdmission) -> Scheduler {
@@ -128,7 +99,7 @@ fn run(s: &mut Scheduler, plan: &StepPlan) -> Vec<(TierJobKind, &'static str, Ve
 /// the tier jobs of the step after (the write-behind).
 fn compute(
     s: &mut Scheduler,
-    id: &str,
+    id: &'static str,
     blocks: [u32; 5],
 ) -> Vec<(TierJobKind, &'static str, Vec<Key>)> {
     s.add_request(id, 17, keys()).unwrap();
