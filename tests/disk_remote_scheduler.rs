@@ -5,7 +5,6 @@
 //! only (no I/O: the plans are the subject; bytes are checked end to end by
 //! `tests/test_disk.py`): a [`DiskIndex`], and one posing as the shared tier.
 
-use kvoffload::config::SchedulerConfig;
 use kvoffload::policy::PolicyKind;
 use kvoffload::pool::KeyState;
 use kvoffload::scheduler::{Scheduler, StepPlan, TierAdmission, TierJobKind};
@@ -14,17 +13,11 @@ use kvoffload::tier::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
 use kvoffload::{BlockId, Key};
 
 mod tier_support;
-use tier_support::step;
-
-const CHUNK: u64 = 4096;
-
-fn config() -> SchedulerConfig {
-    tier_support::config(CHUNK, 16)
-}
+use tier_support::{config, step, CHUNK};
 
 /// A disk index holding `held` (published).
 fn disk(held: &[Key]) -> DiskIndex {
-    let layout = SlabLayout::new(CHUNK, 32 * (BLOCK + CHUNK)).unwrap();
+    let layout = SlabLayout::new(CHUNK as u64, 32 * (BLOCK + 2 * BLOCK)).unwrap();
     let mut idx = DiskIndex::new(layout, PolicyKind::Lru).unwrap();
     let plan = idx.prepare_write(held).unwrap();
     assert_eq!(plan.keys, held);

@@ -6,7 +6,6 @@
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use kvoffload::config::SchedulerConfig;
 use kvoffload::policy::PolicyKind;
 use kvoffload::scheduler::{Scheduler, StepPlan, TierJob, TierJobKind};
 use kvoffload::tier::disk::{DiskIndex, SlabFile, SlabLayout, WriteItem, BLOCK, SLAB_FILE};
@@ -14,18 +13,7 @@ use kvoffload::tier::namespace::Namespace;
 use kvoffload::{BlockId, Key};
 
 mod tier_support;
-use tier_support::step;
-
-const CHUNK: usize = 4096 + 24;
-const CPU_CHUNKS: u32 = 16;
-
-fn config() -> SchedulerConfig {
-    tier_support::config(CHUNK as u64, CPU_CHUNKS)
-}
-
-fn oracle(key: Key) -> Vec<u8> {
-    tier_support::oracle(key, CHUNK)
-}
+use tier_support::{config, oracle, step, CHUNK, CPU_CHUNKS};
 
 fn ns() -> Namespace {
     Namespace {

