@@ -39,6 +39,12 @@ def test_every_request_finishes_and_no_wrong_byte_is_served(faults: FaultRun) ->
     # Requests whose promotion failed recomputed; others were served from the tier.
     assert r.tier_failed_jobs["remote"] > 0
     assert r.tier_promoted_chunks["remote"] > 0
+    # I/O time and queue depth per tier, as the scheduler sees its jobs.
+    t = r.tiers["remote"]
+    assert t["write_us"] > 0
+    assert t["promote_us"] > 0
+    assert t["max_queue_depth"] >= 1
+    assert t["queue_depth"] == 0
 
 
 def test_a_killed_server_puts_both_clients_on_probation(faults: FaultRun) -> None:

@@ -1,24 +1,32 @@
-//! Lower tiers (DESIGN.md §9): write-behind and promotion jobs between the CPU pool and a
-//! [`TierIndex`] per KV group (the disk tier; Redis later).
+//! Lower tiers (DESIGN.md §9): write-behind and promotion jobs between the CPU pool and the
+//! [`TierIndex`]es of each KV group: a disk tier, a shared (Redis) tier, or both, nearest
+//! first (local before shared).
 //!
 //! - *Write-behind*: when a store job completes and its chunks become ready in the CPU pool,
-//!   the keys the tier does not hold yet get places ([`TierIndex::prepare_write`]) and their CPU
-//!   slots are pinned (so no eviction reuses them while a worker reads them); one
-//!   [`TierJobKind::Write`] job per group goes into the next plan. When every rank reported it,
-//!   the slots are unpinned and the tier publishes the keys (or drops them if any rank failed).
-//!   Eviction from the CPU pool never writes.
-//! - *Promotion*: a request's first lookup (per admission) whose leading chunks are neither ready nor being stored in the CPU
-//!   pool but ready in the tier reserves CPU slots for them (storing: not readable), pins them in
-//!   the tier ([`TierIndex::prepare_read`]), emits a [`TierJobKind::Promote`] job and answers
-//!   "ask later". Other requests needing the same chunks see them as being stored and wait for
-//!   this one promotion (no second copy, no convoy: nothing waits for work started later). Once
-//!   every rank read and verified its bytes, the CPU slots are published and the normal load
-//!   follows; if any rank failed, the CPU slots are dropped, the tier forgets the keys (a rank
-//!   that found bad bytes quarantined its slot) and the request recomputes.
+//!   each tier whose [`TierAdmission`] lets them through gives places to the keys it does not
+//!   hold yet ([`TierIndex::prepare_write`]) and their CPU slots are pinned (so no eviction
+//!   reuses them while a worker reads them); one [`TierJobKind::Write`] job per group and tier
+//!   goes into the next plan. When every rank reported it, the slots are unpinned and the tier
+//!   publishes the keys (or drops them if any rank failed). Eviction from the CPU pool never
+//!   writes. A tier admitting on reuse (`min_hits > 0`) gets a chunk when its loads from the
+//!   CPU pool reach that count; chunks promoted from one tier go to the others that lack them.
+//! - *Promotion*: a request's first lookup (per admission) whose leading chunks are neither
+//!   ready nor being stored in the CPU pool but ready in a tier reserves CPU slots for them
+//!   (storing: not readable), pins each in the nearest tier holding it
+//!   ([`TierIndex::prepare_read`]), emits one [`TierJobKind::Promote`] job per tier and answers
+//!   "ask later". Every tier is asked only about the chunks the nearer ones lack; while a shared
+//!   tier's answer is pending, the request asks later. Other requests needing the same chunks
+//!   see them as being stored and wait for this one promotion (no second copy, no convoy:
+//!   nothing waits for work started later). Once every rank read and verified its bytes, the
+//!   CPU slots are published and the normal load follows; if any rank failed, the CPU slots
+//!   are dropped, the tier forgets the keys (a rank that found bad bytes quarantined its slot)
+//!   and the request recomputes.
 //!
 //! Tier jobs have job ids from the same table as loads and stores (workers report them the
-//! same way, per rank) under one owner of their own, and touch no GPU block, so the fence never
-//! sees them. A reset flushes them like every pending job; their tier state is released then.
+//! same way, per rank; a worker runs the jobs of its tier's medium) under one owner of their
+//! own, and touch no GPU block, so the fence never sees them. A reset flushes them like every
+//! pending job; their tier state is released then. Per tier, the scheduler counts jobs, queue
+//! depth and the time from a job's plan to its completion ([`TierGroupStats`]).
 
 use std::path::Path;
 use std::time::Instant;
