@@ -181,6 +181,7 @@ class OffloadConfig:
             d = self.remote_deadline_ms
             if isinstance(d, bool) or not isinstance(d, (int, float)):
                 raise ConfigError(f"remote_deadline_ms must be a number, got {d!r}")
+        disk_bytes = 0
         if self.disk_path is None:
             if self.disk_bytes is not None:
                 raise ConfigError(f"disk_bytes={self.disk_bytes!r} needs disk_path")
@@ -190,11 +191,12 @@ class OffloadConfig:
             b = self.disk_bytes
             if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
                 raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
+            disk_bytes = b
             if not isinstance(self.disk_model, str):
                 raise ConfigError(f"disk_model must be a string, got {self.disk_model!r}")
         core = Scheduler(**self._core_kwargs())
         if self.disk_path is not None:
-            core.attach_disk(os.fspath(self.disk_path), self.disk_bytes, self.disk_model)
+            core.attach_disk(os.fspath(self.disk_path), disk_bytes, self.disk_model)
             core.set_tier_admission("disk", self.disk_min_hits)
         if self.remote_url is not None:
             core.attach_remote(
