@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use kvoffload::policy::PolicyKind;
 use kvoffload::tier::disk::{
-    scan_namespace, DiskIndex, DiskOptions, DiskTier, SlabFile, SlabLayout, WriteItem, BLOCK,
-    SLAB_FILE,
+    scan_namespace, write_items, DiskIndex, DiskOptions, DiskTier, SlabFile, SlabLayout, WriteItem,
+    BLOCK, SLAB_FILE,
 };
 use kvoffload::tier::namespace::Namespace;
 use kvoffload::tier::{Location, TierIndex};
@@ -377,17 +377,9 @@ fn crash_child() {
             writeln!(out, "E {}", k.0).unwrap();
         }
         out.flush().unwrap();
-        let items: Vec<WriteItem<'_>> = plan
-            .keys
-            .iter()
-            .zip(&plan.locations)
-            .map(|(k, loc)| WriteItem {
-                slot: loc.place as u32,
-                key: *k,
-                generation: loc.generation,
-                pieces: vec![&data[keys.iter().position(|x| x == k).unwrap()][..]],
-            })
-            .collect();
+        let items = write_items(&plan, |k| {
+            vec![&data[keys.iter().position(|x| *x == k).unwrap()][..]]
+        });
         assert!(t.file().write(&items).iter().all(Result::is_ok));
         t.index_mut().complete_write(&plan.keys, true).unwrap();
         for k in &plan.keys {

@@ -6,43 +6,15 @@
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use kvoffload::config::{GroupConfig, SchedulerConfig};
+use kvoffload::config::GroupConfig;
 use kvoffload::policy::PolicyKind;
-use kvoffload::scheduler::{Scheduler, StepInput, StepPlan, TierJob, TierJobKind};
+use kvoffload::scheduler::{Scheduler, StepPlan, TierJob, TierJobKind};
 use kvoffload::tier::disk::{DiskIndex, SlabFile, SlabLayout, WriteItem, BLOCK, SLAB_FILE};
 use kvoffload::tier::namespace::Namespace;
 use kvoffload::{BlockId, Key};
 
-const CHUNK: usize = 4096 + 24;
-const CPU_CHUNKS: u32 = 16;
-
-fn config() -> SchedulerConfig {
-    SchedulerConfig {
-        groups: vec![GroupConfig {
-            block_size: 4,
-            sliding_window: None,
-            bytes_per_chunk: CHUNK as u64,
-        }],
-        blocks_per_chunk: 1,
-        hash_block_size: 4,
-        num_gpu_blocks: 64,
-        null_block: Some(BlockId(0)),
-        cpu_chunks: CPU_CHUNKS,
-        policy: PolicyKind::Lru,
-        num_workers: 1,
-        max_loading_requests: 0,
-        offload_prompt_only: false,
-        max_offload_tokens: None,
-        store_threshold: 0,
-        debug_skip_deferred_arming: false,
-    }
-}
-
-fn oracle(key: Key) -> Vec<u8> {
-    (0..CHUNK)
-        .map(|i| (key.0 as usize).wrapping_mul(31).wrapping_add(i * 7) as u8)
-        .collect()
-}
+mod tier_support;
+use tier_support::{config, oracle, step, CHUNK, CPU_CHUNKS};
 
 fn ns() -> Namespace {
     Namespace {
@@ -54,20 +26,6 @@ fn ns() -> Namespace {
 
 fn layout() -> SlabLayout {
     SlabLayout::new(CHUNK as u64, 32 * (BLOCK + 2 * BLOCK)).unwrap()
-}
-
-fn step(scheduled: &[(&str, u32)], finished: &[&str], written: &[u32]) -> StepInput<&'static str> {
-    let leak = |s: &str| -> &'static str { Box::leak(s.to_string().into_boxed_str()) };
-    StepInput {
-        scheduled: scheduled.iter().map(|(r, _)| leak(r)).collect(),
-        computed: scheduled.iter().map(|(_, c)| *c).collect(),
-        new_blocks: Vec::new(),
-        resumed: Vec::new(),
-        finished: finished.iter().map(|r| leak(r)).collect(),
-        aborted: Vec::new(),
-        preempted: Vec::new(),
-        written: Some(written.iter().copied().map(BlockId).collect()),
-    }
 }
 
 /// A worker: the CPU pool's bytes and the slab file.

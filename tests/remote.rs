@@ -2,8 +2,6 @@
 //! installs it): byte-exact round trips, namespaces, verification, probation and recovery.
 
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
@@ -12,89 +10,8 @@ use kvoffload::tier::remote::{
 };
 use kvoffload::Key;
 
-/// A `redis-server` on 127.0.0.1, a free port and a temporary directory; no persistence,
-/// `maxmemory` with `allkeys-lru`. Killed and removed on drop.
-struct Server {
-    port: u16,
-    dir: PathBuf,
-    child: Option<Child>,
-}
-
-impl Server {
-    fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let dir =
-            std::env::temp_dir().join(format!("kvoffload-redis-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut s = Self {
-            port,
-            dir,
-            child: None,
-        };
-        s.spawn();
-        s
-    }
-
-    fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .args(["--save", "", "--appendonly", "no", "--maxmemory", "256mb"])
-            .args([
-                "--maxmemory-policy",
-                "allkeys-lru",
-                "--protected-mode",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (make test installs Debian's package)");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(mut c) =
-                redis::Client::open(self.url().as_str()).and_then(|c| c.get_connection())
-            {
-                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return;
-                }
-            }
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().unwrap();
-            c.wait().unwrap();
-        }
-    }
-
-    fn con(&self) -> redis::Connection {
-        redis::Client::open(self.url().as_str())
-            .unwrap()
-            .get_connection()
-            .unwrap()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
+mod tier_support;
+use tier_support::Server;
 
 fn config(url: &str) -> RemoteConfig {
     let mut c = RemoteConfig::new(url);

@@ -1,13 +1,17 @@
 """A small engine (scheduler + CPU TransferEngine + RemoteWorker) sharing the Redis tier, for
-tests that run engines in separate processes.
+tests that run engines in separate processes, and a simulated engine under faults.
 
     python -m tests.remote_engine URL SALT    # engine A: computes request "a", writes it behind
+    python -m tests.remote_engine --host URL  # one simulated engine (a test host): JSON figures,
+                                              # once a line arrives on stdin
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +20,7 @@ from kvoffload._core import RemoteWorker
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.transfer import TransferEngine
 from kvoffload.transfer.remote import open_remote_worker
+from tests.remote_support import DelayProxy, RedisServer
 
 BLOCK = 16
 HASHES = [0xA1, 0xA2, 0xA3]
@@ -88,6 +93,19 @@ def compute(
     return drain(sched, plan, remote)
 
 
+def load(
+    sched: OffloadScheduler, worker: TransferEngine, rid: str, blocks: list[int], n: int
+) -> None:
+    """Request ``rid`` (a ``PROMPT``-token prompt) loads ``n`` tokens into ``blocks``: the
+    load is allocated, planned, copied, and every copy succeeded."""
+    job = sched.allocate(rid, [blocks], num_computed_tokens=0, num_load_tokens=n)
+    plan = sched.schedule(StepInput(scheduled=[(rid, PROMPT)], written=blocks))
+    for j in plan.loads:
+        worker.submit_load(j.job_id, j.transfers)
+    worker.wait([job])
+    assert all(r.ok for r in worker.poll())
+
+
 def fill(url: str, salt: str) -> None:
     """Engine A: request "a" misses, computes and is written behind to the shared tier."""
     sched = OffloadScheduler(config(url, salt))
@@ -106,5 +124,148 @@ def expected_kv() -> torch.Tensor:
     return torch.stack([t[1:4] for t in kv])
 
 
+# --------------------------------------------------------------------------- faults, engine level
+
+FAULTS = ("healthy", "killed", "restarted", "flushed", "slow", "healed")
+"""The phases of :class:`FaultRun`, in order: what happens to the server at each one's start."""
+
+
+@dataclass
+class FaultRun:
+    """One simulated engine (scheduler, workers, oracle) on the shared tier behind a
+    :class:`~tests.remote_support.DelayProxy`, with the server's faults scheduled by step:
+    every ``phase_steps`` steps the next phase of :data:`FAULTS` starts (kill the server,
+    restart it empty, flush it, hold its replies past the deadline, heal). Each step sleeps
+    ``pace_s`` (the forward pass). The counters of the scheduler's tier and of the worker's
+    client are taken at every phase change; :attr:`phase_of_step` tells which phase each
+    step's scheduler time (``Simulator.step_times``) belongs to.
+    """
+
+    server: RedisServer
+    proxy: DelayProxy
+    phase_steps: int = 100
+    pace_s: float = 0.002
+    deadline_ms: float = 200.0
+    slow_delay_s: float = 1.0
+    probation_s: float = 2.1
+    inject: bool = True
+    """False: the same run and phases without faults (the baseline of a benchmark)."""
+    phase: int = -1
+    phase_of_step: list[str] = field(default_factory=list)
+    tier: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per phase: the scheduler's remote tier counters at its end."""
+    worker: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per phase: the worker's client counters at its end."""
+    result: Any = None
+    """The run's ``SimResult`` (set by the caller)."""
+
+    def config(self, **kw: Any) -> Any:
+        """The engine's configuration: a chat workload whose CPU pool and GPU cache are small
+        enough that chunks come back from the shared tier; completions polled, as an engine
+        does (a step never waits for tier I/O)."""
+        from kvoffload.sim import SimConfig
+
+        base: dict[str, Any] = {
+            "workload": "chat",
+            "num_requests": 100,
+            "scale": 0.5,
+            "cpu_chunks": 32,
+            "num_gpu_blocks": 160,
+            "max_num_seqs": 8,
+            "completion": "poll",
+            "remote_url": self.proxy.url,
+            "remote_deadline_ms": self.deadline_ms,
+        }
+        return SimConfig(**{**base, **kw})
+
+    def run(self, **kw: Any) -> Any:
+        """Runs the workload through every phase; returns the run's :class:`SimResult`."""
+        from kvoffload.sim import Simulator
+
+        self.sim = Simulator(self.config(**kw))
+        assert self.sim.offload is not None
+        self.remote = self.sim.offload.tiers["remote"]  # kept: its counters outlive the run
+        self.sim.before_step = self._before_step
+        result = self.sim.run()
+        self._snapshot(result.tiers["remote"])
+        return result
+
+    def _snapshot(self, tier: dict[str, int] | None = None) -> None:
+        name = FAULTS[self.phase]
+        if tier is None:
+            assert self.sim.offload is not None
+            stats: Any = self.sim.offload.sched.stats()["tiers"]
+            tier = stats[0]
+        self.tier[name] = dict(tier)
+        self.worker[name] = dict(self.remote.stats())
+
+    def _before_step(self, step: int) -> None:
+        phase = min((step - 1) // self.phase_steps, len(FAULTS) - 1)
+        while self.phase < phase:
+            if self.phase >= 0:
+                if self.inject:
+                    self._leave(FAULTS[self.phase])
+                self._snapshot()
+            self.phase += 1
+            if self.inject:
+                self._enter(FAULTS[self.phase])
+        self.phase_of_step.append(FAULTS[self.phase])
+        time.sleep(self.pace_s)
+
+    def _enter(self, name: str) -> None:
+        if name == "killed":
+            self.server.kill()
+        elif name == "restarted":
+            self.server.start()
+            time.sleep(self.probation_s)  # the clients' probations end: next operation is a trial
+        elif name == "flushed":
+            self.server.flushall()
+        elif name == "slow":
+            self.proxy.delay = self.slow_delay_s
+        elif name == "healed":
+            self.proxy.delay = 0.0
+            time.sleep(self.probation_s)
+
+    def _leave(self, name: str) -> None:
+        if name == "slow":
+            # Until the worker's client went on probation under the slow server (bounded).
+            since = self.worker["flushed"]["probations"]
+            end = time.monotonic() + 10
+            while self.remote.stats()["probations"] == since and time.monotonic() < end:
+                time.sleep(0.01)
+
+    def delta(self, name: str, key: str, of: str = "tier") -> int:
+        """How much counter ``key`` (of the scheduler's ``tier`` or the ``worker``'s client)
+        grew during phase ``name``."""
+        d = self.tier if of == "tier" else self.worker
+        i = FAULTS.index(name)
+        before = d[FAULTS[i - 1]][key] if i else 0
+        return d[name][key] - before
+
+
+def host(url: str) -> dict[str, Any]:
+    """One simulated engine (a test host) runs :data:`HOST_WORKLOAD` on the shared tier at
+    ``url``; returns its figures."""
+    from kvoffload.sim import SimConfig, simulate
+    from kvoffload.sim.report import figures
+
+    return figures(simulate(SimConfig(remote_url=url, **HOST_WORKLOAD)), None)
+
+
+HOST_WORKLOAD: dict[str, Any] = {
+    "workload": "sysprompt",
+    "num_requests": 40,
+    "scale": 0.5,
+    "cpu_chunks": 64,
+}
+"""What every test host runs: long shared system prompts (their chunks are what hosts share)."""
+
+
 if __name__ == "__main__":
-    fill(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--host":
+        import kvoffload.sim  # noqa: F401  (imported before the go: hosts start up together)
+
+        sys.stdin.readline()
+        print(json.dumps(host(sys.argv[2])))
+    else:
+        fill(sys.argv[1], sys.argv[2])

@@ -4,119 +4,21 @@
 //! its own CPU pool (ask later), then loads them: byte-exact under the oracle. Another tenant
 //! salt shares nothing, and a server that is gone means recomputation, never wrong bytes.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::thread::sleep;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::copy::{RowSpace, Span};
-use kvoffload::policy::PolicyKind;
-use kvoffload::scheduler::{remote_namespace, Scheduler, StepInput, StepPlan};
+use kvoffload::scheduler::{remote_namespace, Scheduler, StepPlan};
 use kvoffload::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker, WorkerJob};
 use kvoffload::tier::remote::{RemoteClient, RemoteConfig};
 use kvoffload::{BlockId, Key};
 
-const CHUNK: usize = 4096 + 24;
-const CPU_CHUNKS: u32 = 16;
-
-struct Server(Child, u16);
-
-impl Server {
-    fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
-            .args(["--appendonly", "no", "--maxmemory", "64mb"])
-            .args(["--maxmemory-policy", "allkeys-lru", "--dir"])
-            .arg(std::env::temp_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (make test installs it)");
-        let url = format!("redis://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while redis::Client::open(url.as_str())
-            .and_then(|c| c.get_connection())
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            sleep(Duration::from_millis(20));
-        }
-        Server(child, port)
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.1)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn config() -> SchedulerConfig {
-    SchedulerConfig {
-        groups: vec![GroupConfig {
-            block_size: 4,
-            sliding_window: None,
-            bytes_per_chunk: CHUNK as u64,
-        }],
-        blocks_per_chunk: 1,
-        hash_block_size: 4,
-        num_gpu_blocks: 64,
-        null_block: Some(BlockId(0)),
-        cpu_chunks: CPU_CHUNKS,
-        policy: PolicyKind::Lru,
-        num_workers: 1,
-        max_loading_requests: 0,
-        offload_prompt_only: false,
-        max_offload_tokens: None,
-        store_threshold: 0,
-        debug_skip_deferred_arming: false,
-    }
-}
-
-fn oracle(key: Key) -> Vec<u8> {
-    (0..CHUNK)
-        .map(|i| (key.0 as usize).wrapping_mul(31).wrapping_add(i * 7) as u8)
-        .collect()
-}
+mod tier_support;
+use tier_support::{config, oracle, step, Server, CHUNK, CPU_CHUNKS};
 
 fn keys() -> Vec<Key> {
     (1..=4).map(|i| Key(0xAB00 + i)).collect()
-}
-
-fn step(
-    scheduled: &[(&'static str, u32)],
-    finished: &[&'static str],
-    written: &[u32],
-) -> StepInput<&'static str> {
-    StepInput {
-        scheduled: scheduled.iter().map(|(r, _)| *r).collect(),
-        computed: scheduled.iter().map(|(_, c)| *c).collect(),
-        new_blocks: Vec::new(),
-        resumed: Vec::new(),
-        finished: finished.to_vec(),
-        aborted: Vec::new(),
-        preempted: Vec::new(),
-        written: Some(written.iter().copied().map(BlockId).collect()),
-    }
 }
 
 /// One engine: its scheduler, its CPU pool bytes and a real tier worker over them.
@@ -317,7 +219,11 @@ fn a_dead_server_means_recompute() {
     b.compute_other();
     let st = b.s.tier_stats()[0];
     assert_eq!(st.tier.writes, 0);
-    assert!(b.client.stats().probations >= 1);
+    // One failed existence check (its keys are absent until the retry time: no re-asking)
+    // and one failed write; a third failure would put the client on probation
+    // (tests/remote.rs, tests/test_remote_faults.py).
+    assert_eq!((st.tier.checks, st.tier.expired_checks), (1, 1));
+    assert!(b.client.stats().errors >= 2);
 }
 
 impl Engine {

@@ -187,9 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--remote",
         dest="remote_url",
         metavar="URL",
-        help="a shared tier (Redis, redis://host:port) below the CPU pool: engine A runs the "
-        "workload and writes its chunks behind, then engine B runs it against the same server; "
-        "the table is engine B's (its first requests are served from the shared tier)",
+        help="a shared tier (Redis, redis://host:port) below the CPU pool: engines A and B run "
+        "the workload at the same time against the same server, B starting once A finished a "
+        "quarter of it; the table is engine B's (it promotes what A wrote behind). With --disk: "
+        "one engine with both tiers",
     )
     _add_disk_parser(sub)
     return p
@@ -275,7 +276,7 @@ def _disk(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from kvoffload.errors import ConfigError
-    from kvoffload.sim import SimConfig, SimError, simulate
+    from kvoffload.sim import SimConfig, SimError, simulate, simulate_fleet
     from kvoffload.sim.plot import check_plot_path, write_plot
     from kvoffload.sim.report import figures, format_table
 
@@ -294,16 +295,21 @@ def _simulate(args: argparse.Namespace) -> int:
         if args.restart:
             first = simulate(cfg, progress=_Progress("offload (fill disk)", not args.quiet))
             print(
-                f"before the restart: {first.disk_written_chunks:,} chunks written to "
+                f"before the restart: {first.tier_written_chunks.get('disk', 0):,} chunks "
+                "written to "
                 f"{cfg.disk_path}, {first.prefill_tokens:,} prefill tokens"
             )
-        if cfg.remote_url is not None:
-            first = simulate(cfg, progress=_Progress("offload (engine A)", not args.quiet))
-            print(
-                f"engine A: {first.disk_written_chunks:,} chunks written to {cfg.remote_url}, "
-                f"{first.prefill_tokens:,} prefill tokens; engine B:"
+        if cfg.remote_url is not None and cfg.disk_path is None:
+            first, run = simulate_fleet(
+                cfg, progress=lambda i: _Progress(f"engine {'AB'[i]}", not args.quiet)
             )
-        run = simulate(cfg, progress=_Progress("offload", not args.quiet))
+            print(
+                f"engine A: {first.tier_written_chunks.get('remote', 0):,} chunks written to "
+                f"{cfg.remote_url}, {first.prefill_tokens:,} prefill tokens; engine B "
+                "(concurrently):"
+            )
+        else:
+            run = simulate(cfg, progress=_Progress("offload", not args.quiet))
         base = None
         if not args.no_baseline:
             base = simulate(

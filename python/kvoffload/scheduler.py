@@ -89,12 +89,17 @@ class OffloadConfig:
         remote_url: ``redis://host:port[/db]`` of a shared tier (Redis) below the CPU pool
             (None: none). Engines configured with the same URL, model and layout share chunks:
             chunks ready in the CPU pool are written behind, lookups that miss the CPU pool ask
-            the server (asynchronously: "ask later") and promote what it holds. A group has one
-            lower tier: ``remote_url`` and ``disk_path`` exclude each other.
+            the server (asynchronously: "ask later") and promote what it holds. With
+            ``disk_path`` too, chunks are written behind to both and lookups promote from the
+            disk first, from the shared tier what the disk lacks.
         remote_model: Names the weights and dtype in the shared tier's namespace.
         cache_salt: Tenant salt in the shared tier's namespace: different salts share nothing.
         remote_deadline_ms: Longest wait for one operation of the shared tier; later is a miss
             (the request recomputes), and repeated failures put the tier on probation.
+        disk_min_hits: Admission filter of the disk tier: write a chunk behind once it was
+            loaded from the CPU pool this many times (0: as soon as it is stored).
+        remote_min_hits: The same for the shared tier. ``1`` sends only reused chunks (system
+            prompts, documents) to the fleet's server, not every request's private tail.
     """
 
     groups: tuple[KvGroup, ...]
@@ -118,6 +123,8 @@ class OffloadConfig:
     remote_model: str = ""
     cache_salt: str = ""
     remote_deadline_ms: float = 1000.0
+    disk_min_hits: int = 0
+    remote_min_hits: int = 0
 
     def _core_kwargs(self) -> dict[str, Any]:
         """The core's constructor arguments, values as given (the core checks them)."""
@@ -160,15 +167,13 @@ class OffloadConfig:
 
     def to_core(self) -> Scheduler:
         """Builds the Rust core, which validates every value (:class:`ConfigError` naming the
-        field and the value), and attaches the disk tier if ``disk_path`` is set, the shared
-        tier if ``remote_url`` is."""
-        core = Scheduler(**self._core_kwargs())
+        field and the value), and attaches the disk tier if ``disk_path`` is set and the shared
+        tier if ``remote_url`` is (both may be)."""
+        for name in ("disk_min_hits", "remote_min_hits"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 32:
+                raise ConfigError(f"{name} must be an integer in 0..2**32-1, got {v!r}")
         if self.remote_url is not None:
-            if self.disk_path is not None:
-                raise ConfigError(
-                    f"remote_url={self.remote_url!r} and disk_path={self.disk_path!r}: a group "
-                    "has one lower tier, set one of them"
-                )
             for name in ("remote_url", "remote_model", "cache_salt"):
                 value = getattr(self, name)
                 if not isinstance(value, str):
@@ -176,25 +181,31 @@ class OffloadConfig:
             d = self.remote_deadline_ms
             if isinstance(d, bool) or not isinstance(d, (int, float)):
                 raise ConfigError(f"remote_deadline_ms must be a number, got {d!r}")
+        disk_bytes = 0
+        if self.disk_path is None:
+            if self.disk_bytes is not None:
+                raise ConfigError(f"disk_bytes={self.disk_bytes!r} needs disk_path")
+        else:
+            if not isinstance(self.disk_path, (str, os.PathLike)):
+                raise ConfigError(f"disk_path must be a path, got {self.disk_path!r}")
+            b = self.disk_bytes
+            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+                raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
+            disk_bytes = b
+            if not isinstance(self.disk_model, str):
+                raise ConfigError(f"disk_model must be a string, got {self.disk_model!r}")
+        core = Scheduler(**self._core_kwargs())
+        if self.disk_path is not None:
+            core.attach_disk(os.fspath(self.disk_path), disk_bytes, self.disk_model)
+            core.set_tier_admission("disk", self.disk_min_hits)
+        if self.remote_url is not None:
             core.attach_remote(
                 self.remote_url,
                 model=self.remote_model,
                 cache_salt=self.cache_salt,
-                deadline_ms=float(d),
+                deadline_ms=float(self.remote_deadline_ms),
             )
-            return core
-        if self.disk_path is None:
-            if self.disk_bytes is not None:
-                raise ConfigError(f"disk_bytes={self.disk_bytes!r} needs disk_path")
-            return core
-        if not isinstance(self.disk_path, (str, os.PathLike)):
-            raise ConfigError(f"disk_path must be a path, got {self.disk_path!r}")
-        b = self.disk_bytes
-        if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
-            raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
-        if not isinstance(self.disk_model, str):
-            raise ConfigError(f"disk_model must be a string, got {self.disk_model!r}")
-        core.attach_disk(os.fspath(self.disk_path), b, self.disk_model)
+            core.set_tier_admission("remote", self.remote_min_hits)
         return core
 
 

@@ -1011,8 +1011,16 @@ impl Scheduler {
             .map_err(to_py)
     }
 
-    /// Per group with a lower tier: its counters (hits, bytes, promotions, quarantined, queue
-    /// depth, ...).
+    /// Every group's tier of `medium` (`"disk"`, `"remote"`) writes a chunk behind once it was
+    /// loaded from the CPU pool `min_hits` times (0: as soon as it is stored). Returns how many
+    /// tiers it set.
+    fn set_tier_admission(&self, medium: &str, min_hits: u32) -> usize {
+        self.lock()
+            .set_tier_admission(medium, crate::scheduler::TierAdmission { min_hits })
+    }
+
+    /// Per group and lower tier: its counters (hits, bytes, promotions, quarantined, queue
+    /// depth, I/O time, ...).
     fn tier_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let stats = self.lock().tier_stats();
         stats

@@ -88,8 +88,17 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
         ("failed_write_jobs", s.failed_writes),
         ("promote_no_room", s.promote_no_room),
         ("queue_depth", s.pending),
+        ("max_queue_depth", s.max_pending),
         ("promoting_chunks", s.promoting),
         ("promoted_chunks", s.promoted_chunks),
+        ("write_us", s.write_us),
+        ("promote_us", s.promote_us),
+        ("checks", t.checks),
+        ("expired_checks", t.expired_checks),
+        ("skipped_checks", t.skipped_checks),
+        ("asked_later", t.asked_later),
+        ("probations", t.probations),
+        ("recoveries", t.recoveries),
     ] {
         d.set_item(k, v)?;
     }

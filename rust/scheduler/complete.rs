@@ -48,10 +48,10 @@ impl Scheduler {
             return Ok(None);
         };
         let ok = !j.failed;
-        if let Some(kind) = j.payload.tier {
+        if let Some(tier) = j.payload.tier {
             // Tier jobs belong to no request: their effect shows in the pools and the tiers.
             let t = &j.payload.transfers[0];
-            self.complete_tier(kind, t.group as usize, &t.keys, ok);
+            self.complete_tier(job, tier, t.group as usize, &t.keys, ok);
             return Ok(None);
         }
         let i = j.payload.req;
@@ -63,7 +63,7 @@ impl Scheduler {
                     let done = self.pools[t.group as usize].complete_store(&t.keys, ok);
                     debug_assert!(done.is_ok(), "{done:?}");
                     if ok {
-                        self.write_behind(t.group as usize, &t.keys);
+                        self.write_behind(t.group as usize, &t.keys, false);
                     }
                 }
                 self.stats.failed_stores += u64::from(!ok);
@@ -77,6 +77,9 @@ impl Scheduler {
                         // A failed load leaves its chunks suspect: drop them (unless another
                         // load still reads them), so a persistent fault cannot loop forever.
                         pool.discard(&t.keys);
+                    } else if !self.tiers.is_empty() {
+                        // Reused chunks: tiers that admit on hits may want them now.
+                        self.write_behind(t.group as usize, &t.keys, true);
                     }
                     for k in &t.keys {
                         if self.loading.get(&(t.group, *k)) == Some(&job) {

@@ -60,7 +60,7 @@ pub use plan::{
 };
 pub use remote_tier::remote_namespace;
 pub use requests::Status;
-pub use tiers::{TierGroupStats, TierJob, TierJobKind};
+pub use tiers::{TierAdmission, TierGroupStats, TierJob, TierJobKind};
 
 use positions::PosEntry;
 use requests::Request;
@@ -77,14 +77,14 @@ struct JobPayload {
     first_chunks: Vec<u32>,
     /// For a load: the token it loads up to (the request's computed tokens once it is done).
     load_end: u32,
-    /// For a tier job (`req` is [`tiers::NO_REQUEST`]): its kind; its group and keys are the
-    /// one transfer's.
-    tier: Option<TierJobKind>,
+    /// For a tier job (`req` is [`tiers::NO_REQUEST`]): its kind and tier; its group and keys
+    /// are the one transfer's.
+    tier: Option<tiers::TierRef>,
 }
 
 impl JobPayload {
     /// The payload of a tier job.
-    fn tier(kind: TierJobKind, group: u32, keys: Vec<Key>) -> Self {
+    fn tier(tier: tiers::TierRef, group: u32, keys: Vec<Key>) -> Self {
         Self {
             req: tiers::NO_REQUEST,
             transfers: vec![GroupTransfer {
@@ -95,7 +95,7 @@ impl JobPayload {
             }],
             first_chunks: Vec::new(),
             load_end: 0,
-            tier: Some(kind),
+            tier: Some(tier),
         }
     }
 }
@@ -148,8 +148,8 @@ pub struct Scheduler {
     reset_flush: Vec<JobId>,
     /// Counters.
     stats: SchedulerStats,
-    /// Per group, its lower tier (`tiers.rs`); empty when none is attached.
-    tiers: Vec<Option<tiers::GroupTier>>,
+    /// Per group, its lower tiers, nearest first (`tiers.rs`); empty when none is attached.
+    tiers: Vec<Vec<tiers::GroupTier>>,
     /// Tier jobs created since the previous plan.
     new_tier_jobs: Vec<TierJob>,
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tier::disk::engine_namespace;
 use crate::tier::namespace::Namespace;
 use crate::tier::remote::RemoteClient;
@@ -42,7 +42,8 @@ pub fn remote_namespace(
 impl Scheduler {
     /// Attaches the shared tier of `client` to every group: present chunks are promoted into
     /// the CPU pool, chunks stored in the CPU pool are written behind. Existence answers are
-    /// trusted for `ttl` (present) and `retry` (absent). All or nothing.
+    /// trusted for `ttl` (present) and `retry` (absent). All or nothing. A group may have a
+    /// disk tier too: lookups promote from the disk first.
     pub fn attach_remote(
         &mut self,
         client: &Arc<RemoteClient>,
@@ -51,27 +52,15 @@ impl Scheduler {
         ttl: Duration,
         retry: Duration,
     ) -> Result<()> {
-        let cfg = &self.cfg;
-        let mut indexes = Vec::with_capacity(cfg.groups.len());
-        for (g, gc) in cfg.groups.iter().enumerate() {
-            if gc.bytes_per_chunk == 0 {
-                return Err(Error::Config(format!(
-                    "remote tier: group {g} has bytes_per_chunk=0; the shared tier needs the \
-                     size of a chunk"
-                )));
-            }
-            let namespaces = (0..cfg.num_workers)
+        let mut indexes = Vec::with_capacity(self.cfg.groups.len());
+        for g in 0..self.cfg.groups.len() {
+            self.tier_chunk_bytes(g, "remote")?;
+            let namespaces = (0..self.cfg.num_workers)
                 .map(|rank| {
-                    remote_namespace(
-                        model,
-                        cache_salt,
-                        gc.bytes_per_chunk,
-                        gc.block_size,
-                        cfg.blocks_per_chunk,
-                        rank,
-                        cfg.num_workers,
-                        g as u32,
-                    )
+                    Namespace {
+                        cache_salt: cache_salt.to_owned(),
+                        ..self.tier_namespace(g, rank, model)
+                    }
                     .digest()
                 })
                 .collect();
@@ -80,17 +69,8 @@ impl Scheduler {
                 ttl,
                 retry,
             };
-            indexes.push(rc);
+            indexes.push(RemoteIndex::new(Arc::clone(client), rc)?);
         }
-        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
-            return Err(Error::Config(
-                "attach_remote: attach tiers before the first request".into(),
-            ));
-        }
-        for (g, rc) in indexes.into_iter().enumerate() {
-            let idx = RemoteIndex::new(Arc::clone(client), rc)?;
-            self.attach_tier(g as u32, Box::new(idx))?;
-        }
-        Ok(())
+        self.attach_all("attach_remote", indexes)
     }
 }

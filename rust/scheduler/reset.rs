@@ -17,9 +17,9 @@ impl Scheduler {
     pub fn reset(&mut self) -> (Vec<JobId>, Vec<(String, JobId)>) {
         let pending = self.tracker.reset();
         for j in &pending {
-            if let Some(kind) = j.payload.tier {
+            if let Some(tier) = j.payload.tier {
                 let t = &j.payload.transfers[0];
-                self.reset_tier_job(kind, t.group as usize, &t.keys);
+                self.reset_tier_job(j.id, tier, t.group as usize, &t.keys);
             }
         }
         // Tier jobs not handed out in a plan yet are flushed like the others (a worker that

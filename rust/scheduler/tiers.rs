@@ -1,31 +1,44 @@
-//! Lower tiers (DESIGN.md §9): write-behind and promotion jobs between the CPU pool and a
-//! [`TierIndex`] per KV group (the disk tier; Redis later).
+//! Lower tiers (DESIGN.md §9): write-behind and promotion jobs between the CPU pool and the
+//! [`TierIndex`]es of each KV group: a disk tier, a shared (Redis) tier, or both, nearest
+//! first (local before shared).
 //!
 //! - *Write-behind*: when a store job completes and its chunks become ready in the CPU pool,
-//!   the keys the tier does not hold yet get places ([`TierIndex::prepare_write`]) and their CPU
-//!   slots are pinned (so no eviction reuses them while a worker reads them); one
-//!   [`TierJobKind::Write`] job per group goes into the next plan. When every rank reported it,
-//!   the slots are unpinned and the tier publishes the keys (or drops them if any rank failed).
-//!   Eviction from the CPU pool never writes.
-//! - *Promotion*: a request's first lookup (per admission) whose leading chunks are neither ready nor being stored in the CPU
-//!   pool but ready in the tier reserves CPU slots for them (storing: not readable), pins them in
-//!   the tier ([`TierIndex::prepare_read`]), emits a [`TierJobKind::Promote`] job and answers
-//!   "ask later". Other requests needing the same chunks see them as being stored and wait for
-//!   this one promotion (no second copy, no convoy: nothing waits for work started later). Once
-//!   every rank read and verified its bytes, the CPU slots are published and the normal load
-//!   follows; if any rank failed, the CPU slots are dropped, the tier forgets the keys (a rank
-//!   that found bad bytes quarantined its slot) and the request recomputes.
+//!   each tier whose [`TierAdmission`] lets them through gives places to the keys it does not
+//!   hold yet ([`TierIndex::prepare_write`]) and their CPU slots are pinned (so no eviction
+//!   reuses them while a worker reads them); one [`TierJobKind::Write`] job per group and tier
+//!   goes into the next plan. When every rank reported it, the slots are unpinned and the tier
+//!   publishes the keys (or drops them if any rank failed). Eviction from the CPU pool never
+//!   writes. A tier admitting on reuse (`min_hits > 0`) gets a chunk when its loads from the
+//!   CPU pool reach that count; chunks promoted from one tier go to the others that lack them.
+//! - *Promotion*: a request's first lookup (per admission) whose leading chunks are neither
+//!   ready nor being stored in the CPU pool but ready in a tier reserves CPU slots for them
+//!   (storing: not readable), pins each in the nearest tier holding it
+//!   ([`TierIndex::prepare_read`]), emits one [`TierJobKind::Promote`] job per tier and answers
+//!   "ask later". Every tier is asked only about the chunks the nearer ones lack; while a shared
+//!   tier's answer is pending, the request asks later. Other requests needing the same chunks
+//!   see them as being stored and wait for this one promotion (no second copy, no convoy:
+//!   nothing waits for work started later). Once every rank read and verified its bytes, the
+//!   CPU slots are published and the normal load follows; if any rank failed, the CPU slots
+//!   are dropped, the tier forgets the keys (a rank that found bad bytes quarantined its slot)
+//!   and the request recomputes.
 //!
 //! Tier jobs have job ids from the same table as loads and stores (workers report them the
-//! same way, per rank) under one owner of their own, and touch no GPU block, so the fence never
-//! sees them. A reset flushes them like every pending job; their tier state is released then.
+//! same way, per rank; a worker runs the jobs of its tier's medium) under one owner of their
+//! own, and touch no GPU block, so the fence never sees them. A reset flushes them like every
+//! pending job; their tier state is released then. Per tier, the scheduler counts jobs, queue
+//! depth and the time from a job's plan to its completion ([`TierGroupStats`]).
 
 use std::path::Path;
+use std::time::Instant;
+
+use rustc_hash::FxHashMap;
 
 use crate::error::{Error, Result};
 use crate::ids::{JobId, Key, OwnerId};
 use crate::pool::KeyState;
 use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
+use crate::tier::namespace::Namespace;
+use crate::tier::remote_index::MEDIUM as REMOTE;
 use crate::tier::{Location, TierEvent, TierIndex, TierStats};
 
 use super::lookup::prefix_counts;
@@ -97,23 +110,74 @@ pub struct TierGroupStats {
     pub promote_no_room: u64,
     /// Tier jobs pending now (queue depth).
     pub pending: u64,
-    /// Chunks being promoted now (at most half the CPU pool).
+    /// Most tier jobs pending at once so far (peak queue depth).
+    pub max_pending: u64,
+    /// Chunks being promoted from this tier now (a group's tiers together: at most half its
+    /// CPU pool).
     pub promoting: u64,
-    /// Tokens lookups answered from chunks promoted from this tier.
+    /// Chunks promoted from this tier and published in the CPU pool.
     pub promoted_chunks: u64,
+    /// Microseconds write-behind jobs took, summed: from their plan to the last rank's report
+    /// (queueing on the workers, the I/O, and the report), completed jobs only.
+    pub write_us: u64,
+    /// Microseconds promotion jobs took, summed (as `write_us`).
+    pub promote_us: u64,
 }
 
-/// One group's tier and its counters.
+/// Which chunks a tier admits for write-behind (DESIGN.md §9: an admission filter per tier).
+///
+/// `min_hits = 0` writes every chunk behind as soon as it is ready in the CPU pool (its store
+/// completed). `min_hits = n > 0` writes a chunk behind when it has been *loaded* from the
+/// CPU pool `n` times (counted per group and tier, since the tier was attached): only chunks
+/// that were reused go down. That suits a shared tier: every chunk written there costs the
+/// network and the server's memory for the whole fleet, and a chunk this engine never reused
+/// (one user's last turn) is rarely reused by another engine, while a system prompt or a
+/// document is reused at once. A local disk tier is cheap and private: it admits everything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierAdmission {
+    /// Loads from the CPU pool a chunk needs before it is written behind (0: on store).
+    pub min_hits: u32,
+}
+
+/// One tier of one group and its counters.
 #[derive(Debug)]
 pub(super) struct GroupTier {
     pub(super) index: Box<dyn TierIndex>,
     pub(super) stats: TierGroupStats,
+    pub(super) admission: TierAdmission,
+    /// Loads per key (with `admission.min_hits > 0`), cleared when it grows past
+    /// [`HIT_COUNTS`] keys (counts are then recent ones).
+    hits: FxHashMap<Key, u32>,
+    /// When each pending job of this tier was created (its I/O time ends at completion).
+    started: FxHashMap<JobId, Instant>,
+}
+
+/// Most keys whose loads a tier with `min_hits > 0` counts at once.
+const HIT_COUNTS: usize = 1 << 20;
+
+/// Where a tier job belongs: its kind and its tier among its group's tiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TierRef {
+    pub(super) kind: TierJobKind,
+    pub(super) tier: u32,
 }
 
 impl Scheduler {
-    /// Attaches a lower tier to KV group `group` (before the first request is added). Chunks
-    /// become readable through it only by promotion into the CPU pool.
+    /// Attaches a lower tier to KV group `group` (before the first request is added), written
+    /// behind to as `admission` says. A group may have one tier per medium; lookups promote
+    /// from the nearest tier holding a chunk (local tiers before the shared one). Chunks become
+    /// readable through a tier only by promotion into the CPU pool.
     pub fn attach_tier(&mut self, group: u32, index: Box<dyn TierIndex>) -> Result<()> {
+        self.attach_tier_with(group, index, TierAdmission::default())
+    }
+
+    /// [`Scheduler::attach_tier`] with an admission filter.
+    pub fn attach_tier_with(
+        &mut self,
+        group: u32,
+        index: Box<dyn TierIndex>,
+        admission: TierAdmission,
+    ) -> Result<()> {
         let g = group as usize;
         if g >= self.cfg.groups.len() {
             return Err(Error::Config(format!(
@@ -121,19 +185,54 @@ impl Scheduler {
                 self.cfg.groups.len()
             )));
         }
-        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
+        self.check_no_requests("attach_tier")?;
+        let medium = index.medium();
+        if self
+            .tiers
+            .get(g)
+            .is_some_and(|ts| ts.iter().any(|t| t.index.medium() == medium))
+        {
             return Err(Error::Config(format!(
-                "attach_tier: group {group}: attach tiers before the first request"
+                "attach_tier: group {group} has a {medium} tier already"
             )));
         }
-        self.tiers.resize_with(self.cfg.groups.len(), || None);
-        self.tiers[g] = Some(GroupTier {
+        self.tiers.resize_with(self.cfg.groups.len(), Vec::new);
+        let tiers = &mut self.tiers[g];
+        tiers.push(GroupTier {
             index,
             stats: TierGroupStats {
                 group,
                 ..TierGroupStats::default()
             },
+            admission,
+            hits: FxHashMap::default(),
+            started: FxHashMap::default(),
         });
+        // Nearest first: the shared tier after the local ones.
+        tiers.sort_by_key(|t| t.index.medium() == REMOTE);
+        Ok(())
+    }
+
+    /// Sets the admission filter of every group's tier of `medium`; returns how many tiers
+    /// it set (0: no such tier).
+    pub fn set_tier_admission(&mut self, medium: &str, admission: TierAdmission) -> usize {
+        let mut n = 0;
+        for t in self.tiers.iter_mut().flatten() {
+            if t.index.medium() == medium {
+                t.admission = admission;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// `Err` naming `what` once a request or a job exists (tiers attach before them).
+    pub(super) fn check_no_requests(&self, what: &str) -> Result<()> {
+        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
+            return Err(Error::Config(format!(
+                "{what}: attach tiers before the first request"
+            )));
+        }
         Ok(())
     }
 
@@ -141,36 +240,60 @@ impl Scheduler {
     /// namespaces from `model` and the configuration ([`engine_namespace`]), each index rebuilt
     /// from every rank's headers. All or nothing.
     pub fn attach_disk(&mut self, root: &Path, disk_bytes: u64, model: &str) -> Result<()> {
-        let cfg = &self.cfg;
-        let mut indexes = Vec::with_capacity(cfg.groups.len());
-        for (g, gc) in cfg.groups.iter().enumerate() {
-            if gc.bytes_per_chunk == 0 {
-                return Err(Error::Config(format!(
-                    "disk tier: group {g} has bytes_per_chunk=0; the disk tier needs the size of \
-                     a chunk"
-                )));
-            }
-            let layout = SlabLayout::new(gc.bytes_per_chunk, disk_bytes)?;
-            let scans = (0..cfg.num_workers)
-                .map(|rank| {
-                    let ns = engine_namespace(
-                        model,
-                        gc.bytes_per_chunk,
-                        gc.block_size,
-                        cfg.blocks_per_chunk,
-                        rank,
-                        cfg.num_workers,
-                        g as u32,
-                    );
-                    scan_namespace(root, &ns, layout)
-                })
+        let mut indexes = Vec::with_capacity(self.cfg.groups.len());
+        for g in 0..self.cfg.groups.len() {
+            let chunk = self.tier_chunk_bytes(g, "disk")?;
+            let layout = SlabLayout::new(chunk, disk_bytes)?;
+            let scans = (0..self.cfg.num_workers)
+                .map(|rank| scan_namespace(root, &self.tier_namespace(g, rank, model), layout))
                 .collect::<Result<Vec<_>>>()?;
-            indexes.push(DiskIndex::recover(layout, cfg.policy, &scans)?);
+            indexes.push(DiskIndex::recover(layout, self.cfg.policy, &scans)?);
         }
-        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
-            return Err(Error::Config(
-                "attach_disk: attach tiers before the first request".into(),
-            ));
+        self.attach_all("attach_disk", indexes)
+    }
+
+    /// Bytes of a chunk of group `g` (a lower tier of `medium` needs them).
+    pub(super) fn tier_chunk_bytes(&self, g: usize, medium: &str) -> Result<u64> {
+        match self.cfg.groups[g].bytes_per_chunk {
+            0 => Err(Error::Config(format!(
+                "{medium} tier: group {g} has bytes_per_chunk=0; a lower tier needs the size of \
+                 a chunk"
+            ))),
+            n => Ok(n),
+        }
+    }
+
+    /// The engine namespace of group `g`'s chunks on worker `rank` ([`engine_namespace`]).
+    pub(super) fn tier_namespace(&self, g: usize, rank: u32, model: &str) -> Namespace {
+        let (cfg, gc) = (&self.cfg, &self.cfg.groups[g]);
+        engine_namespace(
+            model,
+            gc.bytes_per_chunk,
+            gc.block_size,
+            cfg.blocks_per_chunk,
+            rank,
+            cfg.num_workers,
+            g as u32,
+        )
+    }
+
+    /// Attaches one index per group (group `i` gets `indexes[i]`), all or nothing.
+    pub(super) fn attach_all<T: TierIndex + 'static>(
+        &mut self,
+        what: &str,
+        indexes: Vec<T>,
+    ) -> Result<()> {
+        self.check_no_requests(what)?;
+        if let Some(g) = (0..indexes.len()).find(|&g| {
+            let m = indexes[g].medium();
+            self.tiers
+                .get(g)
+                .is_some_and(|ts| ts.iter().any(|t| t.index.medium() == m))
+        }) {
+            return Err(Error::Config(format!(
+                "{what}: group {g} has a {} tier already",
+                indexes[g].medium()
+            )));
         }
         for (g, idx) in indexes.into_iter().enumerate() {
             self.attach_tier(g as u32, Box::new(idx))?;
@@ -180,10 +303,10 @@ impl Scheduler {
 
     /// Whether any group has a lower tier.
     pub fn has_tiers(&self) -> bool {
-        self.tiers.iter().any(Option::is_some)
+        self.tiers.iter().any(|ts| !ts.is_empty())
     }
 
-    /// Per group with a tier: its counters.
+    /// Per group and tier (groups in order, nearest tier first): its counters.
     pub fn tier_stats(&self) -> Vec<TierGroupStats> {
         self.tiers
             .iter()
@@ -200,8 +323,8 @@ impl Scheduler {
     /// Drains every tier's events, with their group.
     pub fn take_tier_events(&mut self) -> Vec<(u32, TierEvent)> {
         let mut out = Vec::new();
-        for (g, t) in self.tiers.iter_mut().enumerate() {
-            if let Some(t) = t {
+        for (g, ts) in self.tiers.iter_mut().enumerate() {
+            for t in ts {
                 out.extend(t.index.take_events().into_iter().map(|e| (g as u32, e)));
             }
         }
@@ -210,10 +333,11 @@ impl Scheduler {
 
     /// Creates promotion jobs that take `r` beyond `end` (the end its ready CPU chunks reach
     /// from the engine's hit `hit`, 0 if none): the highest end point at which every group's
-    /// needed chunks are in the CPU pool or ready in its tier, and for it exactly the needed
-    /// chunks the CPU pool lacks (a sliding-window group: the window before that end point,
-    /// not before the prompt's end). Returns whether a job was created, and whether a tier's
-    /// answer about them is still pending (either: ask later).
+    /// needed chunks are in the CPU pool or ready in one of its tiers, and for it exactly the
+    /// needed chunks the CPU pool lacks (a sliding-window group: the window before that end
+    /// point, not before the prompt's end), each from the nearest tier holding it. Returns
+    /// whether a job was created, and whether a tier's answer about them is still pending or
+    /// promotions in flight hold the CPU room they need (either: ask later).
     pub(super) fn promote(&mut self, r: &Request, hit: u32, end: u32) -> (bool, bool) {
         if !self.has_tiers() {
             return (false, false);
@@ -229,21 +353,24 @@ impl Scheduler {
         for g in 0..groups {
             let keys = self.chunk_keys(r, g, hit, cap);
             let pool = &self.pools[g];
-            let Some(tier) = self.tiers.get_mut(g).and_then(Option::as_mut) else {
-                counts.push(prefix_counts(&keys, |k| pool.state(k) != KeyState::Absent));
-                continue;
+            let tiers: &mut [GroupTier] = match self.tiers.get_mut(g) {
+                Some(t) => t,
+                None => &mut [],
             };
-            // A remote tier answers asynchronously: while it is asked, the request asks later.
-            let missing: Vec<Key> = keys
+            // Each tier is asked about the chunks the CPU pool and the nearer tiers lack; a
+            // remote tier answers asynchronously: while it is asked, the request asks later.
+            let mut missing: Vec<Key> = keys
                 .iter()
                 .copied()
                 .filter(|&k| pool.state(k) == KeyState::Absent)
                 .collect();
-            pending |= tier.index.prefetch(&missing);
-            let index = &tier.index;
+            for t in tiers.iter_mut() {
+                pending |= t.index.prefetch(&missing);
+                missing.retain(|&k| !matches!(t.index.state(k), KeyState::Ready { .. }));
+            }
+            let tiers = &*tiers;
             counts.push(prefix_counts(&keys, |k| {
-                pool.state(k) != KeyState::Absent
-                    || matches!(index.state(k), KeyState::Ready { .. })
+                pool.state(k) != KeyState::Absent || nearest(tiers, k).is_some()
             }));
         }
         if pending {
@@ -255,7 +382,10 @@ impl Scheduler {
         let limit = (self.cfg.cpu_chunks as usize / 2).max(1);
         let room: Vec<usize> = (0..groups)
             .map(|g| {
-                let promoting = self.tiers[g].as_ref().map_or(0, |t| t.stats.promoting);
+                let promoting: u64 = self
+                    .tiers
+                    .get(g)
+                    .map_or(0, |ts| ts.iter().map(|t| t.stats.promoting).sum());
                 limit.saturating_sub(promoting as usize)
             })
             .collect();
@@ -286,92 +416,152 @@ impl Scheduler {
             if want.is_empty() {
                 continue;
             }
-            let tier = self.tiers[g]
-                .as_mut()
-                .expect("only a group with a tier has chunks the CPU pool lacks at p");
-            tier.index.lookup(&want);
+            // Only a group with a tier has needed chunks the CPU pool lacks at `p`.
             let Some(plan) = self.pools[g].prepare_store(&want) else {
-                tier.stats.promote_no_room += 1;
+                let ti = nearest(&self.tiers[g], want[0]).expect("ready in a tier");
+                self.tiers[g][ti].stats.promote_no_room += 1;
+                continue;
+            };
+            for ti in 0..self.tiers[g].len() {
+                let (keys, slots): (Vec<Key>, Vec<u32>) = plan
+                    .keys
+                    .iter()
+                    .zip(&plan.slots)
+                    .filter(|(k, _)| nearest(&self.tiers[g], **k) == Some(ti))
+                    .map(|(k, s)| (*k, s.0))
+                    .unzip();
+                if keys.is_empty() {
+                    continue;
+                }
+                let tier = &mut self.tiers[g][ti];
+                tier.index.lookup(&keys);
+                tier.stats.promoting += keys.len() as u64;
+                let locations = tier
+                    .index
+                    .prepare_read(&keys)
+                    .expect("ready keys, not pinned by this call");
+                self.push_tier_job(TierJobKind::Promote, g, ti, keys, slots, locations);
+                created = true;
+            }
+        }
+        (created, false)
+    }
+
+    /// Creates tier job `kind` of group `g`'s tier `ti` and queues it for the next plan.
+    fn push_tier_job(
+        &mut self,
+        kind: TierJobKind,
+        g: usize,
+        ti: usize,
+        keys: Vec<Key>,
+        cpu_slots: Vec<u32>,
+        locations: Vec<Location>,
+    ) {
+        let job = self.tracker.create_unfenced(
+            TIER_OWNER,
+            JobPayload::tier(
+                TierRef {
+                    kind,
+                    tier: ti as u32,
+                },
+                g as u32,
+                keys.clone(),
+            ),
+        );
+        let tier = &mut self.tiers[g][ti];
+        match kind {
+            TierJobKind::Write => tier.stats.write_jobs += 1,
+            TierJobKind::Promote => tier.stats.promote_jobs += 1,
+        }
+        tier.stats.pending += 1;
+        tier.stats.max_pending = tier.stats.max_pending.max(tier.stats.pending);
+        tier.started.insert(job, Instant::now());
+        self.new_tier_jobs.push(TierJob {
+            id: job,
+            kind,
+            medium: tier.index.medium(),
+            group: g as u32,
+            keys,
+            cpu_slots,
+            locations,
+        });
+    }
+
+    /// Write-behind of `keys` of group `g`, just published in the CPU pool (`loaded`: just
+    /// loaded from it instead), to every tier whose admission filter lets them through.
+    pub(super) fn write_behind(&mut self, g: usize, keys: &[Key], loaded: bool) {
+        for ti in 0..self.tiers.get(g).map_or(0, Vec::len) {
+            let tier = &mut self.tiers[g][ti];
+            let need = tier.admission.min_hits;
+            let admitted: Vec<Key> = match (need, loaded) {
+                (0, false) => keys.to_vec(),
+                (0, true) | (1.., false) => continue,
+                (1.., true) => {
+                    if tier.hits.len() > HIT_COUNTS {
+                        tier.hits.clear();
+                    }
+                    keys.iter()
+                        .copied()
+                        .filter(|k| {
+                            let n = tier.hits.entry(*k).or_insert(0);
+                            *n += 1;
+                            *n == need
+                        })
+                        .collect()
+                }
+            };
+            if admitted.is_empty() {
+                continue;
+            }
+            let Some(plan) = tier.index.prepare_write(&admitted) else {
                 continue;
             };
             if plan.keys.is_empty() {
                 continue;
             }
-            let locations = tier
-                .index
-                .prepare_read(&plan.keys)
-                .expect("ready keys, not pinned by this call");
-            let job = self.tracker.create_unfenced(
-                TIER_OWNER,
-                JobPayload::tier(TierJobKind::Promote, g as u32, plan.keys.clone()),
-            );
-            tier.stats.promote_jobs += 1;
-            tier.stats.pending += 1;
-            tier.stats.promoting += plan.keys.len() as u64;
-            self.new_tier_jobs.push(TierJob {
-                id: job,
-                kind: TierJobKind::Promote,
-                medium: tier.index.medium(),
-                group: g as u32,
-                keys: plan.keys,
-                cpu_slots: plan.slots.iter().map(|s| s.0).collect(),
-                locations,
-            });
-            created = true;
+            let slots = self.pools[g]
+                .prepare_load(&plan.keys)
+                .expect("keys ready in the CPU pool");
+            let slots = slots.iter().map(|s| s.0).collect();
+            self.push_tier_job(TierJobKind::Write, g, ti, plan.keys, slots, plan.locations);
         }
-        (created, false)
     }
 
-    /// Write-behind of `keys` of group `g`, just published in the CPU pool.
-    pub(super) fn write_behind(&mut self, g: usize, keys: &[Key]) {
-        let Some(Some(tier)) = self.tiers.get_mut(g) else {
-            return;
-        };
-        let Some(plan) = tier.index.prepare_write(keys) else {
-            return;
-        };
-        if plan.keys.is_empty() {
-            return;
-        }
-        let slots = self.pools[g]
-            .prepare_load(&plan.keys)
-            .expect("keys just published in the CPU pool");
-        let job = self.tracker.create_unfenced(
-            TIER_OWNER,
-            JobPayload::tier(TierJobKind::Write, g as u32, plan.keys.clone()),
-        );
-        tier.stats.write_jobs += 1;
-        tier.stats.pending += 1;
-        self.new_tier_jobs.push(TierJob {
-            id: job,
-            kind: TierJobKind::Write,
-            medium: tier.index.medium(),
-            group: g as u32,
-            keys: plan.keys,
-            cpu_slots: slots.iter().map(|s| s.0).collect(),
-            locations: plan.locations,
-        });
-    }
-
-    /// Applies a tier job every rank reported (`ok`: all succeeded).
-    pub(super) fn complete_tier(&mut self, kind: TierJobKind, g: usize, keys: &[Key], ok: bool) {
-        let tier = self.tiers[g]
-            .as_mut()
-            .expect("tier jobs exist only for tiers");
+    /// Ends tier job `job` of group `g` in its tier's counters (pending, I/O time).
+    fn end_tier_job(&mut self, job: JobId, t: TierRef, g: usize) -> &mut GroupTier {
+        let tier = &mut self.tiers[g][t.tier as usize];
         tier.stats.pending -= 1;
-        let pool = &mut self.pools[g];
-        match kind {
+        let us = tier
+            .started
+            .remove(&job)
+            .map_or(0, |s| s.elapsed().as_micros() as u64);
+        match t.kind {
+            TierJobKind::Write => tier.stats.write_us += us,
+            TierJobKind::Promote => tier.stats.promote_us += us,
+        }
+        tier
+    }
+
+    /// Applies tier job `job` every rank reported (`ok`: all succeeded).
+    pub(super) fn complete_tier(
+        &mut self,
+        job: JobId,
+        t: TierRef,
+        g: usize,
+        keys: &[Key],
+        ok: bool,
+    ) {
+        let tier = self.end_tier_job(job, t, g);
+        match t.kind {
             TierJobKind::Write => {
-                let unpinned = pool.complete_load(keys);
-                debug_assert!(unpinned.is_ok(), "{unpinned:?}");
                 let done = tier.index.complete_write(keys, ok);
                 debug_assert!(done.is_ok(), "{done:?}");
                 tier.stats.failed_writes += u64::from(!ok);
+                let unpinned = self.pools[g].complete_load(keys);
+                debug_assert!(unpinned.is_ok(), "{unpinned:?}");
             }
             TierJobKind::Promote => {
                 tier.stats.promoting -= keys.len() as u64;
-                let published = pool.complete_store(keys, ok);
-                debug_assert!(published.is_ok(), "{published:?}");
                 // A failed promotion drops its keys from the tier: bad bytes were quarantined
                 // by the rank that found them, and a persistent I/O fault must not loop.
                 let bad: &[Key] = if ok { &[] } else { keys };
@@ -381,18 +571,23 @@ impl Scheduler {
                 if ok {
                     tier.stats.promoted_chunks += keys.len() as u64;
                 }
+                let published = self.pools[g].complete_store(keys, ok);
+                debug_assert!(published.is_ok(), "{published:?}");
+                if ok {
+                    // Promoted chunks are ready in the CPU pool: the other tiers may want them
+                    // (a restart with a disk tier refills an empty shared tier; the tier they
+                    // came from holds them and writes nothing).
+                    self.write_behind(g, keys, false);
+                }
             }
         }
     }
 
-    /// A reset flushed tier job `kind` of group `g`: its tier state is released (a write
+    /// A reset flushed tier job `job` of group `g`: its tier state is released (a write
     /// counts as failed, a promotion's pins go; the CPU pool was emptied anyway).
-    pub(super) fn reset_tier_job(&mut self, kind: TierJobKind, g: usize, keys: &[Key]) {
-        let tier = self.tiers[g]
-            .as_mut()
-            .expect("tier jobs exist only for tiers");
-        tier.stats.pending -= 1;
-        let done = match kind {
+    pub(super) fn reset_tier_job(&mut self, job: JobId, t: TierRef, g: usize, keys: &[Key]) {
+        let tier = self.end_tier_job(job, t, g);
+        let done = match t.kind {
             TierJobKind::Write => tier.index.complete_write(keys, false),
             TierJobKind::Promote => {
                 tier.stats.promoting -= keys.len() as u64;
@@ -401,4 +596,11 @@ impl Scheduler {
         };
         debug_assert!(done.is_ok(), "{done:?}");
     }
+}
+
+/// The nearest of `tiers` holding `key` ready.
+fn nearest(tiers: &[GroupTier], key: Key) -> Option<usize> {
+    tiers
+        .iter()
+        .position(|t| matches!(t.index.state(key), KeyState::Ready { .. }))
 }

@@ -392,13 +392,18 @@ impl SlabFile {
             f.write_all_at(p, offset)?;
             offset += p.len() as u64;
         }
-        let counter = if direct.is_some() {
+        self.count_pieces(direct.is_some(), pieces.len());
+        Ok(())
+    }
+
+    /// Counts `n` pieces moved with `O_DIRECT` (`direct`) or buffered.
+    fn count_pieces(&self, direct: bool, n: usize) {
+        let counter = if direct {
             &self.stats.direct_pieces
         } else {
             &self.stats.buffered_pieces
         };
-        counter.fetch_add(pieces.len() as u64, Ordering::Relaxed);
-        Ok(())
+        counter.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// Writes a batch of chunks with the two-phase publish (see the module documentation) and
@@ -563,12 +568,7 @@ impl SlabFile {
             f.read_exact_at(p, offset).map_err(io)?;
             offset += p.len() as u64;
         }
-        let counter = if direct.is_some() {
-            &self.stats.direct_pieces
-        } else {
-            &self.stats.buffered_pieces
-        };
-        counter.fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        self.count_pieces(direct.is_some(), pieces.len());
         let found = checksum(pieces.iter().map(|p| &**p));
         if found != h.checksum {
             return Err(ReadError::Checksum {
@@ -928,8 +928,26 @@ impl TierIndex for DiskIndex {
             no_room: p.no_room,
             writing: u64::from(p.storing),
             reading: u64::from(p.pinned),
+            ..TierStats::default()
         }
     }
+}
+
+/// The slab writes of `plan`: each planned key at its place, with its bytes `pieces(key)`.
+pub fn write_items<'a>(
+    plan: &TierWritePlan,
+    pieces: impl Fn(Key) -> Vec<&'a [u8]>,
+) -> Vec<WriteItem<'a>> {
+    plan.keys
+        .iter()
+        .zip(&plan.locations)
+        .map(|(&key, loc)| WriteItem {
+            slot: u32::try_from(loc.place).unwrap_or(u32::MAX),
+            key,
+            generation: loc.generation,
+            pieces: pieces(key),
+        })
+        .collect()
 }
 
 /// Index and slab file of one namespace in one process: the whole disk tier for a single
@@ -990,17 +1008,7 @@ impl DiskTier {
         let keys: Vec<Key> = chunks.iter().map(|c| c.0).collect();
         let plan = self.index.prepare_write(&keys)?;
         let by_key: FxHashMap<Key, &Vec<&[u8]>> = chunks.iter().map(|c| (c.0, &c.1)).collect();
-        let items: Vec<WriteItem<'_>> = plan
-            .keys
-            .iter()
-            .zip(&plan.locations)
-            .map(|(k, loc)| WriteItem {
-                slot: loc.place as u32,
-                key: *k,
-                generation: loc.generation,
-                pieces: by_key[k].clone(),
-            })
-            .collect();
+        let items = write_items(&plan, |k| by_key[&k].clone());
         let results = self.file.write(&items);
         let (ok, failed): (Vec<_>, Vec<_>) =
             plan.keys.iter().zip(results).partition(|(_, r)| r.is_ok());

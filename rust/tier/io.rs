@@ -111,6 +111,36 @@ impl TierGroup {
         }
         out
     }
+
+    /// The pieces of CPU slot `slot` as byte slices to read from.
+    ///
+    /// # Safety
+    /// `slot` was checked against the group's registered rows, and nothing writes the slot's
+    /// bytes while the slices live (a slot being written behind is pinned in the CPU pool).
+    #[allow(unsafe_code)]
+    unsafe fn src(&self, slot: u32) -> Vec<&[u8]> {
+        self.pieces(slot)
+            .into_iter()
+            // SAFETY: registered memory, alive for the worker's lifetime (the caller's
+            // contract covers the rest).
+            .map(|(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) })
+            .collect()
+    }
+
+    /// The pieces of CPU slot `slot` as byte slices to write into.
+    ///
+    /// # Safety
+    /// As [`Self::src`], and nothing else reads or writes the slot's bytes while the slices
+    /// live (a slot being promoted is reserved in the CPU pool, and a job's slots are
+    /// distinct).
+    #[allow(unsafe_code, clippy::mut_from_ref)]
+    unsafe fn dst(&self, slot: u32) -> Vec<&mut [u8]> {
+        self.pieces(slot)
+            .into_iter()
+            // SAFETY: as above.
+            .map(|(a, n)| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n) })
+            .collect()
+    }
 }
 
 impl TierGroup {
@@ -125,19 +155,9 @@ impl TierGroup {
                     .map(|(&key, &slot)| RemoteWrite {
                         key,
                         group: job.group,
-                        data: self
-                            .pieces(slot)
-                            .into_iter()
-                            .map(|(a, n)| {
-                                #[allow(unsafe_code)]
-                                // SAFETY: registered memory (checked at registration, the slot
-                                // checked by the caller), alive for the worker's lifetime; the
-                                // slot is pinned in the CPU pool, so nothing writes it meanwhile.
-                                unsafe {
-                                    std::slice::from_raw_parts(a as *const u8, n)
-                                }
-                            })
-                            .collect(),
+                        // SAFETY: the slot was checked by the caller and is pinned.
+                        #[allow(unsafe_code)]
+                        data: unsafe { self.src(slot) },
                     })
                     .collect();
                 r.client.write(r.namespace, &items).iter().all(|&ok| ok)
@@ -150,19 +170,9 @@ impl TierGroup {
                     .map(|(&key, &slot)| ReadItem {
                         key,
                         group: job.group,
-                        dst: self
-                            .pieces(slot)
-                            .into_iter()
-                            .map(|(a, n)| {
-                                #[allow(unsafe_code)]
-                                // SAFETY: as above; the slot is reserved (storing) in the CPU
-                                // pool, so nothing else reads or writes it until this job
-                                // completes, and a job's slots are distinct.
-                                unsafe {
-                                    std::slice::from_raw_parts_mut(a as *mut u8, n)
-                                }
-                            })
-                            .collect(),
+                        // SAFETY: the slot was checked by the caller and is reserved.
+                        #[allow(unsafe_code)]
+                        dst: unsafe { self.dst(slot) },
                     })
                     .collect();
                 r.client
@@ -200,19 +210,9 @@ impl Shared {
                         slot: u32::try_from(loc.place).unwrap_or(u32::MAX),
                         key,
                         generation: loc.generation,
-                        pieces: g
-                            .pieces(slot)
-                            .into_iter()
-                            .map(|(a, n)| {
-                                #[allow(unsafe_code)]
-                                // SAFETY: registered memory (checked at registration, the slot
-                                // checked above), alive for the worker's lifetime; the slot is
-                                // pinned in the CPU pool, so nothing writes it meanwhile.
-                                unsafe {
-                                    std::slice::from_raw_parts(a as *const u8, n)
-                                }
-                            })
-                            .collect(),
+                        // SAFETY: the slot was checked above and is pinned.
+                        #[allow(unsafe_code)]
+                        pieces: unsafe { g.src(slot) },
                     })
                     .collect();
                 file.write(&items).iter().all(std::result::Result::is_ok)
@@ -221,18 +221,9 @@ impl Shared {
                 let mut ok = true;
                 for ((&key, &slot), &loc) in job.keys.iter().zip(&job.cpu_slots).zip(&job.locations)
                 {
-                    let mut pieces: Vec<&mut [u8]> = g
-                        .pieces(slot)
-                        .into_iter()
-                        .map(|(a, n)| {
-                            #[allow(unsafe_code)]
-                            // SAFETY: as above; the slot is reserved (storing) in the CPU pool,
-                            // so nothing else reads or writes it until this job completes.
-                            unsafe {
-                                std::slice::from_raw_parts_mut(a as *mut u8, n)
-                            }
-                        })
-                        .collect();
+                    // SAFETY: the slot was checked above and is reserved.
+                    #[allow(unsafe_code)]
+                    let mut pieces = unsafe { g.dst(slot) };
                     if let Err(e) = file.read(key, loc, &mut pieces) {
                         if e.is_corrupt() {
                             let _ = file.quarantine(u32::try_from(loc.place).unwrap_or(u32::MAX));

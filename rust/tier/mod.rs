@@ -100,6 +100,20 @@ pub struct TierStats {
     pub writing: u64,
     /// Promotions in flight (pinned keys).
     pub reading: u64,
+    /// Existence checks sent (a remote tier; local tiers know without asking).
+    pub checks: u64,
+    /// Existence checks that failed or were unanswered within the deadline (their keys count
+    /// as absent until the retry time passes).
+    pub expired_checks: u64,
+    /// Lookups answered "miss" without asking because the tier was on probation.
+    pub skipped_checks: u64,
+    /// Lookups told "ask later" at once because an existence check was in flight (they do
+    /// not wait for the server).
+    pub asked_later: u64,
+    /// Times the scheduler's client of the tier was put on probation.
+    pub probations: u64,
+    /// Trials that ended a probation of the scheduler's client.
+    pub recoveries: u64,
 }
 
 /// The scheduler-side index of one lower tier for one KV group. No I/O; every call checks its

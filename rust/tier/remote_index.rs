@@ -8,9 +8,10 @@
 //! for the first unknown key of a prefix it sends one batched existence check of the rest of
 //! the prefix to a lookup thread (one round trip, see [`RemoteClient::exists`]) and reports the
 //! lookup as pending ([`TierIndex::prefetch`]): the request is told "ask later". The
-//! check's answer arrives on a later lookup; a check that outlives the client's deadline is
-//! forgotten and the keys count as unknown again (asked again later), so a slow server costs
-//! recomputation, never a stalled step. Answers are trusted for [`RemoteIndexConfig::ttl`];
+//! check's answer arrives on a later lookup; a check that fails or outlives the client's
+//! deadline is forgotten and its keys count as absent until [`RemoteIndexConfig::retry`] passes
+//! (then they are asked about again), so a slow or dead server costs recomputation, never a
+//! stalled step nor a request that keeps asking. Answers are trusted for [`RemoteIndexConfig::ttl`];
 //! keys pinned by a promotion stay present until it completes. A present key may still be gone
 //! when a worker reads it (evicted meanwhile): the read is a miss, the promotion fails and
 //! [`TierIndex::complete_read`] records the key absent.
@@ -69,8 +70,6 @@ pub struct RemoteIndex {
     answers: Receiver<Answer>,
     events: Vec<TierEvent>,
     stats: TierStats,
-    checks: u64,
-    expired_checks: u64,
 }
 
 impl RemoteIndex {
@@ -114,8 +113,6 @@ impl RemoteIndex {
             answers,
             events: Vec::new(),
             stats: TierStats::default(),
-            checks: 0,
-            expired_checks: 0,
         })
     }
 
@@ -126,26 +123,28 @@ impl RemoteIndex {
 
     /// Existence checks sent, and those forgotten after their deadline.
     pub fn checks(&self) -> (u64, u64) {
-        (self.checks, self.expired_checks)
+        (self.stats.checks, self.stats.expired_checks)
     }
 
     /// Takes in the answers that arrived and forgets questions past their deadline.
     fn drain(&mut self) {
         let now = Instant::now();
         while let Ok((keys, found)) = self.answers.try_recv() {
+            // A check that failed (error, deadline, probation) is a miss like an expired one:
+            // its keys are absent until the retry time passes (asking again at once would hold
+            // the requests while the server stays slow).
+            self.stats.expired_checks += u64::from(found.is_none());
             for (i, k) in keys.iter().enumerate() {
                 if self.inflight.remove(k).is_none() {
                     continue; // expired meanwhile: the late answer is not trusted
                 }
-                let Some(found) = &found else { continue };
                 if !matches!(
                     self.entries.get(k),
                     Some(Entry::Writing | Entry::Present { pins: 1.., .. })
                 ) {
-                    let e = if found[i] {
-                        Entry::Present { at: now, pins: 0 }
-                    } else {
-                        Entry::Absent { at: now }
+                    let e = match &found {
+                        Some(f) if f[i] => Entry::Present { at: now, pins: 0 },
+                        _ => Entry::Absent { at: now },
                     };
                     self.entries.insert(*k, e);
                 }
@@ -161,7 +160,7 @@ impl RemoteIndex {
             keep
         });
         if !expired.is_empty() {
-            self.expired_checks += 1;
+            self.stats.expired_checks += 1;
         }
         for k in expired {
             if !matches!(
@@ -231,16 +230,22 @@ impl TierIndex for RemoteIndex {
             .filter(|k| !self.inflight.contains_key(k))
             .take(MAX_CHECK)
             .collect();
-        if !ask.is_empty() && !self.client.on_probation() {
-            let due = now + self.client.config().deadline;
-            for &k in &ask {
-                self.inflight.insert(k, due);
+        if !ask.is_empty() {
+            if self.client.on_probation() {
+                self.stats.skipped_checks += 1;
+            } else {
+                let due = now + self.client.config().deadline;
+                for &k in &ask {
+                    self.inflight.insert(k, due);
+                }
+                self.stats.checks += 1;
+                // The thread lives as long as the index; a send cannot fail before.
+                let _ = self.ask.send((ask, due));
             }
-            self.checks += 1;
-            // The thread lives as long as the index; a send cannot fail before.
-            let _ = self.ask.send((ask, due));
         }
-        self.inflight.contains_key(&keys[n])
+        let pending = self.inflight.contains_key(&keys[n]);
+        self.stats.asked_later += u64::from(pending);
+        pending
     }
 
     fn prepare_write(&mut self, keys: &[Key]) -> Option<TierWritePlan> {
@@ -357,7 +362,10 @@ impl TierIndex for RemoteIndex {
     }
 
     fn stats(&self) -> TierStats {
+        let client = self.client.stats();
         TierStats {
+            probations: client.probations,
+            recoveries: client.recoveries,
             used: self
                 .entries
                 .values()

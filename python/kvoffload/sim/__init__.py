@@ -12,7 +12,8 @@ Modules, one concept each: :mod:`~kvoffload.sim.config` (the run's configuration
 and prefix cache), :mod:`~kvoffload.sim.request` (a request's runtime state),
 :mod:`~kvoffload.sim.kv` (the KV tensors and the oracle's checks),
 :mod:`~kvoffload.sim.offload` (kvoffload's scheduler and data plane, driven as an engine drives
-them), :mod:`~kvoffload.sim.vllm_rule` (vLLM's fence rule, counted on the same run),
+them), :mod:`~kvoffload.sim.fleet` (engines sharing the shared tier, concurrently),
+:mod:`~kvoffload.sim.vllm_rule` (vLLM's fence rule, counted on the same run),
 :mod:`~kvoffload.sim.result` (the figures), :mod:`~kvoffload.sim.report` and
 :mod:`~kvoffload.sim.plot` (table, JSON and chart).
 """
@@ -20,6 +21,7 @@ them), :mod:`~kvoffload.sim.vllm_rule` (vLLM's fence rule, counted on the same r
 from kvoffload.sim.blocks import BlockPool
 from kvoffload.sim.config import SimConfig, SimError
 from kvoffload.sim.engine import Simulator, simulate
+from kvoffload.sim.fleet import simulate_fleet
 from kvoffload.sim.result import Mismatch, SimResult, TimelinePoint
 from kvoffload.sim.workloads import WORKLOADS, RequestSpec, make_workload
 
@@ -35,4 +37,5 @@ __all__ = [
     "TimelinePoint",
     "make_workload",
     "simulate",
+    "simulate_fleet",
 ]

@@ -72,7 +72,10 @@ class SimConfig:
         disk_path: Directory of a disk tier below the CPU pool (None: no disk tier). A run on a
             directory an earlier run filled starts with its chunks on disk.
         disk_bytes: Bytes of the disk tier per KV group (with ``disk_path``).
-        remote_url: A shared tier (Redis) below the CPU pool at this URL (None: none). A run
+        remote_deadline_ms: Longest wait for one operation of the shared tier (the scheduler's
+            existence checks and the worker's reads and writes).
+        remote_url: A shared tier (Redis) below the CPU pool at this URL (None: none); with
+            ``disk_path`` too, both tiers (lookups promote from the disk first). A run
             against a server an earlier run (another engine) filled finds its chunks there.
     """
 
@@ -105,6 +108,7 @@ class SimConfig:
     disk_path: str | None = None
     disk_bytes: int = 0
     remote_url: str | None = None
+    remote_deadline_ms: float = 1000.0
 
     @property
     def windows(self) -> list[int | None]:
@@ -137,6 +141,7 @@ class SimConfig:
             disk_model="kvoffload-sim",
             remote_url=self.remote_url,
             remote_model="kvoffload-sim",
+            remote_deadline_ms=self.remote_deadline_ms,
         )
 
     def validate(self) -> None:
@@ -189,6 +194,7 @@ _BOUNDED = (
     ("copy_delay_s", 0.0, 60.0, True),
     ("load_fault_rate", 0.0, 1.0, True),
     ("store_fault_rate", 0.0, 1.0, True),
+    ("remote_deadline_ms", 0.0, 3.6e6, False),
 )
 """The simulator's own numbers: (name, low, high, low included)."""
 _CHOICES = (

@@ -57,6 +57,7 @@ class Simulator:
         cfg: SimConfig,
         specs: Sequence[RequestSpec] | None = None,
         progress: Callable[[int, int, int], None] | None = None,
+        before_step: Callable[[int], None] | None = None,
     ) -> None:
         """Builds the engine, its tensors, and (with ``offload``) the scheduler and data plane.
 
@@ -64,6 +65,8 @@ class Simulator:
             cfg: The run's configuration.
             specs: The workload; default: ``make_workload`` from ``cfg``.
             progress: Called as ``progress(finished_requests, total_requests, step)``.
+            before_step: Called as ``before_step(step)`` before every step (a test's fault
+                schedule: kill or slow a server at a given step).
 
         Raises:
             ConfigError: A bad configuration value.
@@ -72,6 +75,7 @@ class Simulator:
         cfg.validate()
         self.cfg = cfg
         self.progress = progress
+        self.before_step = before_step
         bs = cfg.block_size
         self.bs = bs
         self.specs = list(
@@ -145,6 +149,8 @@ class Simulator:
             while not self._finished():
                 if self.step_no >= self.cfg.max_steps:
                     raise SimError(f"gave up after {self.step_no} steps")
+                if self.before_step is not None:
+                    self.before_step(self.step_no + 1)
                 self.step()
             if self.offload is not None:
                 self.offload.drain(self.step_no)

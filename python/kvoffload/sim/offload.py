@@ -35,7 +35,10 @@ from kvoffload.transfer import TransferEngine
 from kvoffload.transfer.disk import open_disk_worker
 from kvoffload.transfer.remote import open_remote_worker
 
-__all__ = ["LoadDone", "Offload"]
+__all__ = ["MODEL", "LoadDone", "Offload"]
+
+MODEL = "kvoffload-sim"
+"""The model name in the simulator's tier namespaces."""
 
 LoadDone = Callable[[str, int, bool, Transfers], None]
 """Called as ``on_load(request_id, job_id, ok, transfers)`` when a load job completes."""
@@ -77,24 +80,22 @@ class Offload:
             _before_copy=hook,
             _fault_injector=self._inject_fault if faults else None,
         )
-        self.disk: DiskWorker | RemoteWorker | None = None
-        """The worker of the lower tier (disk or shared), if any."""
-        self.tier_ids: set[int] = set()
-        """Tier jobs (write-behind, promotion) submitted and not completed yet."""
+        self.tiers: dict[str, DiskWorker | RemoteWorker] = {}
+        """The workers of the lower tiers, by medium (``disk``, ``remote``; both may be)."""
+        self.tier_ids: dict[int, str] = {}
+        """Tier jobs (write-behind, promotion) submitted and not completed yet: their medium."""
+        block_sizes = [cfg.block_size] * len(cfg.windows)
         if cfg.disk_path is not None:
-            self.disk = open_disk_worker(
-                self.xfer,
-                cfg.disk_path,
-                cfg.disk_bytes,
-                [cfg.block_size] * len(cfg.windows),
-                model="kvoffload-sim",
+            self.tiers["disk"] = open_disk_worker(
+                self.xfer, cfg.disk_path, cfg.disk_bytes, block_sizes, model=MODEL
             )
-        elif cfg.remote_url is not None:
-            self.disk = open_remote_worker(
+        if cfg.remote_url is not None:
+            self.tiers["remote"] = open_remote_worker(
                 self.xfer,
                 cfg.remote_url,
-                [cfg.block_size] * len(cfg.windows),
-                model="kvoffload-sim",
+                block_sizes,
+                model=MODEL,
+                deadline_ms=cfg.remote_deadline_ms,
             )
 
     def _inject_fault(self, job_id: int) -> None:
@@ -158,27 +159,41 @@ class Offload:
         self._workers(plan)
 
     def _tiers(self, plan: Any) -> None:
-        """Hands the plan's tier jobs to the disk worker (its own threads run them)."""
-        if plan.tier_jobs and self.disk is not None:
-            self.disk.submit(plan.tier_jobs)
-            for j in plan.tier_jobs:
-                self.tier_ids.add(j[0])
+        """Hands the plan's tier jobs to the worker of their medium (its threads run them)."""
+        by_medium: dict[str, list[Any]] = {}
+        for j in plan.tier_jobs:
+            by_medium.setdefault(j[2], []).append(j)
+        res = self.result
+        for medium, jobs in by_medium.items():
+            self.tiers[medium].submit(jobs)
+            for j in jobs:
+                self.tier_ids[j[0]] = medium
+                n = len(j[4])
                 if j[1] == "write":
-                    self.result.disk_written_chunks += len(j[4])
+                    res.tier_written_chunks[medium] = res.tier_written_chunks.get(medium, 0) + n
                 else:
-                    self.result.disk_promoted_chunks += len(j[4])
+                    res.tier_promoted_chunks[medium] = res.tier_promoted_chunks.get(medium, 0) + n
                     if j[3] == 0:
-                        self.result.disk_promoted_group0_chunks += len(j[4])
+                        tokens = n * self.cfg.blocks_per_chunk * self.cfg.block_size
+                        res.tier_promoted_tokens[medium] = (
+                            res.tier_promoted_tokens.get(medium, 0) + tokens
+                        )
 
     def _collect_tiers(self, block: bool) -> int:
         """Completes finished tier jobs (with ``block``, waits for every one first); returns
         how many."""
-        if self.disk is None or not self.tier_ids:
+        if not self.tier_ids:
             return 0
-        done = self.disk.wait(list(self.tier_ids)) if block else self.disk.poll()
+        done: list[tuple[int, bool]] = []
+        for medium, worker in self.tiers.items():
+            ids = [i for i, m in self.tier_ids.items() if m == medium]
+            if ids:
+                done += worker.wait(ids) if block else worker.poll()
         for job_id, ok in sorted(done):
-            self.tier_ids.discard(job_id)
-            self.result.disk_failed_jobs += not ok
+            medium = self.tier_ids.pop(job_id)
+            self.result.tier_failed_jobs[medium] = self.result.tier_failed_jobs.get(medium, 0) + (
+                not ok
+            )
             self._sc(self.sched.complete, job_id, 0, ok)
         return len(done)
 
@@ -281,7 +296,7 @@ class Offload:
         left = -1
         for _ in range(10_000):  # each round completes jobs or drops requests; bounded anyway
             # With a disk tier, the last stores' write-behind jobs may still be to run.
-            tiers_busy = self.disk is not None and bool(self.sched.pending_jobs())
+            tiers_busy = bool(self.tiers) and bool(self.sched.pending_jobs())
             if not self.sched.num_requests and not tiers_busy:
                 break
             if self.sched.num_requests == left:
@@ -306,15 +321,15 @@ class Offload:
         r.flushes_conservative = int(st.get("flushes_conservative", 0))
         r.leaked_requests = self.sched.num_requests
         r.leaked_jobs = len(self.sched.pending_jobs())
-        tiers: list[dict[str, Any]] = st.get("tiers") or []
-        if tiers:  # summed over the groups
-            r.disk_tier = {
-                k: sum(t[k] for t in tiers) for k in tiers[0] if k not in ("medium", "group")
-            }
+        for t in st.get("tiers") or []:  # per medium, summed over the groups
+            into = r.tiers.setdefault(t["medium"], {})
+            for k, v in t.items():
+                if k not in ("medium", "group"):
+                    into[k] = into.get(k, 0) + v
 
     def close(self) -> None:
         """Shuts the data plane down (idempotent)."""
         if not self.closed:
             self.xfer.shutdown(wait=False)
-            self.disk = None  # its threads end once the worker is dropped
+            self.tiers.clear()  # their threads end once the workers are dropped
         self.closed = True

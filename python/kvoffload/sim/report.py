@@ -55,15 +55,48 @@ def figures(run: SimResult, baseline: SimResult | None) -> dict[str, Any]:
         "leaked_jobs": run.leaked_jobs,
         "wall_seconds": run.wall_seconds + (0.0 if baseline is None else baseline.wall_seconds),
         "disk_path": run.config.get("disk_path"),
-        "disk_written_chunks": run.disk_written_chunks,
-        "disk_promoted_chunks": run.disk_promoted_chunks,
-        "disk_promoted_tokens": run.disk_promoted_group0_chunks
-        * run.config["block_size"]
-        * run.config["blocks_per_chunk"],
-        "disk_failed_jobs": run.disk_failed_jobs,
-        "disk_chunks_held": run.disk_tier.get("used", 0),
-        "disk_quarantined": run.disk_tier.get("quarantined", 0),
+        "remote_url": run.config.get("remote_url"),
+        **{k: v for m in _media(run) for k, v in _tier_figures(run, m).items()},
     }
+
+
+def _media(run: SimResult) -> list[str]:
+    """The lower tiers of the run, nearest first (``disk``, ``remote``)."""
+    c = run.config
+    return [m for m, key in (("disk", "disk_path"), ("remote", "remote_url")) if c.get(key)]
+
+
+def _tier_figures(run: SimResult, medium: str) -> dict[str, Any]:
+    """``<medium>_*`` figures of one lower tier."""
+    held = run.tiers.get(medium, {})
+    return {
+        f"{medium}_written_chunks": run.tier_written_chunks.get(medium, 0),
+        f"{medium}_promoted_chunks": run.tier_promoted_chunks.get(medium, 0),
+        f"{medium}_promoted_tokens": run.tier_promoted_tokens.get(medium, 0),
+        f"{medium}_failed_jobs": run.tier_failed_jobs.get(medium, 0),
+        f"{medium}_chunks_held": held.get("used", 0),
+        f"{medium}_quarantined": held.get("quarantined", 0),
+    }
+
+
+def _tier_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
+    """Table rows of the lower tiers whose figures are in ``f``."""
+    rows = []
+    for m in ("disk", "remote"):
+        if f"{m}_written_chunks" not in f:
+            continue
+        rows += [
+            (
+                f"promoted from {m} first",
+                f"{f[f'{m}_promoted_tokens']:,} tokens ({f[f'{m}_promoted_chunks']:,} chunks)",
+            ),
+            (
+                f"{m} tier",
+                f"{f[f'{m}_written_chunks']:,} chunks written, {f[f'{m}_chunks_held']:,} "
+                f"held, {f[f'{m}_quarantined']} quarantined, {f[f'{m}_failed_jobs']} failed jobs",
+            ),
+        ]
+    return rows
 
 
 def _si(n: float) -> str:
@@ -80,22 +113,7 @@ def format_table(f: dict[str, Any]) -> str:
         ("workload", f"{f['workload']}, {f['requests']} requests, {f['steps']} steps"),
         ("GPU prefix hits", f"{f['gpu_prefix_hit_tokens']:,} tokens"),
         ("CPU hits (loaded)", f"{f['cpu_hit_tokens']:,} tokens"),
-        *(
-            [
-                (
-                    "promoted from disk first",
-                    f"{f['disk_promoted_tokens']:,} tokens ({f['disk_promoted_chunks']:,} chunks)",
-                ),
-                (
-                    "disk tier",
-                    f"{f['disk_written_chunks']:,} chunks written, {f['disk_chunks_held']:,} "
-                    f"held, {f['disk_quarantined']} quarantined, "
-                    f"{f['disk_failed_jobs']} failed jobs",
-                ),
-            ]
-            if f.get("disk_path")
-            else []
-        ),
+        *_tier_rows(f),
         ("hit rate", f"{f['hit_rate']:.1%} of {f['lookup_tokens']:,} looked-up tokens"),
         (
             "prefill tokens saved",

@@ -71,11 +71,16 @@ class SimResult:
     store_seconds: float = 0.0
     load_seconds: float = 0.0
     failed_jobs: int = 0
-    disk_written_chunks: int = 0
-    disk_promoted_chunks: int = 0
-    disk_promoted_group0_chunks: int = 0
-    disk_failed_jobs: int = 0
-    disk_tier: dict[str, Any] = field(default_factory=dict)
+    tier_written_chunks: dict[str, int] = field(default_factory=dict)
+    """Per lower tier's medium (``disk``, ``remote``): chunks written behind to it."""
+    tier_promoted_chunks: dict[str, int] = field(default_factory=dict)
+    """Per medium: chunks promoted from it into the CPU pool."""
+    tier_promoted_tokens: dict[str, int] = field(default_factory=dict)
+    """Per medium: tokens of the first group's chunks promoted from it."""
+    tier_failed_jobs: dict[str, int] = field(default_factory=dict)
+    """Per medium: tier jobs that failed (the request recomputed)."""
+    tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per medium: the scheduler's tier counters, summed over the groups."""
     flushes_necessary: int = 0
     flushes_conservative: int = 0
     flushes_vllm_rule: int = 0
