@@ -67,36 +67,48 @@ pub fn tier_job_tuple(j: TierJob) -> TierJobTuple {
     )
 }
 
+/// Sets named counters in `d`; returns it.
+pub fn counters<'a, 'py>(
+    d: &'a Bound<'py, PyDict>,
+    items: &[(&str, u64)],
+) -> PyResult<&'a Bound<'py, PyDict>> {
+    for &(k, v) in items {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
 /// One group's tier counters as a dict.
 pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("medium", s.medium)?;
     d.set_item("group", s.group)?;
     let t = &s.tier;
-    for (k, v) in [
-        ("capacity", t.capacity),
-        ("used", t.used),
-        ("bytes_capacity", t.bytes_capacity),
-        ("hits", t.hits),
-        ("misses", t.misses),
-        ("writes", t.writes),
-        ("failed_writes", t.failed_writes),
-        ("promotions", t.promotions),
-        ("quarantined", t.quarantined),
-        ("evictions", t.evictions),
-        ("no_room", t.no_room),
-        ("writing", t.writing),
-        ("reading", t.reading),
-        ("write_jobs", s.write_jobs),
-        ("promote_jobs", s.promote_jobs),
-        ("failed_promotions", s.failed_promotions),
-        ("failed_write_jobs", s.failed_writes),
-        ("promote_no_room", s.promote_no_room),
-        ("queue_depth", s.pending),
-        ("promoted_chunks", s.promoted_chunks),
-    ] {
-        d.set_item(k, v)?;
-    }
+    counters(
+        &d,
+        &[
+            ("capacity", t.capacity),
+            ("used", t.used),
+            ("bytes_capacity", t.bytes_capacity),
+            ("hits", t.hits),
+            ("misses", t.misses),
+            ("writes", t.writes),
+            ("failed_writes", t.failed_writes),
+            ("promotions", t.promotions),
+            ("quarantined", t.quarantined),
+            ("evictions", t.evictions),
+            ("no_room", t.no_room),
+            ("writing", t.writing),
+            ("reading", t.reading),
+            ("write_jobs", s.write_jobs),
+            ("promote_jobs", s.promote_jobs),
+            ("failed_promotions", s.failed_promotions),
+            ("failed_write_jobs", s.failed_writes),
+            ("promote_no_room", s.promote_no_room),
+            ("queue_depth", s.pending),
+            ("promoted_chunks", s.promoted_chunks),
+        ],
+    )?;
     Ok(d)
 }
 
@@ -243,7 +255,11 @@ pub fn decode_tier_jobs(buf: &[u8], medium: &str) -> PyResult<Vec<WorkerJob>> {
         let kind = match w[1] & 0xff {
             0 => TierJobKind::Write,
             1 => TierJobKind::Promote,
-            k => return Err(bad(format!("kind {k} is neither 0 (write) nor 1 (promote)"))),
+            k => {
+                return Err(bad(format!(
+                    "kind {k} is neither 0 (write) nor 1 (promote)"
+                )))
+            }
         };
         if w[1] >> 8 != medium_code(medium) || w[1] >> 8 > 1 {
             return Err(bad(format!(
@@ -490,20 +506,21 @@ impl DiskWorker {
                     d.set_item("direct", f.direct())?;
                     d.set_item("slots", f.layout().slots)?;
                     d.set_item("chunk_bytes", f.layout().chunk_bytes)?;
-                    for (k, v) in [
-                        ("bytes_written", s.bytes_written),
-                        ("bytes_read", s.bytes_read),
-                        ("chunks_written", s.chunks_written),
-                        ("chunks_read", s.chunks_read),
-                        ("read_failures", s.read_failures),
-                        ("write_failures", s.write_failures),
-                        ("direct_pieces", s.direct_pieces),
-                        ("buffered_pieces", s.buffered_pieces),
-                        ("write_ns", s.write_ns),
-                        ("read_ns", s.read_ns),
-                    ] {
-                        d.set_item(k, v)?;
-                    }
+                    counters(
+                        &d,
+                        &[
+                            ("bytes_written", s.bytes_written),
+                            ("bytes_read", s.bytes_read),
+                            ("chunks_written", s.chunks_written),
+                            ("chunks_read", s.chunks_read),
+                            ("read_failures", s.read_failures),
+                            ("write_failures", s.write_failures),
+                            ("direct_pieces", s.direct_pieces),
+                            ("buffered_pieces", s.buffered_pieces),
+                            ("write_ns", s.write_ns),
+                            ("read_ns", s.read_ns),
+                        ],
+                    )?;
                 }
                 out.push(d);
             }
@@ -543,4 +560,62 @@ pub fn disk_inspect(
         out.push(d);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(id: u64, kind: TierJobKind, medium: &'static str, keys: &[u128]) -> TierJob {
+        TierJob {
+            id: JobId(id),
+            kind,
+            medium,
+            group: 1,
+            keys: keys.iter().map(|&k| Key(k)).collect(),
+            cpu_slots: (0..keys.len() as u32).map(|s| s + 10).collect(),
+            locations: (0..keys.len() as u64)
+                .map(|p| Location {
+                    place: p + 100,
+                    generation: p + 7,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn packed_tier_jobs_round_trip_for_their_medium_only() {
+        let big = (u128::from(u64::MAX) << 64) | 5;
+        let jobs = [
+            job(3, TierJobKind::Write, DISK, &[1, big]),
+            job(4, TierJobKind::Promote, DISK, &[9]),
+        ];
+        let buf = encode_tier_jobs(&jobs);
+        assert_eq!(buf.len(), 3 * TIER_ROW_WORDS * 8);
+        let back = decode_tier_jobs(&buf, DISK).unwrap();
+        let want: Vec<WorkerJob> = jobs
+            .iter()
+            .map(|j| WorkerJob {
+                id: j.id,
+                kind: j.kind,
+                group: j.group,
+                keys: j.keys.clone(),
+                cpu_slots: j.cpu_slots.clone(),
+                locations: j.locations.clone(),
+            })
+            .collect();
+        assert_eq!(back, want);
+        assert!(decode_tier_jobs(&encode_tier_jobs(&[]), DISK)
+            .unwrap()
+            .is_empty());
+        // Another medium's jobs, a torn buffer, rows of one job split apart: refused.
+        assert!(decode_tier_jobs(&buf, "remote").is_err());
+        assert!(decode_tier_jobs(&buf[..buf.len() - 8], DISK).is_err());
+        let split = [
+            job(3, TierJobKind::Write, DISK, &[1]),
+            job(4, TierJobKind::Write, DISK, &[2]),
+            job(3, TierJobKind::Write, DISK, &[3]),
+        ];
+        assert!(decode_tier_jobs(&encode_tier_jobs(&split), DISK).is_err());
+    }
 }
