@@ -15,21 +15,34 @@ request id through ``finished_recving``, which vLLM counts over workers to keep 
 ``WAITING_FOR_REMOTE_KVS`` until its load is done everywhere. Failed loads are reported as
 ``failed_recving`` and, with one KV group, as ``get_block_ids_with_load_errors`` (vLLM refuses
 block ids with several groups).
+
+**Lower tiers.** With ``disk_path`` or ``remote_url`` set, each worker opens a tier worker
+(:class:`~kvoffload._core.DiskWorker` or :class:`~kvoffload._core.RemoteWorker`) over its
+engine's CPU pool, with its rank and the world size in the namespace (each rank holds its own
+shard of every chunk). The plan's tier jobs go to it as the packed buffer the core made; it
+runs them on Rust threads, and their results travel back like copies (job ids by rank in the
+worker metadata; a failed promotion makes the request recompute). After a cache reset the plan
+names the tier jobs in flight (``tier_flush``): their CPU slots are free again, so the worker
+waits for them, and for the flushed copies, before anything of the new plan starts.
+``shutdown`` closes the tier worker (its queued jobs finish first).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from kvoffload._core import DiskWorker, RemoteWorker, TierWorker
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.messages import KvOffloadMetadata, KvOffloadWorkerMetadata
 from kvoffload.scheduler import OffloadConfig
 from kvoffload.transfer import TransferEngine
+from kvoffload.transfer.disk import tier_worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +93,9 @@ class WorkerSide:
         # group); failed_recving alone then reports the failed request.
         self.report_blocks = len(kv_cache_config.kv_cache_groups) == 1
         self.engine_kwargs: dict[str, Any] = {}  # tests: TransferEngine hooks (copy delays)
+        self.tier: TierWorker | None = None
+        self.tier_inflight: set[int] = set()  # tier jobs submitted, not finished yet
+        self.tier_bytes = (0, 0)  # the tier worker's bytes written and read, last report
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         nb = int(self.kv_cache_config.num_blocks)
@@ -106,6 +122,52 @@ class WorkerSide:
             self.xfer.pool_bytes / 2**20,
             self.xfer.num_slots,
         )
+        self.tier = self._open_tier(self.xfer)
+
+    def _open_tier(self, x: TransferEngine) -> TierWorker | None:
+        """This rank's disk or shared-tier worker over ``x``'s pool, if one is configured.
+
+        Raises:
+            ConfigError: A tier value the worker refuses, or a chunk size that differs from
+                the scheduler's (the namespaces would differ: nothing would ever be found).
+        """
+        c = self.cfg
+        if c.disk_path is None and c.remote_url is None:
+            return None
+        for g in range(len(c.groups)):
+            rows = x._groups[g].regions
+            mine = sum(r.bytes_per_block for r in rows) * c.blocks_per_chunk
+            if mine != c.bytes_per_chunk(g):
+                raise ConfigError(
+                    f"KvOffloadConnector: a chunk of group {g} has {mine} bytes on worker "
+                    f"{self.rank}, the scheduler's has {c.bytes_per_chunk(g)}: the lower tier "
+                    "needs equal sizes"
+                )
+        sizes = [grp.block_size for grp in c.groups]
+        where = {"rank": self.rank, "world_size": c.num_workers}
+        try:
+            if c.remote_url is not None:
+                return tier_worker(
+                    RemoteWorker,
+                    x,
+                    sizes,
+                    c.remote_url,
+                    model=c.remote_model,
+                    cache_salt=c.cache_salt,
+                    deadline_ms=c.remote_deadline_ms,
+                    **where,
+                )
+            return tier_worker(
+                DiskWorker,
+                x,
+                sizes,
+                os.fspath(c.disk_path),
+                c.disk_bytes,
+                model=c.disk_model,
+                **where,
+            )
+        except (TypeError, OverflowError) as e:  # a value of the wrong type or range
+            raise ConfigError(f"KvOffloadConnector lower tier: {e}") from e
 
     def before_forward(self, meta: KvOffloadMetadata) -> None:
         """The data plane's step for this plan, once per plan: one :meth:`TransferEngine.step`
@@ -121,7 +183,18 @@ class WorkerSide:
         loads = [(job, transfers.get(job, [])) for job in meta.load_jobs]
         for (job, t), rid in zip(loads, meta.load_reqs, strict=True):
             self.load_req[job] = (rid, t)
+        tier = self.tier
+        if tier is not None and meta.tier_flush:
+            # A reset freed the CPU slots of these tier jobs: nothing new may touch them first.
+            wait = [j for j in meta.tier_flush if j in self.tier_inflight]
+            self._tier_done(tier.wait(wait))
         x.step([(job, transfers.get(job, [])) for job in meta.store_jobs], meta.flush, loads)
+        if tier is not None and meta.tier_jobs:
+            if meta.flush and x.device.type == "cuda":
+                # The flushed copies may still run on the copy stream (the step made the
+                # compute stream wait, not the host): a tier job must not race them.
+                x.wait(meta.flush)
+            self.tier_inflight.update(tier.submit_packed(meta.tier_jobs))
 
     def start_load(self, meta: KvOffloadMetadata) -> None:
         self.before_forward(meta)
@@ -159,18 +232,48 @@ class WorkerSide:
                 logger.warning("kvoffload: %s job %d failed: %s", r.kind, r.job_id, r.error)
         return out
 
+    def _tier_done(self, done: list[tuple[int, bool]]) -> None:
+        """Reports finished tier jobs like copies (by rank, finished or failed)."""
+        m = self.meta
+        for job, ok in done:
+            self.tier_inflight.discard(job)
+            (m.done if ok else m.failed).setdefault(self.rank, []).append(job)
+            if not ok:
+                logger.warning("kvoffload: tier job %d failed (the request recomputes)", job)
+
+    def _tier_poll(self) -> None:
+        """Collects finished tier jobs and the tier's bytes since the last poll."""
+        tier = self.tier
+        if tier is None:
+            return
+        if self.tier_inflight:
+            self._tier_done(tier.poll())
+        st = tier.stats()
+        rows = st if isinstance(st, list) else [st]
+        now = (
+            sum(r.get("bytes_written", 0) for r in rows),
+            sum(r.get("bytes_read", 0) for r in rows),
+        )
+        self.meta.tier_bytes_written += now[0] - self.tier_bytes[0]
+        self.meta.tier_bytes_read += now[1] - self.tier_bytes[1]
+        self.tier_bytes = now
+
     def take_invalid(self) -> set[int]:
         out, self.invalid = self.invalid, set()
         return out
 
     def take_meta(self) -> KvOffloadWorkerMetadata | None:
+        self._tier_poll()
         m = self.meta
-        if not m.done and not m.failed:
+        if not m.done and not m.failed and not m.tier_bytes_written and not m.tier_bytes_read:
             return None
         self.meta = KvOffloadWorkerMetadata()
         return m
 
     def shutdown(self) -> None:
+        if self.tier is not None:
+            self.tier.close()  # its queued jobs finish first: they read the pool
+            self.tier = None
         if self.xfer is not None:
             self.xfer.shutdown(wait=False)
             self.xfer = None
