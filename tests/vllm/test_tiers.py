@@ -140,9 +140,7 @@ def test_disk_events_carry_their_medium(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_second_engine_serves_the_first_ones_prefix_from_redis(
-    redis: RedisServer, tp: int
-) -> None:
+def test_second_engine_serves_the_first_ones_prefix_from_redis(redis: RedisServer, tp: int) -> None:
     salt = f"shared-{tp}"
     p = prompt(8 + tp, 100)
     a = _engine(tp, False, remote_url=redis.url, cache_salt=salt)
@@ -201,9 +199,7 @@ def test_reset_with_a_promotion_in_flight(redis: RedisServer, async_sched: bool)
     a.shutdown()
     slow = DelayProxy(redis.port, delay=0.3)  # every reply 0.3 s late: the promotion lasts
     try:
-        h = _engine(
-            1, async_sched, remote_url=slow.url, cache_salt=salt, remote_deadline_ms=5000
-        )
+        h = _engine(1, async_sched, remote_url=slow.url, cache_salt=salt, remote_deadline_ms=5000)
         s = h.conn.scheduler_side
         assert s is not None
         h.add("b", p)

@@ -80,7 +80,10 @@ def build_offload_config(
     extra = dict(ktc.kv_connector_extra_config or {})
     exact = extra.pop("exact_fence", True)
     if not isinstance(exact, bool):
-        raise ConfigError(f"exact_fence must be a bool, got {exact!r} ({type(exact).__name__})")
+        raise ConfigError(
+            f"invalid configuration: exact_fence must be a bool, got {exact!r} "
+            f"({type(exact).__name__})"
+        )
     kwargs = _parse_extra(extra)
     if "disk_path" in kwargs:
         kwargs.setdefault("disk_model", model_name(vllm_config))
