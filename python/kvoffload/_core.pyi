@@ -4,6 +4,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
+from typing_extensions import disjoint_base
+
 _Key: TypeAlias = SupportsIndex | bytes
 _KeyState: TypeAlias = Literal["absent", "storing", "ready"]
 _PoolEvent: TypeAlias = tuple[Literal["stored", "removed"], list[int], Literal["cpu"]]
@@ -29,6 +31,7 @@ __all__ = [
     "StepInputError",
     "StepPlan",
     "StorePlan",
+    "TierWorker",
     "TransferJob",
     "UnknownJobError",
     "UnknownKeyError",
@@ -353,6 +356,7 @@ class CpuPool:
     def order(self) -> dict[str, list[int]]: ...
     def __len__(self) -> int: ...
 
+@disjoint_base
 class TierWorker:
     """What ``DiskWorker`` and ``RemoteWorker`` share: tier jobs on Rust threads, straight from
     and into the registered CPU pool."""

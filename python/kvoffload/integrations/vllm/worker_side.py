@@ -37,7 +37,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvoffload._core import DiskWorker, RemoteWorker, TierWorker
+from kvoffload._core import DiskWorker, RemoteWorker
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.messages import KvOffloadMetadata, KvOffloadWorkerMetadata
 from kvoffload.scheduler import OffloadConfig
@@ -93,7 +93,7 @@ class WorkerSide:
         # group); failed_recving alone then reports the failed request.
         self.report_blocks = len(kv_cache_config.kv_cache_groups) == 1
         self.engine_kwargs: dict[str, Any] = {}  # tests: TransferEngine hooks (copy delays)
-        self.tier: TierWorker | None = None
+        self.tier: DiskWorker | RemoteWorker | None = None
         self.tier_inflight: set[int] = set()  # tier jobs submitted, not finished yet
         self.tier_bytes = (0, 0)  # the tier worker's bytes written and read, last report
 
@@ -124,7 +124,7 @@ class WorkerSide:
         )
         self.tier = self._open_tier(self.xfer)
 
-    def _open_tier(self, x: TransferEngine) -> TierWorker | None:
+    def _open_tier(self, x: TransferEngine) -> DiskWorker | RemoteWorker | None:
         """This rank's disk or shared-tier worker over ``x``'s pool, if one is configured.
 
         Raises:
@@ -157,6 +157,7 @@ class WorkerSide:
                     deadline_ms=c.remote_deadline_ms,
                     **where,
                 )
+            assert c.disk_path is not None
             return tier_worker(
                 DiskWorker,
                 x,
