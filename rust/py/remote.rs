@@ -14,7 +14,7 @@ use pyo3::types::PyDict;
 
 use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
-use super::tier::{counters, RegionArg, TierWorker};
+use super::tier::{set_counters, RegionArg, TierWorker};
 use crate::ids::Key;
 use crate::scheduler::remote_namespace;
 use crate::tier::io::RemoteGroup;
@@ -84,28 +84,27 @@ pub fn namespace_digest(
 fn stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py, PyDict>> {
     let s = client.stats();
     let d = PyDict::new(py);
-    counters(
-        &d,
-        &[
-            ("writes", s.writes),
-            ("failed_writes", s.failed_writes),
-            ("dropped_writes", s.dropped_writes),
-            ("read_hits", s.read_hits),
-            ("read_misses", s.read_misses),
-            ("failed_reads", s.failed_reads),
-            ("checksum_mismatches", s.checksum_mismatches),
-            ("lookups", s.lookups),
-            ("lookup_hits", s.lookup_hits),
-            ("skipped_lookups", s.skipped_lookups),
-            ("round_trips", s.round_trips),
-            ("errors", s.errors),
-            ("deadline_misses", s.deadline_misses),
-            ("probations", s.probations),
-            ("recoveries", s.recoveries),
-            ("bytes_written", s.bytes_written),
-            ("bytes_read", s.bytes_read),
-        ],
-    )?;
+    set_counters!(
+        d,
+        s,
+        writes,
+        failed_writes,
+        dropped_writes,
+        read_hits,
+        read_misses,
+        failed_reads,
+        checksum_mismatches,
+        lookups,
+        lookup_hits,
+        skipped_lookups,
+        round_trips,
+        errors,
+        deadline_misses,
+        probations,
+        recoveries,
+        bytes_written,
+        bytes_read
+    );
     Ok(d)
 }
 

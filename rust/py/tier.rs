@@ -67,16 +67,13 @@ pub fn tier_job_tuple(j: TierJob) -> TierJobTuple {
     )
 }
 
-/// Sets named counters in `d`; returns it.
-pub fn counters<'a, 'py>(
-    d: &'a Bound<'py, PyDict>,
-    items: &[(&str, u64)],
-) -> PyResult<&'a Bound<'py, PyDict>> {
-    for &(k, v) in items {
-        d.set_item(k, v)?;
-    }
-    Ok(d)
+/// Sets `d[name] = s.name` for every field `name` of `s` listed.
+macro_rules! set_counters {
+    ($d:expr, $s:expr, $($f:ident),* $(,)?) => {{
+        $( $d.set_item(stringify!($f), $s.$f)?; )*
+    }};
 }
+pub(crate) use set_counters;
 
 /// One group's tier counters as a dict.
 pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bound<'py, PyDict>> {
@@ -84,31 +81,34 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
     d.set_item("medium", s.medium)?;
     d.set_item("group", s.group)?;
     let t = &s.tier;
-    counters(
-        &d,
-        &[
-            ("capacity", t.capacity),
-            ("used", t.used),
-            ("bytes_capacity", t.bytes_capacity),
-            ("hits", t.hits),
-            ("misses", t.misses),
-            ("writes", t.writes),
-            ("failed_writes", t.failed_writes),
-            ("promotions", t.promotions),
-            ("quarantined", t.quarantined),
-            ("evictions", t.evictions),
-            ("no_room", t.no_room),
-            ("writing", t.writing),
-            ("reading", t.reading),
-            ("write_jobs", s.write_jobs),
-            ("promote_jobs", s.promote_jobs),
-            ("failed_promotions", s.failed_promotions),
-            ("failed_write_jobs", s.failed_writes),
-            ("promote_no_room", s.promote_no_room),
-            ("queue_depth", s.pending),
-            ("promoted_chunks", s.promoted_chunks),
-        ],
-    )?;
+    set_counters!(
+        d,
+        s,
+        write_jobs,
+        promote_jobs,
+        failed_promotions,
+        promote_no_room,
+        promoted_chunks
+    );
+    set_counters!(
+        d,
+        t,
+        capacity,
+        used,
+        bytes_capacity,
+        hits,
+        misses,
+        writes,
+        failed_writes,
+        promotions,
+        quarantined,
+        evictions,
+        no_room,
+        writing,
+        reading
+    );
+    d.set_item("failed_write_jobs", s.failed_writes)?;
+    d.set_item("queue_depth", s.pending)?;
     Ok(d)
 }
 
@@ -506,21 +506,20 @@ impl DiskWorker {
                     d.set_item("direct", f.direct())?;
                     d.set_item("slots", f.layout().slots)?;
                     d.set_item("chunk_bytes", f.layout().chunk_bytes)?;
-                    counters(
-                        &d,
-                        &[
-                            ("bytes_written", s.bytes_written),
-                            ("bytes_read", s.bytes_read),
-                            ("chunks_written", s.chunks_written),
-                            ("chunks_read", s.chunks_read),
-                            ("read_failures", s.read_failures),
-                            ("write_failures", s.write_failures),
-                            ("direct_pieces", s.direct_pieces),
-                            ("buffered_pieces", s.buffered_pieces),
-                            ("write_ns", s.write_ns),
-                            ("read_ns", s.read_ns),
-                        ],
-                    )?;
+                    set_counters!(
+                        d,
+                        s,
+                        bytes_written,
+                        bytes_read,
+                        chunks_written,
+                        chunks_read,
+                        read_failures,
+                        write_failures,
+                        direct_pieces,
+                        buffered_pieces,
+                        write_ns,
+                        read_ns
+                    );
                 }
                 out.push(d);
             }
@@ -543,16 +542,20 @@ pub fn disk_inspect(
     let mut out = Vec::with_capacity(reports.len());
     for r in reports {
         let d = PyDict::new(py);
-        d.set_item("dir", r.dir)?;
         d.set_item("namespace", format!("{:032x}", r.namespace))?;
-        d.set_item("group", r.group)?;
-        d.set_item("chunk_bytes", r.chunk_bytes)?;
-        d.set_item("slots", r.slots)?;
-        d.set_item("chunks", r.chunks)?;
-        d.set_item("free", r.free)?;
-        d.set_item("quarantined", r.quarantined)?;
-        d.set_item("file_bytes", r.file_bytes)?;
-        d.set_item("disk_bytes", r.disk_bytes)?;
+        set_counters!(
+            d,
+            r,
+            dir,
+            group,
+            chunk_bytes,
+            slots,
+            chunks,
+            free,
+            quarantined,
+            file_bytes,
+            disk_bytes
+        );
         if verify {
             d.set_item("verified", r.verified)?;
             d.set_item("corrupt", r.corrupt)?;
@@ -593,18 +596,12 @@ mod tests {
         let buf = encode_tier_jobs(&jobs);
         assert_eq!(buf.len(), 3 * TIER_ROW_WORDS * 8);
         let back = decode_tier_jobs(&buf, DISK).unwrap();
-        let want: Vec<WorkerJob> = jobs
-            .iter()
-            .map(|j| WorkerJob {
-                id: j.id,
-                kind: j.kind,
-                group: j.group,
-                keys: j.keys.clone(),
-                cpu_slots: j.cpu_slots.clone(),
-                locations: j.locations.clone(),
-            })
-            .collect();
-        assert_eq!(back, want);
+        assert_eq!(back.len(), jobs.len());
+        for (b, j) in back.iter().zip(&jobs) {
+            assert_eq!((b.id, b.kind, b.group), (j.id, j.kind, j.group));
+            assert_eq!((&b.keys, &b.cpu_slots), (&j.keys, &j.cpu_slots));
+            assert_eq!(b.locations, j.locations);
+        }
         assert!(decode_tier_jobs(&encode_tier_jobs(&[]), DISK)
             .unwrap()
             .is_empty());

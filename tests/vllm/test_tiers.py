@@ -19,12 +19,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import torch
 from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm import KvOffloadStats
+from kvoffload.integrations.vllm import KvOffloadConnector, KvOffloadStats
 from tests.remote_support import DelayProxy, RedisServer
-from tests.vllm.harness import Harness, load_jobs, prompt
+from tests.vllm.harness import BS, Harness, load_jobs, make_config, prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -117,6 +119,41 @@ def test_restart_on_the_same_disk_directory_serves_every_shard(
     assert core.stats()["failed_loads"] == 0
     second.assert_clean()
     second.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_corrupt_chunks_on_disk_are_recomputed_never_served(tmp_path: Path, tp: int) -> None:
+    p = prompt(9, 100)
+    first = _engine(tp, False, disk_path=str(tmp_path), **DISK)
+    _serve(first, "a", p)
+    first.shutdown()
+    # Flip the first data byte of every slot (a 4 KiB header block, then the data) of rank
+    # 0's slab files: the headers still name a's chunks, the bytes fail their checksums.
+    slabs = sorted(f for f in tmp_path.rglob("*") if f.is_file() and f.stat().st_size % 8192 == 0)
+    assert slabs
+    for f in slabs[:1]:
+        data = bytearray(f.read_bytes())
+        for off in range(4096, len(data), 8192):
+            data[off] ^= 0xFF
+        f.write_bytes(bytes(data))
+    second = _engine(tp, False, disk_path=str(tmp_path), **DISK)
+    # The promotion fails (on the rank that found bad bytes): b recomputes, nothing loaded.
+    assert _serve(second, "b", p) == 0
+    assert load_jobs(second.plans, "b") == []
+    st = _stats(second)
+    assert st["disk_failed_promotions"] >= 1
+    assert st["disk_promoted_chunks"] == 0
+    second.assert_clean()
+    second.shutdown()
+
+
+def test_worker_refuses_a_bad_tier_value_with_a_config_error(tmp_path: Path) -> None:
+    vc, kcc = make_config(32, {"cpu_chunks": 8, "disk_path": str(tmp_path), "disk_bytes": "1G"})
+    w = KvOffloadConnector(vc, KVConnectorRole.WORKER, kcc)
+    kv = {f"layer{i}": torch.zeros(2, 32, BS, 1, 4) for i in range(2)}
+    with pytest.raises(ConfigError, match="disk_bytes"):
+        w.register_kv_caches(kv)
+    w.shutdown()
 
 
 def test_another_model_on_the_same_directory_finds_nothing(tmp_path: Path) -> None:
