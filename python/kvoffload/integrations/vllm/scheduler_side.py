@@ -23,6 +23,15 @@
   then calls the core's ``preempt``. ``reset_cache`` with loads in flight reports those loads
   as failed (``"recompute"`` only; refused under ``"fail"``).
 
+**Lower tiers** (``disk_path`` or ``remote_url``): the core plans write-behind and promotion
+jobs itself (a lookup that finds chunks only below the CPU pool promotes them and answers
+``None``, "ask later"); each plan ships them to the workers as one packed buffer, and they are
+completed from the workers' reports like copies. The adapter remembers which planned jobs are
+tier jobs until they complete, so that a reset can name them to the workers apart from the
+copies (``tier_flush``). Stats gain the tier's counters per interval (``disk_*`` /
+``remote_*``); events carry the medium (``CPU``, ``DISK``, ``REMOTE``), and with KV events off
+the tiers' events are drained and dropped every step.
+
 Request state lives in the core; the adapter keeps vLLM's ``Request`` objects and their live
 hash lists (vLLM appends to them as tokens are generated; the core reads the hashes it lacks),
 the local hit of this step's lookups and this step's written blocks. No Python loop runs over
