@@ -55,7 +55,7 @@ fmt: $(STAMP_DEPS) ## format Rust and Python sources
 	$(VENV)/bin/ruff check --fix .
 
 test: build redis-server ## cargo test + pytest (installs redis-server when missing)
-	cargo test -q
+	cargo test -q --all-features
 	$(PY) -m pytest -q --ignore=tests/vllm
 
 VLLM_VENV := .venv-vllm
@@ -95,7 +95,8 @@ STAMP_VLLM033_BUILD := $(VLLM033_VENV)/.ext-built
 VLLM033_GPU_ONLY := torch torchaudio torchvision torchcodec pynvvideocodec flashinfer-python \
 	apache-tvm-ffi tilelang nvidia-cudnn-frontend nvtx fastsafetensors instanttensor \
 	nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels
-VLLM033_TESTS := tests/vllm/test_compat.py tests/vllm/test_scheduler.py tests/vllm/test_tp.py
+VLLM033_TESTS := tests/vllm/test_compat.py tests/vllm/test_scheduler.py tests/vllm/test_tp.py \
+	tests/vllm/test_tiers.py
 
 $(STAMP_VLLM033_DEPS): $(UV)
 	test -x $(VLLM033_PY) || python3 -m venv $(VLLM033_VENV)

@@ -4,6 +4,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
+from typing_extensions import disjoint_base
+
 _Key: TypeAlias = SupportsIndex | bytes
 _KeyState: TypeAlias = Literal["absent", "storing", "ready"]
 _PoolEvent: TypeAlias = tuple[Literal["stored", "removed"], list[int], Literal["cpu"]]
@@ -29,6 +31,7 @@ __all__ = [
     "StepInputError",
     "StepPlan",
     "StorePlan",
+    "TierWorker",
     "TransferJob",
     "UnknownJobError",
     "UnknownKeyError",
@@ -263,7 +266,7 @@ class Scheduler:
         aborted: Sequence[str] | None = None,
         preempted: Sequence[str] | None = None,
         written: Iterable[SupportsIndex] | None = None,
-    ) -> tuple[list[int], list[str], list[int], list[int], bytes]: ...
+    ) -> tuple[list[int], list[str], list[int], list[int], bytes, bytes]: ...
     def sync_request(
         self, request_id: str, prompt_len: int, block_hashes: Sequence[bytes | int]
     ) -> None: ...
@@ -354,8 +357,25 @@ class CpuPool:
     def order(self) -> dict[str, list[int]]: ...
     def __len__(self) -> int: ...
 
+@disjoint_base
+class TierWorker:
+    """What ``DiskWorker`` and ``RemoteWorker`` share: tier jobs on Rust threads, straight from
+    and into the registered CPU pool."""
+
+    @property
+    def medium(self) -> Literal["disk", "remote"]: ...
+    @property
+    def closed(self) -> bool: ...
+    def submit(
+        self, jobs: Sequence[tuple[int, str, str, int, list[int], list[int], list[int], list[int]]]
+    ) -> None: ...
+    def submit_packed(self, jobs: bytes) -> list[int]: ...
+    def poll(self) -> list[tuple[int, bool]]: ...
+    def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[tuple[int, bool]]: ...
+    def close(self) -> None: ...
+
 @final
-class DiskWorker:
+class DiskWorker(TierWorker):
     """Runs disk tier jobs on Rust threads, straight from and into the registered CPU pool."""
 
     def __new__(
@@ -372,15 +392,10 @@ class DiskWorker:
         direct: bool = True,
         sync: bool = True,
     ) -> DiskWorker: ...
-    def submit(
-        self, jobs: Sequence[tuple[int, str, str, int, list[int], list[int], list[int], list[int]]]
-    ) -> None: ...
-    def poll(self) -> list[tuple[int, bool]]: ...
-    def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[tuple[int, bool]]: ...
     def stats(self) -> list[dict[str, Any]]: ...
 
 @final
-class RemoteWorker:
+class RemoteWorker(TierWorker):
     """Runs shared-tier jobs on Rust threads, straight from and into the registered CPU pool."""
 
     def __new__(
@@ -396,11 +411,6 @@ class RemoteWorker:
         threads: int = 2,
         deadline_ms: float = 1000.0,
     ) -> RemoteWorker: ...
-    def submit(
-        self, jobs: Sequence[tuple[int, str, str, int, list[int], list[int], list[int], list[int]]]
-    ) -> None: ...
-    def poll(self) -> list[tuple[int, bool]]: ...
-    def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[tuple[int, bool]]: ...
     def stats(self) -> dict[str, int]: ...
 
 def disk_inspect(path: str | os.PathLike[str], verify: bool = False) -> list[dict[str, Any]]: ...

@@ -11,7 +11,8 @@
 //!   the engine's own dict.
 //! * The plan: job ids, the load jobs' requests, the flush set and one little-endian `u32`
 //!   buffer of copy runs (`job index, group, gpu start, cpu start, length` per run; loads are
-//!   indexed first, then stores), instead of a Python object per job and a list per group.
+//!   indexed first, then stores), instead of a Python object per job and a list per group;
+//!   the plan's tier jobs packed the same way, one row per chunk (`tier::encode_tier_jobs`).
 //!
 //! The sizes the conversion needs are read under the core lock, the Python inputs converted
 //! with the lock released, and the step applied under it again (the module convention: never

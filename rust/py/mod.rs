@@ -35,7 +35,7 @@ mod _core {
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
     #[pymodule_export]
-    use super::tier::{disk_inspect, DiskWorker};
+    use super::tier::{disk_inspect, DiskWorker, TierWorker};
     #[pymodule_export]
     use super::tracker::JobTracker;
 

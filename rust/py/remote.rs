@@ -1,8 +1,12 @@
 //! `kvoffload._core.RemoteClient`: the shared (Redis) tier's client, for benchmarks, tools and
 //! tests that move chunks held in Python buffers. Every call releases the GIL around its I/O.
+//! `RemoteWorker`: the worker side of the shared tier, a `TierWorker` (`tier.rs`) whose groups
+//! write to and read from the server.
 //!
 //! Chunks are given as one 1-D, C-contiguous `uint8` buffer holding `len(keys)` chunks of
 //! equal size back to back (e.g. a numpy array or a CPU tensor's numpy view).
+
+use std::sync::Arc;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -10,13 +14,13 @@ use pyo3::types::PyDict;
 
 use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
-use super::tier::{cpu_regions, register, worker_jobs, RegionArg, TierJobArg};
-use crate::ids::JobId;
+use super::tier::{set_counters, RegionArg, TierWorker};
 use crate::ids::Key;
 use crate::scheduler::remote_namespace;
-use crate::tier::io::{RemoteGroup, TierGroup, TierWorker};
+use crate::tier::io::RemoteGroup;
 use crate::tier::namespace::Namespace;
 use crate::tier::remote::{ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem};
+use crate::tier::remote_index::MEDIUM;
 
 /// The chunk buffer of a call, checked: its base address and the bytes of one chunk.
 fn chunk_buffer(buf: &PyBuffer<u8>, n: usize, writable: bool, what: &str) -> PyResult<usize> {
@@ -80,27 +84,27 @@ pub fn namespace_digest(
 fn stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py, PyDict>> {
     let s = client.stats();
     let d = PyDict::new(py);
-    for (k, v) in [
-        ("writes", s.writes),
-        ("failed_writes", s.failed_writes),
-        ("dropped_writes", s.dropped_writes),
-        ("read_hits", s.read_hits),
-        ("read_misses", s.read_misses),
-        ("failed_reads", s.failed_reads),
-        ("checksum_mismatches", s.checksum_mismatches),
-        ("lookups", s.lookups),
-        ("lookup_hits", s.lookup_hits),
-        ("skipped_lookups", s.skipped_lookups),
-        ("round_trips", s.round_trips),
-        ("errors", s.errors),
-        ("deadline_misses", s.deadline_misses),
-        ("probations", s.probations),
-        ("recoveries", s.recoveries),
-        ("bytes_written", s.bytes_written),
-        ("bytes_read", s.bytes_read),
-    ] {
-        d.set_item(k, v)?;
-    }
+    set_counters!(
+        d,
+        s,
+        writes,
+        failed_writes,
+        dropped_writes,
+        read_hits,
+        read_misses,
+        failed_reads,
+        checksum_mismatches,
+        lookups,
+        lookup_hits,
+        skipped_lookups,
+        round_trips,
+        errors,
+        deadline_misses,
+        probations,
+        recoveries,
+        bytes_written,
+        bytes_read
+    );
     Ok(d)
 }
 
@@ -113,12 +117,9 @@ pub fn client(url: &str, deadline_ms: f64) -> PyResult<Client> {
 
 /// Runs shared-tier jobs (write-behind, promotion) on Rust threads, straight from and into the
 /// registered CPU pool (the same registration as `DiskWorker`).
-#[pyclass(frozen, module = "kvoffload._core")]
+#[pyclass(extends = TierWorker, frozen, module = "kvoffload._core")]
 pub struct RemoteWorker {
-    inner: TierWorker,
-    client: std::sync::Arc<Client>,
-    /// Keeps every registered buffer alive and unresizable.
-    _buffers: Vec<PyBuffer<u8>>,
+    client: Arc<Client>,
 }
 
 #[pymethods]
@@ -141,23 +142,18 @@ impl RemoteWorker {
         world_size: u32,
         threads: usize,
         deadline_ms: f64,
-    ) -> PyResult<Self> {
-        if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
-            return Err(ConfigError::new_err(format!(
-                "RemoteWorker: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
-                 world_size={world_size}: need blocks_per_chunk >= 1 and 0 <= rank < world_size"
-            )));
-        }
-        let client = std::sync::Arc::new(client(url, deadline_ms)?);
-        let (held, spans) = register(&buffers)?;
-        let tgroups = groups
-            .into_iter()
-            .enumerate()
-            .map(|(g, (cpu_rows, block_size, regions))| {
-                let chunk: u64 = regions
-                    .iter()
-                    .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
-                    .sum();
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let client = Arc::new(client(url, deadline_ms)?);
+        let base = TierWorker::open(
+            "RemoteWorker",
+            MEDIUM,
+            &buffers,
+            groups,
+            blocks_per_chunk,
+            rank,
+            world_size,
+            threads,
+            |g, chunk, block_size| {
                 let ns = remote_namespace(
                     model,
                     cache_salt,
@@ -166,62 +162,16 @@ impl RemoteWorker {
                     blocks_per_chunk,
                     rank,
                     world_size,
-                    g as u32,
+                    g,
                 );
-                TierGroup {
-                    cpu_rows,
-                    rows_per_chunk: blocks_per_chunk as usize,
-                    regions: cpu_regions(regions),
-                    file: None,
-                    remote: Some(RemoteGroup {
-                        client: std::sync::Arc::clone(&client),
-                        namespace: ns.digest(),
-                    }),
-                }
-            })
-            .collect();
-        #[allow(unsafe_code)]
-        // SAFETY: each span is the memory of a buffer held in `_buffers` for the worker's whole
-        // lifetime; a held buffer export keeps its exporter from freeing or resizing it.
-        let inner = unsafe { TierWorker::new(&spans, tgroups, threads) }.map_err(to_py)?;
-        Ok(Self {
-            inner,
-            client,
-            _buffers: held,
-        })
-    }
-
-    /// Queues tier jobs as plans carry them (`StepPlan.tier_jobs`, medium `"remote"`); returns
-    /// at once.
-    fn submit(&self, jobs: Vec<TierJobArg>) -> PyResult<()> {
-        self.inner.submit(worker_jobs(jobs, "remote")?);
-        Ok(())
-    }
-
-    /// Jobs finished since the last poll or wait: `(job_id, ok)`.
-    fn poll(&self, py: Python<'_>) -> Vec<(u64, bool)> {
-        py.detach(|| self.inner.poll())
-            .into_iter()
-            .map(|(j, ok)| (j.0, ok))
-            .collect()
-    }
-
-    /// Waits (GIL released) until every job of `job_ids` finished or `timeout` seconds
-    /// passed; returns every job finished since the last call: `(job_id, ok)`.
-    #[pyo3(signature = (job_ids, timeout = 60.0))]
-    fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: f64) -> PyResult<Vec<(u64, bool)>> {
-        if !timeout.is_finite() || timeout < 0.0 {
-            return Err(ConfigError::new_err(format!(
-                "wait: timeout={timeout} must be a finite number of seconds >= 0"
-            )));
-        }
-        let ids: Vec<JobId> = job_ids.into_iter().map(JobId).collect();
-        let d = std::time::Duration::from_secs_f64(timeout.min(1e9));
-        Ok(py
-            .detach(|| self.inner.wait(&ids, d))
-            .into_iter()
-            .map(|(j, ok)| (j.0, ok))
-            .collect())
+                let remote = RemoteGroup {
+                    client: Arc::clone(&client),
+                    namespace: ns.digest(),
+                };
+                Ok((None, Some(remote)))
+            },
+        )?;
+        Ok(PyClassInitializer::from(base).add_subclass(Self { client }))
     }
 
     /// The client's counters (writes, reads, checksum mismatches, probations, ...).

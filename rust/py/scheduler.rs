@@ -659,7 +659,8 @@ impl Scheduler {
     /// tables, of which the blocks beyond the core's are appended; `hashes` maps ids to their
     /// whole, growing hash lists (read where the core lacks hashes). Appended blocks count as
     /// written; `written` adds the others (`None`: the conservative fence). Returns `(load job
-    /// ids, their request ids, store job ids, flush, runs)`.
+    /// ids, their request ids, store job ids, flush, runs, tier jobs)`, the tier jobs packed
+    /// for `TierWorker.submit_packed` (`tier::encode_tier_jobs`).
     #[pyo3(signature = (
         scheduled, computed, *, added = None, appended = None, tables = None, hashes = None,
         finished = None, aborted = None, preempted = None, written = None
@@ -683,6 +684,7 @@ impl Scheduler {
         Vec<String>,
         Vec<u64>,
         Vec<u64>,
+        Bound<'py, PyBytes>,
         Bound<'py, PyBytes>,
     )> {
         let added = batch::dict_arg(added, "added")?;
@@ -831,12 +833,14 @@ impl Scheduler {
             core.schedule(&input).map_err(to_py)?
         };
         let runs = batch::encode_runs(plan.loads.iter().chain(&plan.stores));
+        let tier_jobs = super::tier::encode_tier_jobs(&plan.tier_jobs);
         Ok((
             plan.loads.iter().map(|j| j.id.0).collect(),
             plan.loads.into_iter().map(|j| j.request).collect(),
             plan.stores.iter().map(|j| j.id.0).collect(),
             plan.flush.iter().map(|j| j.0).collect(),
             PyBytes::new(py, &runs),
+            PyBytes::new(py, &tier_jobs),
         ))
     }
 

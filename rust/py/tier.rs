@@ -1,12 +1,17 @@
-//! `kvoffload._core.DiskWorker` and `disk_inspect`: the worker side of the disk tier, and the
-//! read-only report behind `kvoffload disk inspect` / `verify`.
+//! `kvoffload._core.TierWorker` and its `DiskWorker`, and `disk_inspect`: the worker side of
+//! the lower tiers, and the read-only report behind `kvoffload disk inspect` / `verify`.
 //!
-//! A `DiskWorker` registers the CPU pool's buffers (Python buffer objects, e.g. numpy views of
+//! A tier worker registers the CPU pool's buffers (Python buffer objects, e.g. numpy views of
 //! the pinned pool tensors: it holds them, so the memory stays alive) and, per KV group, where
-//! each tensor's CPU rows sit; it opens the group's slab file and runs tier jobs on its own
-//! threads. `submit` returns at once; `poll` / `wait` collect `(job_id, ok)`.
+//! each tensor's CPU rows sit; it opens the group's tier (a slab file here, a shared-tier
+//! client in `remote.rs`'s `RemoteWorker`) and runs tier jobs on its own threads. `submit`
+//! (plan tuples) and `submit_packed` (the packed rows `schedule_batch` returns, see
+//! [`encode_tier_jobs`]) return at once; `poll` / `wait` collect `(job_id, ok)`; `close`
+//! finishes the queued jobs and stops the threads. Both subclasses share this base: only the
+//! way a group's tier is opened, and their counters, differ.
 
 use std::path::PathBuf;
+use std::sync::RwLock;
 use std::time::Duration;
 
 use pyo3::buffer::PyBuffer;
@@ -17,8 +22,8 @@ use super::errors::{to_py, ConfigError, KvOffloadError};
 use crate::copy::{RowSpace, Span};
 use crate::ids::{JobId, Key};
 use crate::scheduler::{TierGroupStats, TierJob, TierJobKind};
-use crate::tier::disk::{engine_namespace, inspect, SlabFile, SlabLayout};
-use crate::tier::io::{CpuRegion, TierGroup, TierWorker, WorkerJob};
+use crate::tier::disk::{engine_namespace, inspect, SlabFile, SlabLayout, MEDIUM as DISK};
+use crate::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker as Io, WorkerJob};
 use crate::tier::Location;
 
 /// One region as given: `(buffer, offset, stride, row_bytes)`.
@@ -62,46 +67,58 @@ pub fn tier_job_tuple(j: TierJob) -> TierJobTuple {
     )
 }
 
+/// Sets `d[name] = s.name` for every field `name` of `s` listed.
+macro_rules! set_counters {
+    ($d:expr, $s:expr, $($f:ident),* $(,)?) => {{
+        $( $d.set_item(stringify!($f), $s.$f)?; )*
+    }};
+}
+pub(crate) use set_counters;
+
 /// One group's tier counters as a dict.
 pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("medium", s.medium)?;
     d.set_item("group", s.group)?;
     let t = &s.tier;
-    for (k, v) in [
-        ("capacity", t.capacity),
-        ("used", t.used),
-        ("bytes_capacity", t.bytes_capacity),
-        ("hits", t.hits),
-        ("misses", t.misses),
-        ("writes", t.writes),
-        ("failed_writes", t.failed_writes),
-        ("promotions", t.promotions),
-        ("quarantined", t.quarantined),
-        ("evictions", t.evictions),
-        ("no_room", t.no_room),
-        ("writing", t.writing),
-        ("reading", t.reading),
-        ("write_jobs", s.write_jobs),
-        ("promote_jobs", s.promote_jobs),
-        ("failed_promotions", s.failed_promotions),
-        ("failed_write_jobs", s.failed_writes),
-        ("promote_no_room", s.promote_no_room),
-        ("queue_depth", s.pending),
-        ("max_queue_depth", s.max_pending),
-        ("promoting_chunks", s.promoting),
-        ("promoted_chunks", s.promoted_chunks),
-        ("write_us", s.write_us),
-        ("promote_us", s.promote_us),
-        ("checks", t.checks),
-        ("expired_checks", t.expired_checks),
-        ("skipped_checks", t.skipped_checks),
-        ("asked_later", t.asked_later),
-        ("probations", t.probations),
-        ("recoveries", t.recoveries),
-    ] {
-        d.set_item(k, v)?;
-    }
+    set_counters!(
+        d,
+        s,
+        write_jobs,
+        promote_jobs,
+        failed_promotions,
+        promote_no_room,
+        promoted_chunks,
+        write_us,
+        promote_us
+    );
+    set_counters!(
+        d,
+        t,
+        capacity,
+        used,
+        bytes_capacity,
+        hits,
+        misses,
+        writes,
+        failed_writes,
+        promotions,
+        quarantined,
+        evictions,
+        no_room,
+        writing,
+        reading,
+        checks,
+        expired_checks,
+        skipped_checks,
+        asked_later,
+        probations,
+        recoveries
+    );
+    d.set_item("failed_write_jobs", s.failed_writes)?;
+    d.set_item("queue_depth", s.pending)?;
+    d.set_item("max_queue_depth", s.max_pending)?;
+    d.set_item("promoting_chunks", s.promoting)?;
     Ok(d)
 }
 
@@ -184,13 +201,263 @@ pub fn worker_jobs(jobs: Vec<TierJobArg>, medium_of_worker: &str) -> PyResult<Ve
     Ok(out)
 }
 
-/// Runs disk tier jobs on Rust threads, straight from and into the registered CPU pool.
-#[pyclass(frozen, module = "kvoffload._core")]
-pub struct DiskWorker {
-    inner: TierWorker,
+/// Words (little-endian `u64`) per chunk row of a packed tier-job buffer.
+pub const TIER_ROW_WORDS: usize = 8;
+
+/// The code of a medium in a packed tier-job buffer.
+fn medium_code(medium: &str) -> u64 {
+    match medium {
+        DISK => 0,
+        _ => 1,
+    }
+}
+
+/// A plan's tier jobs packed for a worker: one row of [`TIER_ROW_WORDS`] little-endian `u64`
+/// per chunk, `job id, kind (0 write, 1 promote) | medium (0 disk, 1 remote) << 8, group, key
+/// (low 64 bits), key (high 64 bits), CPU slot, place, generation`; a job's rows are
+/// consecutive. No Python object per chunk on either side.
+pub fn encode_tier_jobs(jobs: &[TierJob]) -> Vec<u8> {
+    let rows: usize = jobs.iter().map(|j| j.keys.len()).sum();
+    let mut out = Vec::with_capacity(rows * TIER_ROW_WORDS * 8);
+    for j in jobs {
+        let kind = match j.kind {
+            TierJobKind::Write => 0,
+            TierJobKind::Promote => 1,
+        } | (medium_code(j.medium) << 8);
+        for ((k, &slot), loc) in j.keys.iter().zip(&j.cpu_slots).zip(&j.locations) {
+            let row: [u64; TIER_ROW_WORDS] = [
+                j.id.0,
+                kind,
+                u64::from(j.group),
+                k.0 as u64,
+                (k.0 >> 64) as u64,
+                u64::from(slot),
+                loc.place,
+                loc.generation,
+            ];
+            for w in row {
+                out.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+    }
+    out
+}
+
+/// The jobs of a packed tier-job buffer ([`encode_tier_jobs`]) for a worker of `medium`,
+/// checked; rows of the other tier's jobs are skipped (a group with a disk and a shared tier
+/// has a worker for each, both handed the plan's buffer). A buffer that is not whole rows, an
+/// unknown kind or medium, a value out of range or a job whose rows are not consecutive raises
+/// `KvOffloadError` naming the row.
+pub fn decode_tier_jobs(buf: &[u8], medium: &str) -> PyResult<Vec<WorkerJob>> {
+    let row_bytes = TIER_ROW_WORDS * 8;
+    if buf.len() % row_bytes != 0 {
+        return Err(KvOffloadError::new_err(format!(
+            "tier jobs: {} bytes is not a whole number of {row_bytes}-byte rows",
+            buf.len()
+        )));
+    }
+    let mut out: Vec<WorkerJob> = Vec::new();
+    for (i, row) in buf.chunks_exact(row_bytes).enumerate() {
+        let w: Vec<u64> = row
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect();
+        let bad = |what: String| KvOffloadError::new_err(format!("tier jobs row {i}: {what}"));
+        let kind = match w[1] & 0xff {
+            0 => TierJobKind::Write,
+            1 => TierJobKind::Promote,
+            k => {
+                return Err(bad(format!(
+                    "kind {k} is neither 0 (write) nor 1 (promote)"
+                )))
+            }
+        };
+        match w[1] >> 8 {
+            m if m == medium_code(medium) => {}
+            // The other tier's job: that tier's worker runs it.
+            0 | 1 => continue,
+            m => {
+                return Err(bad(format!(
+                    "medium code {m} is neither 0 (disk) nor 1 (remote)"
+                )))
+            }
+        }
+        let group = u32::try_from(w[2]).map_err(|_| bad(format!("group {}", w[2])))?;
+        let slot = u32::try_from(w[5]).map_err(|_| bad(format!("CPU slot {}", w[5])))?;
+        let key = Key(u128::from(w[3]) | (u128::from(w[4]) << 64));
+        let location = Location {
+            place: w[6],
+            generation: w[7],
+        };
+        match out.last_mut() {
+            Some(j) if j.id.0 == w[0] => {
+                if j.kind != kind || j.group != group {
+                    return Err(bad(format!("job {} changes kind or group", w[0])));
+                }
+                j.keys.push(key);
+                j.cpu_slots.push(slot);
+                j.locations.push(location);
+            }
+            _ => {
+                if out.iter().any(|j| j.id.0 == w[0]) {
+                    return Err(bad(format!("job {}'s rows are not consecutive", w[0])));
+                }
+                out.push(WorkerJob {
+                    id: JobId(w[0]),
+                    kind,
+                    group,
+                    keys: vec![key],
+                    cpu_slots: vec![slot],
+                    locations: vec![location],
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One group's tier as a worker opens it: its slab file or its shared-tier client.
+pub type OpenGroup = (Option<SlabFile>, Option<RemoteGroup>);
+
+/// What `DiskWorker` and `RemoteWorker` share: the registration of the CPU pool, the I/O
+/// threads, and submitting, polling, waiting for and closing tier jobs.
+#[pyclass(subclass, frozen, module = "kvoffload._core")]
+pub struct TierWorker {
+    /// `None` once closed.
+    inner: RwLock<Option<Io>>,
+    medium: &'static str,
     /// Keeps every registered buffer alive and unresizable.
     _buffers: Vec<PyBuffer<u8>>,
 }
+
+impl TierWorker {
+    /// Registers `buffers` and `groups` (`(cpu_rows, block_size, regions)` each) and starts the
+    /// threads; `open(group, chunk_bytes, block_size)` opens each group's tier. `what` names the
+    /// class in errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn open(
+        what: &str,
+        medium: &'static str,
+        buffers: &[Bound<'_, PyAny>],
+        groups: Vec<(usize, u32, Vec<RegionArg>)>,
+        blocks_per_chunk: u32,
+        rank: u32,
+        world_size: u32,
+        threads: usize,
+        mut open: impl FnMut(u32, u64, u32) -> PyResult<OpenGroup>,
+    ) -> PyResult<Self> {
+        if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
+            return Err(ConfigError::new_err(format!(
+                "{what}: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
+                 world_size={world_size}: need blocks_per_chunk >= 1 and 0 <= rank < world_size"
+            )));
+        }
+        let (held, spans) = register(buffers)?;
+        let mut tgroups = Vec::with_capacity(groups.len());
+        for (g, (cpu_rows, block_size, regions)) in groups.into_iter().enumerate() {
+            let chunk: u64 = regions
+                .iter()
+                .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
+                .sum();
+            let (file, remote) = open(g as u32, chunk, block_size)?;
+            tgroups.push(TierGroup {
+                cpu_rows,
+                rows_per_chunk: blocks_per_chunk as usize,
+                regions: cpu_regions(regions),
+                file,
+                remote,
+            });
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: each span is the memory of a buffer held in `_buffers` for the worker's whole
+        // lifetime; a held buffer export keeps its exporter from freeing or resizing it.
+        let inner = unsafe { Io::new(&spans, tgroups, threads) }.map_err(to_py)?;
+        Ok(Self {
+            inner: RwLock::new(Some(inner)),
+            medium,
+            _buffers: held,
+        })
+    }
+
+    /// Runs `f` on the open worker (`None` once closed).
+    pub fn with<R>(&self, f: impl FnOnce(Option<&Io>) -> R) -> R {
+        f(self.inner.read().expect("tier worker lock").as_ref())
+    }
+}
+
+fn results(done: Vec<(JobId, bool)>) -> Vec<(u64, bool)> {
+    done.into_iter().map(|(j, ok)| (j.0, ok)).collect()
+}
+
+#[pymethods]
+impl TierWorker {
+    /// The tier's medium: `"disk"` or `"remote"`.
+    #[getter]
+    fn medium(&self) -> &'static str {
+        self.medium
+    }
+
+    /// Queues tier jobs as `StepPlan.tier_jobs` carries them; returns at once.
+    fn submit(&self, jobs: Vec<TierJobArg>) -> PyResult<()> {
+        let jobs = worker_jobs(jobs, self.medium)?;
+        self.with(|w| w.map(|w| w.submit(jobs)))
+            .ok_or_else(|| self.closed_err())
+    }
+
+    /// Queues the tier jobs of a packed buffer (`Scheduler.schedule_batch`'s sixth item, one
+    /// row per chunk); returns their ids at once, in order.
+    fn submit_packed(&self, jobs: &[u8]) -> PyResult<Vec<u64>> {
+        let jobs = decode_tier_jobs(jobs, self.medium)?;
+        let ids = jobs.iter().map(|j| j.id.0).collect();
+        self.with(|w| w.map(|w| w.submit(jobs)))
+            .ok_or_else(|| self.closed_err())?;
+        Ok(ids)
+    }
+
+    /// Jobs finished since the last poll or wait: `(job_id, ok)`.
+    fn poll(&self, py: Python<'_>) -> Vec<(u64, bool)> {
+        results(py.detach(|| self.with(|w| w.map(Io::poll).unwrap_or_default())))
+    }
+
+    /// Waits (GIL released) until every job of `job_ids` finished or `timeout` seconds
+    /// passed; returns every job finished since the last poll or wait: `(job_id, ok)`.
+    #[pyo3(signature = (job_ids, timeout = 60.0))]
+    fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: f64) -> PyResult<Vec<(u64, bool)>> {
+        if !timeout.is_finite() || timeout < 0.0 {
+            return Err(ConfigError::new_err(format!(
+                "wait: timeout={timeout} must be a finite number of seconds >= 0"
+            )));
+        }
+        let ids: Vec<JobId> = job_ids.into_iter().map(JobId).collect();
+        let d = Duration::from_secs_f64(timeout.min(1e9));
+        Ok(results(py.detach(|| {
+            self.with(|w| w.map(|w| w.wait(&ids, d)).unwrap_or_default())
+        })))
+    }
+
+    /// Finishes the queued jobs (their results are dropped), stops the threads and releases
+    /// the tier; later submits raise, polls return nothing. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let io = self.inner.write().expect("tier worker lock").take();
+        py.detach(move || drop(io));
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.with(|w| w.is_none())
+    }
+}
+
+impl TierWorker {
+    fn closed_err(&self) -> PyErr {
+        KvOffloadError::new_err(format!("the {} tier worker was closed", self.medium))
+    }
+}
+
+/// Runs disk tier jobs on Rust threads, straight from and into the registered CPU pool.
+#[pyclass(extends = TierWorker, frozen, module = "kvoffload._core")]
+pub struct DiskWorker {}
 
 #[pymethods]
 impl DiskWorker {
@@ -212,111 +479,67 @@ impl DiskWorker {
         threads: usize,
         direct: bool,
         sync: bool,
-    ) -> PyResult<Self> {
-        if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
-            return Err(ConfigError::new_err(format!(
-                "DiskWorker: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
-                 world_size={world_size}: need blocks_per_chunk >= 1 and 0 <= rank < world_size"
-            )));
-        }
-        let (held, spans) = register(&buffers)?;
-        let mut tgroups = Vec::with_capacity(groups.len());
-        for (g, (cpu_rows, block_size, regions)) in groups.into_iter().enumerate() {
-            let chunk: u64 = regions
-                .iter()
-                .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
-                .sum();
-            let ns = engine_namespace(
-                model,
-                chunk,
-                block_size,
-                blocks_per_chunk,
-                rank,
-                world_size,
-                g as u32,
-            );
-            let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
-            let file = SlabFile::open(&path, &ns, layout, direct, sync).map_err(to_py)?;
-            tgroups.push(TierGroup {
-                cpu_rows,
-                rows_per_chunk: blocks_per_chunk as usize,
-                regions: cpu_regions(regions),
-                file: Some(file),
-                remote: None,
-            });
-        }
-        #[allow(unsafe_code)]
-        // SAFETY: each span is the memory of a buffer held in `_buffers` for the worker's whole
-        // lifetime; a held buffer export keeps its exporter from freeing or resizing it.
-        let inner = unsafe { TierWorker::new(&spans, tgroups, threads) }.map_err(to_py)?;
-        Ok(Self {
-            inner,
-            _buffers: held,
-        })
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let base = TierWorker::open(
+            "DiskWorker",
+            DISK,
+            &buffers,
+            groups,
+            blocks_per_chunk,
+            rank,
+            world_size,
+            threads,
+            |g, chunk, block_size| {
+                let ns = engine_namespace(
+                    model,
+                    chunk,
+                    block_size,
+                    blocks_per_chunk,
+                    rank,
+                    world_size,
+                    g,
+                );
+                let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
+                let file = SlabFile::open(&path, &ns, layout, direct, sync).map_err(to_py)?;
+                Ok((Some(file), None))
+            },
+        )?;
+        Ok(PyClassInitializer::from(base).add_subclass(Self {}))
     }
 
-    /// Queues tier jobs as plans carry them (`StepPlan.tier_jobs`); returns at once.
-    fn submit(&self, jobs: Vec<TierJobArg>) -> PyResult<()> {
-        self.inner.submit(worker_jobs(jobs, "disk")?);
-        Ok(())
-    }
-
-    /// Jobs finished since the last poll: `(job_id, ok)`.
-    fn poll(&self, py: Python<'_>) -> Vec<(u64, bool)> {
-        py.detach(|| self.inner.poll())
-            .into_iter()
-            .map(|(j, ok)| (j.0, ok))
-            .collect()
-    }
-
-    /// Waits (GIL released) until every job of `job_ids` finished or `timeout` seconds
-    /// passed; returns every job finished since the last poll.
-    #[pyo3(signature = (job_ids, timeout = 60.0))]
-    fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: f64) -> PyResult<Vec<(u64, bool)>> {
-        if !timeout.is_finite() || timeout < 0.0 {
-            return Err(ConfigError::new_err(format!(
-                "wait: timeout={timeout} must be a finite number of seconds >= 0"
-            )));
-        }
-        let ids: Vec<JobId> = job_ids.into_iter().map(JobId).collect();
-        let d = Duration::from_secs_f64(timeout.min(1e9));
-        Ok(py
-            .detach(|| self.inner.wait(&ids, d))
-            .into_iter()
-            .map(|(j, ok)| (j.0, ok))
-            .collect())
-    }
-
-    /// Per group: whether `O_DIRECT` is in use, and its I/O counters.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let mut out = Vec::new();
-        for (g, grp) in self.inner.groups().iter().enumerate() {
-            let d = PyDict::new(py);
-            d.set_item("group", g)?;
-            if let Some(f) = &grp.file {
-                let s = f.io_stats();
-                d.set_item("path", f.path())?;
-                d.set_item("direct", f.direct())?;
-                d.set_item("slots", f.layout().slots)?;
-                d.set_item("chunk_bytes", f.layout().chunk_bytes)?;
-                for (k, v) in [
-                    ("bytes_written", s.bytes_written),
-                    ("bytes_read", s.bytes_read),
-                    ("chunks_written", s.chunks_written),
-                    ("chunks_read", s.chunks_read),
-                    ("read_failures", s.read_failures),
-                    ("write_failures", s.write_failures),
-                    ("direct_pieces", s.direct_pieces),
-                    ("buffered_pieces", s.buffered_pieces),
-                    ("write_ns", s.write_ns),
-                    ("read_ns", s.read_ns),
-                ] {
-                    d.set_item(k, v)?;
+    /// Per group: whether `O_DIRECT` is in use, and its I/O counters (empty once closed).
+    fn stats<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let py = slf.py();
+        slf.as_super().get().with(|w| {
+            let mut out = Vec::new();
+            for (g, grp) in w.map_or(&[][..], Io::groups).iter().enumerate() {
+                let d = PyDict::new(py);
+                d.set_item("group", g)?;
+                if let Some(f) = &grp.file {
+                    let s = f.io_stats();
+                    d.set_item("path", f.path())?;
+                    d.set_item("direct", f.direct())?;
+                    d.set_item("slots", f.layout().slots)?;
+                    d.set_item("chunk_bytes", f.layout().chunk_bytes)?;
+                    set_counters!(
+                        d,
+                        s,
+                        bytes_written,
+                        bytes_read,
+                        chunks_written,
+                        chunks_read,
+                        read_failures,
+                        write_failures,
+                        direct_pieces,
+                        buffered_pieces,
+                        write_ns,
+                        read_ns
+                    );
                 }
+                out.push(d);
             }
-            out.push(d);
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 }
 
@@ -334,16 +557,20 @@ pub fn disk_inspect(
     let mut out = Vec::with_capacity(reports.len());
     for r in reports {
         let d = PyDict::new(py);
-        d.set_item("dir", r.dir)?;
         d.set_item("namespace", format!("{:032x}", r.namespace))?;
-        d.set_item("group", r.group)?;
-        d.set_item("chunk_bytes", r.chunk_bytes)?;
-        d.set_item("slots", r.slots)?;
-        d.set_item("chunks", r.chunks)?;
-        d.set_item("free", r.free)?;
-        d.set_item("quarantined", r.quarantined)?;
-        d.set_item("file_bytes", r.file_bytes)?;
-        d.set_item("disk_bytes", r.disk_bytes)?;
+        set_counters!(
+            d,
+            r,
+            dir,
+            group,
+            chunk_bytes,
+            slots,
+            chunks,
+            free,
+            quarantined,
+            file_bytes,
+            disk_bytes
+        );
         if verify {
             d.set_item("verified", r.verified)?;
             d.set_item("corrupt", r.corrupt)?;
@@ -351,4 +578,74 @@ pub fn disk_inspect(
         out.push(d);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tier::remote_index::MEDIUM as REMOTE;
+
+    fn job(id: u64, kind: TierJobKind, medium: &'static str, keys: &[u128]) -> TierJob {
+        TierJob {
+            id: JobId(id),
+            kind,
+            medium,
+            group: 1,
+            keys: keys.iter().map(|&k| Key(k)).collect(),
+            cpu_slots: (0..keys.len() as u32).map(|s| s + 10).collect(),
+            locations: (0..keys.len() as u64)
+                .map(|p| Location {
+                    place: p + 100,
+                    generation: p + 7,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn packed_tier_jobs_round_trip_for_their_medium_only() {
+        let big = (u128::from(u64::MAX) << 64) | 5;
+        let jobs = [
+            job(3, TierJobKind::Write, DISK, &[1, big]),
+            job(4, TierJobKind::Promote, DISK, &[9]),
+        ];
+        let buf = encode_tier_jobs(&jobs);
+        assert_eq!(buf.len(), 3 * TIER_ROW_WORDS * 8);
+        let back = decode_tier_jobs(&buf, DISK).unwrap();
+        assert_eq!(back.len(), jobs.len());
+        for (b, j) in back.iter().zip(&jobs) {
+            assert_eq!((b.id, b.kind, b.group), (j.id, j.kind, j.group));
+            assert_eq!((&b.keys, &b.cpu_slots), (&j.keys, &j.cpu_slots));
+            assert_eq!(b.locations, j.locations);
+        }
+        assert!(decode_tier_jobs(&encode_tier_jobs(&[]), DISK)
+            .unwrap()
+            .is_empty());
+        // With both tiers, each worker takes its own medium's jobs from the plan's buffer.
+        let mixed = encode_tier_jobs(&[
+            job(5, TierJobKind::Write, DISK, &[1, 2]),
+            job(6, TierJobKind::Promote, REMOTE, &[3]),
+            job(7, TierJobKind::Write, REMOTE, &[4, 5]),
+        ]);
+        let ids = |m: &str| -> Vec<u64> {
+            let jobs = decode_tier_jobs(&mixed, m).unwrap();
+            jobs.iter().map(|j| j.id.0).collect()
+        };
+        assert_eq!((ids(DISK), ids(REMOTE)), (vec![5], vec![6, 7]));
+        assert!(decode_tier_jobs(&buf, REMOTE).unwrap().is_empty());
+        // An unknown medium or kind, a torn buffer, rows of one job split apart: refused.
+        let mut unknown = buf.clone();
+        unknown[8 + 1] = 2;
+        assert!(decode_tier_jobs(&unknown, DISK).is_err());
+        let mut kind = buf.clone();
+        kind[8] = 7;
+        assert!(decode_tier_jobs(&kind, DISK).is_err());
+        assert!(decode_tier_jobs(&buf[..buf.len() - 8], DISK).is_err());
+        let split = [
+            job(3, TierJobKind::Write, DISK, &[1]),
+            job(4, TierJobKind::Write, DISK, &[2]),
+            job(3, TierJobKind::Write, DISK, &[3]),
+        ];
+        assert!(decode_tier_jobs(&encode_tier_jobs(&split), DISK).is_err());
+    }
 }

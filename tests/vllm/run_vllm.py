@@ -25,6 +25,13 @@ preemptions:
 * ``chat``: multi-turn conversations, each turn's prompt is the last prompt, its answer and
   new user tokens, all conversations batched per turn.
 
+Workload ``tiers`` (connector on, with ``--disk DIR`` or ``--remote URL [--cache-salt S]``):
+``--docs`` distinct prompts of ``--doc-tokens`` tokens, one request at a time with one output
+token (the time to the first token, and vLLM's ``num_cached_tokens``: what was not prefilled),
+then all of them batched for 12 greedy tokens, then the engine steps until the connector has
+no pending job (the write-behind to the lower tier is complete when the process exits). A
+second engine on the same directory or server serves the prompts from the lower tier.
+
 Workload ``bench``: long documents (``--doc-tokens``) computed once, ``reset_prefix_cache()``,
 then each document plus a new question, one request at a time: time to first token and total
 time per request (the connector serves the documents from the CPU tier; without it vLLM
@@ -150,13 +157,48 @@ def _bench(llm, args, tok, gen, result: dict) -> None:  # type: ignore[no-untype
     }
 
 
+def _tiers(llm, tok, gen, result: dict) -> None:  # type: ignore[no-untyped-def]
+    """The prompts one at a time (time to first token, cached tokens), then batched."""
+    args = result["args"]
+    rng = random.Random(11)  # the same prompts in every engine
+    docs = [[rng.randrange(3, 2000) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+    ttft, cached, first = [], [], []
+    for d in docs:
+        t = time.perf_counter()
+        out, hit = gen([d], max_tokens=1)
+        ttft.append(time.perf_counter() - t)
+        first.append(out[0])
+        cached.append(hit[0])
+    outputs, _ = gen(docs, max_tokens=12)
+    conn = _connector(llm)
+    steps = 0
+    while conn.has_pending_push_work() and steps < 500:  # finish the write-behind
+        gen([tok(4)], max_tokens=1)
+        steps += 1
+    s = conn.scheduler_side
+    result["tiers"] = {
+        "prompt_tokens": [len(d) for d in docs],
+        "cached_tokens": cached,
+        "prefill_tokens": sum(len(d) for d in docs) - sum(cached),
+        "ttft_seconds": ttft,
+        "first_tokens": first,
+        "outputs": outputs,
+        "drain_steps": steps,
+        "pending_after_drain": len(s.sched.pending_jobs()),
+        "tier_stats": s.sched.tier_stats(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--connector", choices=("on", "off"), required=True)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--workload", choices=("mixed", "bench"), default="mixed")
+    ap.add_argument("--workload", choices=("mixed", "bench", "tiers"), default="mixed")
+    ap.add_argument("--disk", default=None)
+    ap.add_argument("--remote", default=None)
+    ap.add_argument("--cache-salt", default="")
     ap.add_argument("--gpu-blocks", type=int, default=40)
     ap.add_argument("--fail-loads", type=int, default=0)
     ap.add_argument("--docs", type=int, default=4)
@@ -175,14 +217,16 @@ def main() -> None:
 
     kw: dict = {}
     if args.connector == "on":
+        extra: dict = {"cpu_bytes": (256 if bench else 64) << 20, "blocks_per_chunk": 1}
+        if args.disk:
+            extra.update(disk_path=args.disk, disk_bytes=64 << 20)
+        if args.remote:
+            extra.update(remote_url=args.remote, cache_salt=args.cache_salt)
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvOffloadConnector",
             kv_connector_module_path="kvoffload.integrations.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={
-                "cpu_bytes": (256 if bench else 64) << 20,
-                "blocks_per_chunk": 1,
-            },
+            kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute" if args.fail_loads else "fail",
         )
     max_len = args.doc_tokens + 256 if bench else 1024
@@ -231,6 +275,10 @@ def main() -> None:
     t1 = time.perf_counter()
     if bench:
         _bench(llm, args, tok, gen, result)
+    elif args.workload == "tiers":
+        result["args"] = args
+        _tiers(llm, tok, gen, result)
+        del result["args"]
     else:
         _mixed(llm, rng, tok, gen, result)
     result["workload_seconds"] = time.perf_counter() - t1

@@ -39,23 +39,37 @@ pytest.importorskip("vllm")
 
 
 def _run(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
-    out = tmp_path / f"{name}.json"
+    return _run_together(tmp_path, {name: args})[name]
+
+
+def _run_together(tmp_path: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict[str, Any]]:
+    """Runs the engines at once, one subprocess each; returns each one's result."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), "--out", str(out), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        pytest.fail(f"{name} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-    result = json.loads(out.read_text())
-    result["wall_seconds"] = wall
-    return result
+    procs = {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "run_vllm.py"),
+                "--out",
+                str(tmp_path / f"{name}.json"),
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in runs.items()
+    }
+    out = {}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            pytest.fail(f"{name} failed (rc {proc.returncode}):\n{err[-6000:]}")
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        out[name]["wall_seconds"] = time.perf_counter() - t
+    return out
 
 
 SW = ("--model", "tiny-llama-sw", "--gpu-blocks", "80")

@@ -10,10 +10,10 @@ so a chunk's bytes on disk are the concatenation of its rows in every registered
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from kvoffload._core import DiskWorker
+from kvoffload._core import DiskWorker, TierWorker
 from kvoffload.errors import ConfigError
 from kvoffload.transfer.cpu import _storage_bytes
 from kvoffload.transfer.engine import TransferEngine
@@ -51,6 +51,22 @@ def pool_registration(
     return _storage_bytes(pool)[base : base + pool.numel()], layout
 
 
+W = TypeVar("W", bound=TierWorker)
+
+
+def tier_worker(
+    cls: Callable[..., W],
+    engine: TransferEngine,
+    block_sizes: Sequence[int],
+    *args: Any,
+    **kwargs: Any,
+) -> W:
+    """``cls(*args, buffers, groups, blocks_per_chunk=..., **kwargs)`` over ``engine``'s pool
+    (:func:`pool_registration`): what every tier worker's opener shares."""
+    view, layout = pool_registration(engine, block_sizes)
+    return cls(*args, [view], layout, blocks_per_chunk=engine._bpc, **kwargs)
+
+
 def open_disk_worker(
     engine: TransferEngine,
     path: str | os.PathLike[str],
@@ -82,13 +98,12 @@ def open_disk_worker(
         ConfigError: ``block_sizes`` does not match the engine's groups, or the tier cannot be
             opened (the message names the value and the path).
     """
-    view, layout = pool_registration(engine, block_sizes)
-    return DiskWorker(
+    return tier_worker(
+        DiskWorker,
+        engine,
+        block_sizes,
         os.fspath(path),
         disk_bytes,
-        [view],
-        layout,
-        blocks_per_chunk=engine._bpc,
         model=model,
         rank=rank,
         world_size=world_size,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload._core import RemoteWorker
-from kvoffload.transfer.disk import pool_registration
+from kvoffload.transfer.disk import tier_worker
 from kvoffload.transfer.engine import TransferEngine
 
 
@@ -30,27 +30,24 @@ def open_remote_worker(
 ) -> RemoteWorker:
     """Opens the shared tier at ``url`` for ``engine``'s CPU pool.
 
+    ``engine``, ``block_sizes``, ``model``, ``rank``, ``world_size`` and ``threads`` are those
+    of :func:`~kvoffload.transfer.disk.open_disk_worker` (``model`` is the scheduler's
+    ``remote_model``).
+
     Args:
-        engine: The worker's transfer engine (its pool is what tier jobs read and write).
         url: The scheduler's ``remote_url``.
-        block_sizes: Tokens per GPU block of each group (part of the namespace).
-        model: The scheduler's ``remote_model``.
         cache_salt: The scheduler's ``cache_salt``.
-        rank: This worker's tensor-parallel rank.
-        world_size: Tensor-parallel ranks.
-        threads: I/O threads.
-        deadline_ms: Longest wait for one operation.
+        deadline_ms: Longest wait for one operation (the scheduler's ``remote_deadline_ms``).
 
     Raises:
         ConfigError: ``block_sizes`` does not match the engine's groups, or a value is refused
             (the message names it).
     """
-    view, layout = pool_registration(engine, block_sizes)
-    return RemoteWorker(
+    return tier_worker(
+        RemoteWorker,
+        engine,
+        block_sizes,
         url,
-        [view],
-        layout,
-        blocks_per_chunk=engine._bpc,
         model=model,
         cache_salt=cache_salt,
         rank=rank,

@@ -11,11 +11,16 @@ other version raises ``ImportError`` naming that range and the installed version
 and on vLLM's CPU backend (the KV cache in CPU memory).
 
 **Extra config** (``kv_connector_extra_config``; unknown keys and bad values raise
-:class:`~kvoffload.errors.ConfigError`): ``cpu_bytes`` (CPU memory per worker, bytes) or
-``cpu_chunks`` (slots per KV group), ``blocks_per_chunk``, ``policy`` (``"lru"``/``"arc"``),
-``max_loading_requests``, ``offload_prompt_only``, ``max_offload_tokens``, ``store_threshold``
--- the :class:`~kvoffload.scheduler.OffloadConfig` options -- and ``exact_fence`` (default
-``True``; ``False`` passes ``written=None``, the conservative fence).
+:class:`~kvoffload.errors.ConfigError`, the values checked by ``OffloadConfig`` and the core):
+``cpu_bytes`` (CPU memory per worker, bytes) or ``cpu_chunks`` (slots per KV group),
+``blocks_per_chunk``, ``policy`` (``"lru"``/``"arc"``), ``max_loading_requests``,
+``offload_prompt_only``, ``max_offload_tokens``, ``store_threshold``; a lower tier below the
+CPU pool: ``disk_path`` and ``disk_bytes`` (per group and worker) for a persistent disk tier,
+or ``remote_url`` (``redis://host:port``), ``cache_salt`` and ``remote_deadline_ms`` for a
+shared Redis tier, with ``disk_model`` / ``remote_model`` naming the weights in the tier's
+namespace (default: the engine's model and dtype) -- the
+:class:`~kvoffload.scheduler.OffloadConfig` options -- and ``exact_fence`` (default ``True``;
+``False`` passes ``written=None``, the conservative fence).
 
 **Layout.** :mod:`~kvoffload.integrations.vllm.config` (extra config and KV layout),
 :mod:`~kvoffload.integrations.vllm.scheduler_side` (one Rust core per engine),
@@ -30,9 +35,11 @@ KV-cache kinds (Mamba, cross-attention, ...), speculative decoding and mixed blo
 refused with a ``ConfigError`` at startup.
 
 **Metrics and events.** ``get_kv_connector_stats`` returns :class:`KvOffloadStats` (loaded and
-stored tokens, bytes, jobs, flushes, scheduler-side seconds and steps), which vLLM aggregates
-and logs like any connector's; the CPU tier's stored / removed events are returned by
-``take_events`` as vLLM ``BlockStored`` / ``BlockRemoved`` events with medium ``"CPU"``.
+stored tokens, bytes, jobs, flushes, scheduler-side seconds and steps; with a lower tier its
+hits, writes, promotions, failures and bytes as ``disk_*`` / ``remote_*``), which vLLM
+aggregates and logs like any connector's; stored / removed events are returned by
+``take_events`` as vLLM ``BlockStored`` / ``BlockRemoved`` events with medium ``"CPU"``,
+``"DISK"`` or ``"REMOTE"``.
 """
 
 # The version check runs first: it raises ImportError naming the supported range.

@@ -1,12 +1,16 @@
 """``kv_connector_extra_config`` and the engine's KV layout -> :class:`OffloadConfig`.
 
-Unknown keys and bad values raise :class:`~kvoffload.errors.ConfigError` naming the key and the
-value; so do engine features the connector refuses (other KV-cache kinds, speculative decoding,
-mixed block sizes, a role other than ``kv_both``).
+The extra config's keys are :class:`OffloadConfig`'s options (plus the connector's own
+``exact_fence``); their values go to it as given, and it validates them (with the core, one
+validator: :class:`~kvoffload.errors.ConfigError` naming the field and the value). Unknown keys
+raise ``ConfigError`` naming them; so do engine features the connector refuses (other KV-cache
+kinds, speculative decoding, mixed block sizes, a role other than ``kv_both``).
+``disk_model`` and ``remote_model`` default to the engine's model and dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
@@ -19,62 +23,37 @@ if TYPE_CHECKING:
 
 __all__ = ["build_offload_config"]
 
-_INT_OPTIONS = {
-    "cpu_bytes": 1,
-    "cpu_chunks": 1,
-    "blocks_per_chunk": 1,
-    "max_loading_requests": 0,
-    "max_offload_tokens": 0,
-    "store_threshold": 0,
-}
-_BOOL_OPTIONS = ("offload_prompt_only", "exact_fence")
-_OPTIONS = (*_INT_OPTIONS, *_BOOL_OPTIONS, "policy")
+# The OffloadConfig options the extra config may set: all but what the engine's own
+# configuration fixes (and a debug switch); OffloadConfig and the core validate their values
+# (one validator, one error style). ``exact_fence`` is the connector's own.
+_FROM_ENGINE = (
+    "groups",
+    "num_gpu_blocks",
+    "hash_block_size",
+    "num_workers",
+    "null_block",
+    "debug_skip_deferred_arming",
+)
+_OPTIONS = tuple(f.name for f in dataclasses.fields(OffloadConfig) if f.name not in _FROM_ENGINE)
 
 
-def _parse_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """Validates ``kv_connector_extra_config``; returns OffloadConfig keyword arguments."""
-    extra = dict(extra or {})
+def _parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    """``kv_connector_extra_config`` as OffloadConfig keyword arguments; unknown keys raise
+    :class:`ConfigError` naming them (values are OffloadConfig's to check)."""
     unknown = sorted(k for k in extra if k not in _OPTIONS)
     if unknown:
         raise ConfigError(
             f"unknown kv_connector_extra_config key(s) {unknown} for KvOffloadConnector; "
-            f"valid keys: {sorted(_OPTIONS)}"
+            f"valid keys: {sorted((*_OPTIONS, 'exact_fence'))}"
         )
-    out: dict[str, Any] = {}
-    for name, least in _INT_OPTIONS.items():
-        if name not in extra or extra[name] is None:
-            continue
-        v = extra[name]
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ConfigError(f"kv_connector_extra_config.{name} must be an integer, got {v!r}")
-        if v < least:
-            raise ConfigError(f"kv_connector_extra_config.{name} must be >= {least}, got {v}")
-        out[name] = v
-    for name in _BOOL_OPTIONS:
-        if name in extra and not isinstance(extra[name], bool):
-            raise ConfigError(
-                f"kv_connector_extra_config.{name} must be true or false, got {extra[name]!r}"
-            )
-    if "offload_prompt_only" in extra:
-        out["offload_prompt_only"] = extra["offload_prompt_only"]
-    if "policy" in extra:
-        if extra["policy"] not in ("lru", "arc"):
-            raise ConfigError(
-                f"kv_connector_extra_config.policy must be 'lru' or 'arc', got {extra['policy']!r}"
-            )
-        out["policy"] = extra["policy"]
-    if "cpu_bytes" in out and "cpu_chunks" in out:
-        raise ConfigError(
-            "give one of kv_connector_extra_config.cpu_bytes and cpu_chunks, not both"
-        )
-    if "cpu_bytes" not in out and "cpu_chunks" not in out:
-        raise ConfigError(
-            "KvOffloadConnector needs the CPU capacity: set kv_connector_extra_config.cpu_bytes "
-            "(bytes per worker) or cpu_chunks"
-        )
-    return out
+    return {k: v for k, v in extra.items() if v is not None}
+
+
+def model_name(vllm_config: VllmConfig) -> str:
+    """The default ``disk_model`` / ``remote_model``: the engine's model and dtype (lower tiers
+    key chunks by it, so another model or dtype never reads them)."""
+    mc = vllm_config.model_config
+    return f"{mc.model}:{str(mc.dtype).removeprefix('torch.')}"
 
 
 def build_offload_config(
@@ -96,9 +75,14 @@ def build_offload_config(
     exact = extra.pop("exact_fence", True)
     if not isinstance(exact, bool):
         raise ConfigError(
-            f"kv_connector_extra_config.exact_fence must be true or false, got {exact!r}"
+            f"invalid configuration: exact_fence must be a bool, got {exact!r} "
+            f"({type(exact).__name__})"
         )
     kwargs = _parse_extra(extra)
+    if "disk_path" in kwargs:
+        kwargs.setdefault("disk_model", model_name(vllm_config))
+    if "remote_url" in kwargs:
+        kwargs.setdefault("remote_model", model_name(vllm_config))
     if vllm_config.speculative_config is not None:
         raise ConfigError("KvOffloadConnector does not support speculative decoding yet")
     block_size = int(vllm_config.cache_config.block_size)
@@ -142,5 +126,5 @@ def build_offload_config(
         null_block=0,
         **kwargs,
     )
-    cfg.resolved_cpu_chunks()  # validates the capacity now, with a clear message
+    cfg.resolved_cpu_chunks()  # the core validates every value now, naming the field
     return cfg, exact

@@ -16,9 +16,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["KvOffloadMetadata", "KvOffloadStats", "KvOffloadWorkerMetadata"]
+__all__ = ["TIER_COUNTERS", "KvOffloadMetadata", "KvOffloadStats", "KvOffloadWorkerMetadata"]
 
 _RUN_WORDS = 5  # job index, group, GPU start, CPU start, length
+_TIER_WORDS = 8  # job id, kind | medium << 8, group, key low, key high, CPU slot, place, gen
 
 
 @dataclass
@@ -34,6 +35,13 @@ class KvOffloadMetadata(KVConnectorMetadata):
             five little-endian ``uint32`` (index of the job in ``load_jobs + store_jobs``,
             group, first GPU block, first CPU position, length).
         cancelled: Load jobs a cache reset cancelled: workers report them as failed.
+        tier_jobs: Lower-tier jobs (write-behind, promotion) packed as the core returns them:
+            rows of eight little-endian ``uint64`` per chunk (job id, kind ``| medium << 8``,
+            group, key low and high 64 bits, CPU slot, place, generation); workers hand the
+            buffer to their tier worker as it is (``TierWorker.submit_packed``).
+        tier_flush: Tier jobs a cache reset flushed: workers wait for them on their tier
+            worker before this step's copies and tier jobs start (their CPU slots are free
+            again).
     """
 
     load_jobs: list[int] = field(default_factory=list)
@@ -42,6 +50,20 @@ class KvOffloadMetadata(KVConnectorMetadata):
     flush: list[int] = field(default_factory=list)
     runs: bytes = b""
     cancelled: list[int] = field(default_factory=list)
+    tier_jobs: bytes = b""
+    tier_flush: list[int] = field(default_factory=list)
+
+    def tier_rows(self) -> npt.NDArray[np.uint64]:
+        """The tier jobs' rows, one per chunk (see ``tier_jobs``)."""
+        return np.frombuffer(self.tier_jobs, dtype="<u8").reshape(-1, _TIER_WORDS)
+
+    def tier_job_ids(self) -> list[int]:
+        """Ids of the tier jobs, in plan order."""
+        if not self.tier_jobs:
+            return []
+        ids = self.tier_rows()[:, 0]
+        first = np.flatnonzero(np.diff(ids, prepend=ids[0] + np.uint64(1)))
+        return [int(j) for j in ids[first]]
 
     def load_requests(self) -> list[tuple[int, str]]:
         """``(job_id, request_id)`` per load job."""
@@ -96,6 +118,7 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     Attributes:
         done: Rank → ids of the jobs that worker finished.
         failed: Rank → ids of the jobs that worker failed.
+        tier_bytes: Lower tier medium → bytes the workers wrote to and read from it.
     """
 
     done: dict[int, list[int]] = field(default_factory=dict)
@@ -104,6 +127,7 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     bytes_stored: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
+    tier_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merges the reports of two workers (each report keeps its worker's rank)."""
@@ -115,6 +139,7 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             bytes_stored=self.bytes_stored + other.bytes_stored,
             load_seconds=self.load_seconds + other.load_seconds,
             store_seconds=self.store_seconds + other.store_seconds,
+            tier_bytes=_add_bytes(self.tier_bytes, other.tier_bytes),
         )
 
     def by_rank(self) -> dict[int, tuple[list[int], list[int]]]:
@@ -123,6 +148,16 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             r: (self.done.get(r, []), self.failed.get(r, []))
             for r in sorted(self.done.keys() | self.failed.keys())
         }
+
+
+def _add_bytes(
+    a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]
+) -> dict[str, tuple[int, int]]:
+    out = dict(a)
+    for m, (w, r) in b.items():
+        w0, r0 = out.get(m, (0, 0))
+        out[m] = (w0 + w, r0 + r)
+    return out
 
 
 def _merge(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -149,19 +184,38 @@ _STAT_KEYS = (
     "sched_seconds",
     "sched_steps",
 )
+TIER_COUNTERS = (
+    "hits",
+    "misses",
+    "writes",
+    "failed_writes",
+    "promotions",
+    "promoted_chunks",
+    "failed_promotions",
+    "quarantined",
+    "evictions",
+    "write_jobs",
+    "promote_jobs",
+)
+"""The lower tiers' counters the stats carry per medium (``disk_hits``, ``remote_writes``,
+...), summed over KV groups, with the bytes the workers wrote to and read from the tier."""
+_TIER_KEYS = tuple(
+    f"{m}_{k}" for m in ("disk", "remote") for k in (*TIER_COUNTERS, "bytes_written", "bytes_read")
+)
 
 
 @dataclass
 class KvOffloadStats(KVConnectorStats):
-    """Counters of one interval, summed over steps and workers (vLLM logs them)."""
+    """Counters of one interval, summed over steps and workers (vLLM logs them); the lower
+    tiers' per medium (``disk_*``, ``remote_*``: :data:`TIER_COUNTERS` and bytes)."""
 
     def __post_init__(self) -> None:
-        for k in _STAT_KEYS:
+        for k in (*_STAT_KEYS, *_TIER_KEYS):
             self.data.setdefault(k, 0)
 
     def reset(self) -> None:
         """Zeroes every counter."""
-        self.data = dict.fromkeys(_STAT_KEYS, 0)
+        self.data = dict.fromkeys((*_STAT_KEYS, *_TIER_KEYS), 0)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Adds ``other``'s counters."""
@@ -179,4 +233,4 @@ class KvOffloadStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """Whether nothing was counted."""
-        return not any(self.data.get(k) for k in _STAT_KEYS)
+        return not any(self.data.get(k) for k in (*_STAT_KEYS, *_TIER_KEYS))

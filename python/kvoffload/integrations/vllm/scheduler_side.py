@@ -23,6 +23,15 @@
   then calls the core's ``preempt``. ``reset_cache`` with loads in flight reports those loads
   as failed (``"recompute"`` only; refused under ``"fail"``).
 
+**Lower tiers** (``disk_path`` or ``remote_url``): the core plans write-behind and promotion
+jobs itself (a lookup that finds chunks only below the CPU pool promotes them and answers
+``None``, "ask later"); each plan ships them to the workers as one packed buffer, and they are
+completed from the workers' reports like copies. The adapter remembers which planned jobs are
+tier jobs until they complete, so that a reset can name them to the workers apart from the
+copies (``tier_flush``). Stats gain the tier's counters per interval (``disk_*`` /
+``remote_*``); events carry the medium (``CPU``, ``DISK``, ``REMOTE``), and with KV events off
+the tiers' events are drained and dropped every step.
+
 Request state lives in the core; the adapter keeps vLLM's ``Request`` objects and their live
 hash lists (vLLM appends to them as tokens are generated; the core reads the hashes it lacks),
 the local hit of this step's lookups and this step's written blocks. No Python loop runs over
@@ -44,6 +53,7 @@ from vllm.v1.request import RequestStatus
 from kvoffload._core import CompletedJob
 from kvoffload.errors import DuplicateReportError, KvOffloadError, UnknownJobError
 from kvoffload.integrations.vllm.messages import (
+    TIER_COUNTERS,
     KvOffloadMetadata,
     KvOffloadStats,
     KvOffloadWorkerMetadata,
@@ -85,6 +95,14 @@ class SchedulerSide:
         self.conservative = False
         self.cancelled: list[int] = []  # loads cancelled by a reset, for the next plan
         self.stats = KvOffloadStats()
+        # Lower tiers (disk, shared or both), if configured: the tier jobs handed to the
+        # workers and not completed yet (a reset's flush set names them to the workers apart
+        # from the copies), the tier jobs of a reset for the next plan, and the tier counters
+        # at the last stats interval.
+        self.tiers = cfg.disk_path is not None or cfg.remote_url is not None
+        self.tier_pending: set[int] = set()
+        self.tier_flush: list[int] = []
+        self.tier_seen: dict[str, int] = {}
         self.t = 0.0
         self.step_times: list[float] = []
 
@@ -180,7 +198,7 @@ class SchedulerSide:
             if req is not None:
                 (aborted if req.status == RequestStatus.FINISHED_ABORTED else finished).append(rid)
         exact = self.exact_fence and not self.conservative
-        load_jobs, load_reqs, store_jobs, flush, runs = self.sched.schedule_batch(
+        load_jobs, load_reqs, store_jobs, flush, runs, tier_jobs = self.sched.schedule_batch(
             [nr.req_id for nr in new] + cached.req_ids,
             [nr.num_computed_tokens for nr in new] + cached.num_computed_tokens,
             added=so.num_scheduled_tokens,
@@ -204,8 +222,11 @@ class SchedulerSide:
             flush=flush,
             runs=runs,
             cancelled=self.cancelled,
+            tier_jobs=tier_jobs,
         )
         self.cancelled = []
+        if self.tiers:
+            self._tier_step(meta)
         d = self.stats.data
         d["load_jobs"] += len(load_jobs)
         d["store_jobs"] += len(store_jobs)
@@ -219,6 +240,17 @@ class SchedulerSide:
         self.t = 0.0
         return meta
 
+    def _tier_step(self, meta: KvOffloadMetadata) -> None:
+        """The plan's tier jobs are pending now; a reset's tier jobs leave the flush set for
+        ``tier_flush`` (workers wait for them on their tier worker, not the data plane)."""
+        self.tier_pending.update(meta.tier_job_ids())
+        if self.tier_flush:
+            tier = set(self.tier_flush)
+            meta.tier_flush, self.tier_flush = self.tier_flush, []
+            meta.flush = [j for j in meta.flush if j not in tier]
+        if not self.kv_events:
+            self.sched.take_events()  # the tiers' event queues are not bounded: drain them
+
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         t = time.perf_counter()
         meta = out.kv_connector_worker_meta
@@ -228,6 +260,9 @@ class SchedulerSide:
             d["bytes_stored"] += meta.bytes_stored
             d["load_seconds"] += meta.load_seconds
             d["store_seconds"] += meta.store_seconds
+            for medium, (written, read) in meta.tier_bytes.items():
+                d[f"{medium}_bytes_written"] += written
+                d[f"{medium}_bytes_read"] += read
             for rank, (done, failed) in meta.by_rank().items():
                 try:
                     completed = self.sched.complete_many(done, failed, rank)
@@ -235,6 +270,7 @@ class SchedulerSide:
                     completed = self._complete_each(done, failed, rank)
                 for job in completed:
                     d["jobs_completed" if job.ok else "jobs_failed"] += 1
+                    self.tier_pending.discard(job.job_id)
         self.t += time.perf_counter() - t
 
     def _complete_each(self, done: list[int], failed: list[int], rank: int) -> list[CompletedJob]:
@@ -257,7 +293,7 @@ class SchedulerSide:
         if not self.kv_events:
             return []
         events: list[KVCacheEvent] = []
-        for kind, group, keys, _medium in self.sched.take_events():
+        for kind, group, keys, medium in self.sched.take_events():
             if kind == "stored":
                 events.append(
                     BlockStored(
@@ -266,20 +302,35 @@ class SchedulerSide:
                         token_ids=[],
                         block_size=self.chunk_tokens,
                         lora_id=None,
-                        medium="CPU",
+                        medium=medium.upper(),
                         lora_name=None,
                         group_idx=group,
                     )
                 )
             else:
-                events.append(BlockRemoved(block_hashes=list(keys), medium="CPU", group_idx=group))
+                events.append(
+                    BlockRemoved(block_hashes=list(keys), medium=medium.upper(), group_idx=group)
+                )
         return events
 
     def get_stats(self) -> KvOffloadStats | None:
+        if self.tiers:
+            self._tier_counters()
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, KvOffloadStats()
         return out
+
+    def _tier_counters(self) -> None:
+        """Adds each lower tier's counters since the last interval (summed over groups)."""
+        now: dict[str, int] = {}
+        for g in self.sched.tier_stats():
+            for k in TIER_COUNTERS:
+                key = f"{g['medium']}_{k}"
+                now[key] = now.get(key, 0) + int(g[k])
+        for k, v in now.items():
+            self.stats.data[k] += v - self.tier_seen.get(k, 0)
+        self.tier_seen = now
 
     def reset_cache(self) -> bool:
         loading = self.sched.loading_requests
@@ -295,6 +346,8 @@ class SchedulerSide:
         # The flushed jobs join the next plan's flush set. The workers still run the cancelled
         # loads (they are in the flush set) but report them as failed: vLLM frees those
         # requests' blocks and asks for them again.
-        _flushed, cancelled = self.sched.reset()
+        flushed, cancelled = self.sched.reset()
         self.cancelled.extend(job for _, job in cancelled)
+        self.tier_flush.extend(j for j in flushed if j in self.tier_pending)
+        self.tier_pending.clear()
         return True

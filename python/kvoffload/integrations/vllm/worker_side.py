@@ -15,21 +15,35 @@ request id through ``finished_recving``, which vLLM counts over workers to keep 
 ``WAITING_FOR_REMOTE_KVS`` until its load is done everywhere. Failed loads are reported as
 ``failed_recving`` and, with one KV group, as ``get_block_ids_with_load_errors`` (vLLM refuses
 block ids with several groups).
+
+**Lower tiers.** With ``disk_path`` and/or ``remote_url`` set, each worker opens a tier worker
+per tier (:class:`~kvoffload._core.DiskWorker`, :class:`~kvoffload._core.RemoteWorker`) over
+its engine's CPU pool, with its rank and the world size in the namespace (each rank holds its
+own shard of every chunk). The plan's tier jobs go to them as the packed buffer the core made
+(each takes its own medium's jobs); they run them on Rust threads, and their results travel
+back like copies (job ids by rank in the worker metadata; a failed promotion makes the request
+recompute). After a cache reset the plan names the tier jobs in flight (``tier_flush``): their
+CPU slots are free again, so the worker waits for them, and for the flushed copies, before
+anything of the new plan starts. ``shutdown`` closes the tier workers (their queued jobs
+finish first).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from kvoffload._core import DiskWorker, RemoteWorker
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.messages import KvOffloadMetadata, KvOffloadWorkerMetadata
 from kvoffload.scheduler import OffloadConfig
 from kvoffload.transfer import TransferEngine
+from kvoffload.transfer.disk import tier_worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +94,10 @@ class WorkerSide:
         # group); failed_recving alone then reports the failed request.
         self.report_blocks = len(kv_cache_config.kv_cache_groups) == 1
         self.engine_kwargs: dict[str, Any] = {}  # tests: TransferEngine hooks (copy delays)
+        self.tiers: list[DiskWorker | RemoteWorker] = []  # disk first, then the shared tier
+        # Tier jobs submitted and not finished yet, with the worker running each.
+        self.tier_inflight: dict[int, DiskWorker | RemoteWorker] = {}
+        self.tier_bytes: dict[str, tuple[int, int]] = {}  # per medium, at the last report
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         nb = int(self.kv_cache_config.num_blocks)
@@ -106,6 +124,64 @@ class WorkerSide:
             self.xfer.pool_bytes / 2**20,
             self.xfer.num_slots,
         )
+        self.tiers = self._open_tiers(self.xfer)
+
+    def _open_tiers(self, x: TransferEngine) -> list[DiskWorker | RemoteWorker]:
+        """This rank's tier workers over ``x``'s pool: the disk tier's, then the shared
+        tier's, for those configured.
+
+        Raises:
+            ConfigError: A tier value the worker refuses, or a chunk size that differs from
+                the scheduler's (the namespaces would differ: nothing would ever be found).
+        """
+        c = self.cfg
+        if c.disk_path is None and c.remote_url is None:
+            return []
+        for g in range(len(c.groups)):
+            rows = x._groups[g].regions
+            mine = sum(r.bytes_per_block for r in rows) * c.blocks_per_chunk
+            if mine != c.bytes_per_chunk(g):
+                raise ConfigError(
+                    f"KvOffloadConnector: a chunk of group {g} has {mine} bytes on worker "
+                    f"{self.rank}, the scheduler's has {c.bytes_per_chunk(g)}: the lower tier "
+                    "needs equal sizes"
+                )
+        sizes = [grp.block_size for grp in c.groups]
+        where = {"rank": self.rank, "world_size": c.num_workers}
+        out: list[DiskWorker | RemoteWorker] = []
+        try:
+            if c.disk_path is not None:
+                out.append(
+                    tier_worker(
+                        DiskWorker,
+                        x,
+                        sizes,
+                        os.fspath(c.disk_path),
+                        c.disk_bytes,
+                        model=c.disk_model,
+                        **where,
+                    )
+                )
+            if c.remote_url is not None:
+                out.append(
+                    tier_worker(
+                        RemoteWorker,
+                        x,
+                        sizes,
+                        c.remote_url,
+                        model=c.remote_model,
+                        cache_salt=c.cache_salt,
+                        deadline_ms=c.remote_deadline_ms,
+                        **where,
+                    )
+                )
+        except BaseException as e:
+            for w in out:
+                w.close()
+            if isinstance(e, (TypeError, OverflowError)):  # a value of the wrong type or range
+                raise ConfigError(f"KvOffloadConnector lower tier: {e}") from e
+            raise
+        return out
 
     def before_forward(self, meta: KvOffloadMetadata) -> None:
         """The data plane's step for this plan, once per plan: one :meth:`TransferEngine.step`
@@ -121,7 +197,20 @@ class WorkerSide:
         loads = [(job, transfers.get(job, [])) for job in meta.load_jobs]
         for (job, t), rid in zip(loads, meta.load_reqs, strict=True):
             self.load_req[job] = (rid, t)
+        if meta.tier_flush:
+            # A reset freed the CPU slots of these tier jobs: nothing new may touch them first.
+            for w in self.tiers:
+                wait = [j for j in meta.tier_flush if self.tier_inflight.get(j) is w]
+                if wait:
+                    self._tier_done(w.wait(wait))
         x.step([(job, transfers.get(job, [])) for job in meta.store_jobs], meta.flush, loads)
+        if self.tiers and meta.tier_jobs:
+            if meta.flush and x.device.type == "cuda":
+                # The flushed copies may still run on the copy stream (the step made the
+                # compute stream wait, not the host): a tier job must not race them.
+                x.wait(meta.flush)
+            for w in self.tiers:
+                self.tier_inflight.update(dict.fromkeys(w.submit_packed(meta.tier_jobs), w))
 
     def start_load(self, meta: KvOffloadMetadata) -> None:
         self.before_forward(meta)
@@ -159,18 +248,53 @@ class WorkerSide:
                 logger.warning("kvoffload: %s job %d failed: %s", r.kind, r.job_id, r.error)
         return out
 
+    def _tier_done(self, done: list[tuple[int, bool]]) -> None:
+        """Reports finished tier jobs like copies (by rank, finished or failed)."""
+        m = self.meta
+        for job, ok in done:
+            self.tier_inflight.pop(job, None)
+            (m.done if ok else m.failed).setdefault(self.rank, []).append(job)
+            if not ok:
+                logger.warning("kvoffload: tier job %d failed (the request recomputes)", job)
+
+    def _tier_poll(self) -> None:
+        """Collects finished tier jobs and each tier's bytes since the last poll."""
+        busy = set(self.tier_inflight.values())
+        for w in self.tiers:
+            if w in busy:
+                self._tier_done(w.poll())
+            st = w.stats()
+            rows = st if isinstance(st, list) else [st]
+            now = (
+                sum(r.get("bytes_written", 0) for r in rows),
+                sum(r.get("bytes_read", 0) for r in rows),
+            )
+            m = w.medium
+            last = self.tier_bytes.get(m, (0, 0))
+            if now != last:
+                seen = self.meta.tier_bytes.get(m, (0, 0))
+                self.meta.tier_bytes[m] = (
+                    seen[0] + now[0] - last[0],
+                    seen[1] + now[1] - last[1],
+                )
+                self.tier_bytes[m] = now
+
     def take_invalid(self) -> set[int]:
         out, self.invalid = self.invalid, set()
         return out
 
     def take_meta(self) -> KvOffloadWorkerMetadata | None:
+        self._tier_poll()
         m = self.meta
-        if not m.done and not m.failed:
+        if not m.done and not m.failed and not m.tier_bytes:
             return None
         self.meta = KvOffloadWorkerMetadata()
         return m
 
     def shutdown(self) -> None:
+        for w in self.tiers:
+            w.close()  # its queued jobs finish first: they read the pool
+        self.tiers = []
         if self.xfer is not None:
             self.xfer.shutdown(wait=False)
             self.xfer = None
