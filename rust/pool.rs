@@ -745,6 +745,19 @@ impl Pool {
         }
     }
 
+    /// Recency only, no access: walks the present `keys` from last to first, so the earliest
+    /// prefix chunk ends most recent, without counting a use (ARC keeps each entry in its
+    /// list: a refresh never promotes T1 to T2 nor adapts the target). Absent keys are
+    /// skipped. For chunks whose request is done with them, so a prefix outlives its suffixes
+    /// and colder chunks leave first.
+    pub fn refresh(&mut self, keys: &[Key]) {
+        for &key in keys.iter().rev() {
+            if let Some(&slot) = self.index.get(&key) {
+                self.policy.touch(slot, false);
+            }
+        }
+    }
+
     /// Drains the queued events, oldest first.
     pub fn take_events(&mut self) -> Vec<PoolEvent> {
         self.event_keys = 0;
