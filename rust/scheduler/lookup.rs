@@ -146,17 +146,18 @@ impl Scheduler {
         let mut counts: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::with_capacity(self.pools.len());
         // Full attention needs every chunk from the hit: its leading run bounds the answer.
         let (mut bound_ready, mut bound_maybe) = (cap, cap);
+        let mut states = Vec::new();
         for g in 0..self.cfg.groups.len() {
             let ct = self.cfg.chunk_tokens(g);
             let (s, n) = (hit / ct, cap / ct);
             let keys: Vec<Key> = (s..n).filter_map(|c| self.key(r, g, c)).collect();
-            self.pools[g].lookup(&keys);
+            states.clear();
+            self.pools[g].lookup_states(&keys, &mut states);
             let mut ready = Vec::with_capacity(keys.len() + 1);
             let mut maybe = Vec::with_capacity(keys.len() + 1);
             ready.push(0u32);
             maybe.push(0u32);
-            for k in &keys {
-                let st = self.pools[g].state(*k);
+            for &st in &states {
                 let (r0, m0) = (
                     *ready.last().expect("seeded"),
                     *maybe.last().expect("seeded"),
