@@ -30,7 +30,7 @@ impl Admission {
         self.threshold > 1
     }
 
-    pub(super) fn count(&self, key: Key) -> u32 {
+    fn count(&self, key: Key) -> u32 {
         self.current
             .get(&key)
             .or_else(|| self.previous.get(&key))

@@ -80,15 +80,16 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::PoolConfig;
 
-    pub(super) fn stored(pool: &mut Pool, keys: &[u128]) {
+    fn stored(pool: &mut Pool, keys: &[u128]) {
         let keys: Vec<Key> = keys.iter().map(|&k| Key(k)).collect();
         pool.prepare_store(&keys).expect("room");
         pool.complete_store(&keys, true).unwrap();
     }
 
     #[test]
-    pub(super) fn the_event_queue_is_bounded_and_counts_what_it_dropped() {
+    fn the_event_queue_is_bounded_and_counts_what_it_dropped() {
         let mut pool = Pool::new(PoolConfig::new(16)).unwrap();
         assert_eq!(pool.event_limit(), 1 << 16);
         pool.set_event_limit(3);

@@ -26,12 +26,12 @@ impl FreeSlots {
         s
     }
 
-    pub(super) fn add_run(&mut self, start: u32, len: u32) {
+    fn add_run(&mut self, start: u32, len: u32) {
         self.by_start.insert(start, len);
         self.by_len.insert((len, start));
     }
 
-    pub(super) fn remove_run(&mut self, start: u32, len: u32) {
+    fn remove_run(&mut self, start: u32, len: u32) {
         self.by_start.remove(&start);
         self.by_len.remove(&(len, start));
     }

@@ -27,7 +27,7 @@ impl Pool {
         Ok(slots)
     }
 
-    pub(super) fn pin(&mut self, slot: SlotId) {
+    fn pin(&mut self, slot: SlotId) {
         if let Entry::Ready(p) = &mut self.entries[slot.0 as usize] {
             if *p == 0 {
                 self.pinned += 1;
@@ -36,7 +36,7 @@ impl Pool {
         }
     }
 
-    pub(super) fn unpin(&mut self, key: Key) -> Result<()> {
+    fn unpin(&mut self, key: Key) -> Result<()> {
         let &slot = self.index.get(&key).ok_or(Error::UnknownKey(key))?;
         match &mut self.entries[slot.0 as usize] {
             Entry::Ready(p) if *p > 0 => {

@@ -6,7 +6,7 @@ use crate::ids::{Key, SlotId};
 use super::{Entry, KeyState, Pool};
 
 impl Pool {
-    pub(super) fn entry_state(&self, slot: SlotId) -> KeyState {
+    fn entry_state(&self, slot: SlotId) -> KeyState {
         match self.entries[slot.0 as usize] {
             Entry::Free => KeyState::Absent,
             Entry::Storing => KeyState::Storing,
@@ -38,11 +38,7 @@ impl Pool {
         self.lookup_inner(keys, Some(states))
     }
 
-    pub(super) fn lookup_inner(
-        &mut self,
-        keys: &[Key],
-        mut states: Option<&mut Vec<KeyState>>,
-    ) -> usize {
+    fn lookup_inner(&mut self, keys: &[Key], mut states: Option<&mut Vec<KeyState>>) -> usize {
         let full_scan = states.is_some() || self.admission.enabled();
         let mut prefix = 0;
         let mut in_prefix = true;

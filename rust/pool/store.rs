@@ -24,7 +24,7 @@ pub struct StorePlan {
 
 impl Pool {
     /// Whether `key` already occurs among the absent keys gathered so far in this call.
-    pub(super) fn is_duplicate(&mut self, key: Key, plan: &StorePlan, many: bool) -> bool {
+    fn is_duplicate(&mut self, key: Key, plan: &StorePlan, many: bool) -> bool {
         if many {
             !self.seen.insert(key)
         } else {
@@ -130,7 +130,7 @@ impl Pool {
 
     /// Adds (`up`) or removes one raw pin on the ready entries of `slots`, without touching the
     /// pinned counter: used only to hide entries from a victim search.
-    pub(super) fn adjust_pins(&mut self, slots: &[SlotId], up: bool) {
+    fn adjust_pins(&mut self, slots: &[SlotId], up: bool) {
         for s in slots {
             if let Entry::Ready(p) = &mut self.entries[s.0 as usize] {
                 *p = if up { *p + 1 } else { *p - 1 };
