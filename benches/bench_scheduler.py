@@ -56,15 +56,21 @@ def run_steps(impl, ids, computed, steps: int, core: bool) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-@pytest.mark.parametrize("n", [64, 256, 512])
-def test_steady_decode_step(benchmark, n):
+def prefilled(n: int):
+    """The core and the model with the same `n` requests, after the first step (its prefill
+    stores): what the benches measure comes after it."""
     core = Scheduler([(BS, None, 0)], **CFG)
     model = ModelScheduler([(BS, None)], **CFG)
     ids, computed = setup(core, n)
     setup(model, n)
-    # Prefill stores happen on the first step; measure steady decode after it.
     run_steps(core, ids, computed, 1, True)
     run_steps(model, ids, computed, 1, False)
+    return core, model, ids, computed
+
+
+@pytest.mark.parametrize("n", [64, 256, 512])
+def test_steady_decode_step(benchmark, n):
+    core, model, ids, computed = prefilled(n)
     state = {"computed": [c + 1 for c in computed]}
 
     def one_step():
@@ -87,12 +93,7 @@ def test_steady_decode_step(benchmark, n):
 def test_prefill_heavy_step(benchmark, n):
     """One in eight requests prefills a 256-token piece per step (16 chunks to store)."""
     steps = 40
-    core = Scheduler([(BS, None, 0)], **CFG)
-    model = ModelScheduler([(BS, None)], **CFG)
-    ids, computed = setup(core, n)
-    setup(model, n)
-    run_steps(core, ids, computed, 1, True)
-    run_steps(model, ids, computed, 1, False)
+    core, model, ids, computed = prefilled(n)
     start = [c + 1 for c in computed]
     # The same sequence of step inputs for both implementations.
     inputs = []

@@ -89,6 +89,9 @@ pub struct PolicySnapshot {
     pub target: Option<u32>,
 }
 
+/// Whether a resident slot may be evicted now (ready and unpinned), as the pool decides.
+pub type Evictable<'a> = &'a dyn Fn(SlotId) -> bool;
+
 /// An eviction policy over the slots of one pool.
 ///
 /// The pool calls [`insert`](EvictionPolicy::insert) when a key gets a slot (it is then
@@ -113,12 +116,7 @@ pub trait EvictionPolicy: Send + fmt::Debug {
     /// Appends to `out` exactly `n` victims, in eviction order, each a resident slot for which
     /// `evictable` is true, and returns `true`; or appends nothing and returns `false` when
     /// fewer than `n` are evictable. Changes nothing.
-    fn choose_victims(
-        &self,
-        n: usize,
-        evictable: &dyn Fn(SlotId) -> bool,
-        out: &mut Vec<SlotId>,
-    ) -> bool;
+    fn choose_victims(&self, n: usize, evictable: Evictable<'_>, out: &mut Vec<SlotId>) -> bool;
 
     /// The entry in `slot`, holding `key`, is evicted (a victim of
     /// [`choose_victims`](EvictionPolicy::choose_victims)); a policy with history remembers it.
@@ -287,12 +285,7 @@ impl EvictionPolicy for LruPolicy {
         self.links.move_to_back(&mut self.list, slot.0);
     }
 
-    fn choose_victims(
-        &self,
-        n: usize,
-        evictable: &dyn Fn(SlotId) -> bool,
-        out: &mut Vec<SlotId>,
-    ) -> bool {
+    fn choose_victims(&self, n: usize, evictable: Evictable<'_>, out: &mut Vec<SlotId>) -> bool {
         let start = out.len();
         let mut cursor = self.list.head;
         while out.len() - start < n {
@@ -527,12 +520,7 @@ impl EvictionPolicy for ArcPolicy {
         }
     }
 
-    fn choose_victims(
-        &self,
-        n: usize,
-        evictable: &dyn Fn(SlotId) -> bool,
-        out: &mut Vec<SlotId>,
-    ) -> bool {
+    fn choose_victims(&self, n: usize, evictable: Evictable<'_>, out: &mut Vec<SlotId>) -> bool {
         let start = out.len();
         let (mut c1, mut c2) = (self.t1.head, self.t2.head);
         let mut t1_len = self.t1.len;

@@ -1212,3 +1212,30 @@ proptest! {
         run_ops(cap, PolicyKind::Arc, threshold, &ops)?;
     }
 }
+
+/// `refresh` is recency only: present keys move to most recent, the earliest last, absent keys
+/// are skipped, and ARC keeps every entry in its list (no promotion, no target change).
+#[test]
+fn refresh_is_recency_without_a_use() {
+    let mut p = pool(8, PolicyKind::Lru);
+    fill(&mut p, &[1, 2, 3, 4, 5]);
+    p.refresh(&ks(&[2, 9, 3]));
+    assert_eq!(order_of(&p, "lru"), vec![1, 4, 5, 3, 2]);
+    assert_eq!(p.state(Key(9)), KeyState::Absent);
+
+    let mut p = pool(8, PolicyKind::Arc);
+    fill(&mut p, &[1, 2, 3]);
+    p.touch(&ks(&[3])); // a use: 3 enters T2
+    let target = p.stats().target;
+    p.refresh(&ks(&[1, 3, 2]));
+    assert_eq!(order_of(&p, "t1"), vec![2, 1]);
+    assert_eq!(order_of(&p, "t2"), vec![3]);
+    assert_eq!(p.stats().target, target);
+    p.check_consistency().unwrap();
+    // Under pressure the refreshed prefix outlives the rest of T1.
+    fill(&mut p, &[4, 5, 6, 7, 8]);
+    p.refresh(&ks(&[1]));
+    fill(&mut p, &[10]);
+    assert_eq!(p.state(Key(2)), KeyState::Absent);
+    assert_eq!(p.state(Key(1)), KeyState::Ready { pins: 0 });
+}

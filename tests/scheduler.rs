@@ -402,3 +402,45 @@ fn complete_many_is_all_or_nothing() {
         before.1 .0.late_reports + 3
     );
 }
+
+/// Runs request `id` (prompt of `n` chunks with `hashes`, blocks `first..`) until its chunks
+/// are stored and readable; it keeps running.
+fn run_stored(s: &mut Scheduler, id: &str, hashes: Vec<Key>, first: u32) {
+    let n = hashes.len() as u32;
+    let blocks: Vec<u32> = (first..=first + n).collect();
+    s.add_request(id, 4 * n + 1, hashes).unwrap();
+    assert_eq!(s.lookup(id, 0).unwrap(), Some(0));
+    s.allocate(id, &[bl(&blocks)], 0, 0).unwrap();
+    let plan = s.schedule(&step(&[(id, 4 * n)], &[], &blocks)).unwrap();
+    assert!(s.complete(plan.stores[0].id, 0, true).unwrap().is_some());
+}
+
+/// The pressure bug: chunks are stored in order, so a long conversation's first chunks are the
+/// pool's oldest. When a request is done its chunks are refreshed, the earliest most recent,
+/// so pressure evicts a request that finished earlier, then suffixes, never the prefix first.
+#[test]
+fn a_finished_prefix_outlives_colder_chunks_under_pressure() {
+    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+        let mut s = Scheduler::new(SchedulerConfig {
+            policy,
+            ..config(None)
+        })
+        .unwrap();
+        let (a, c, d) = (keys_from(100, 8), keys_from(200, 8), keys_from(300, 12));
+        run_stored(&mut s, "a", a.clone(), 1); // a's chunks are the oldest
+        run_stored(&mut s, "c", c.clone(), 10);
+        s.schedule(&step(&[], &["c"], &[])).unwrap(); // c is done first: colder
+        s.schedule(&step(&[], &["a"], &[])).unwrap();
+        assert_eq!(s.num_requests(), 0);
+        // d needs 12 slots of the 16 (all used): c's 8 and a's last 4 leave.
+        run_stored(&mut s, "d", d.clone(), 20);
+        let ready = KeyState::Ready { pins: 0 };
+        let st = states(&s, &a);
+        assert_eq!(st[..4], [ready; 4], "{policy}: a's first chunks survive");
+        assert_eq!(st[4..], [KeyState::Absent; 4], "{policy}: a's suffix left");
+        assert_eq!(states(&s, &c), vec![KeyState::Absent; 8], "{policy}");
+        // The next turn of a finds its prefix: 16 tokens come back.
+        s.add_request("a2", 33, a).unwrap();
+        assert_eq!(s.lookup("a2", 0).unwrap(), Some(16), "{policy}");
+    }
+}

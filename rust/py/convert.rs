@@ -180,13 +180,17 @@ pub fn engine_hash(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyR
 pub fn engine_hashes_from(obj: &Bound<'_, PyAny>, start: usize, what: &str) -> PyResult<Vec<Key>> {
     let one = |i: usize, item: &Bound<'_, PyAny>| engine_hash(item, || format!("{what}[{i}]"));
     if let Ok(list) = obj.cast::<PyList>() {
-        (start..list.len())
-            .map(|i| one(i, &list.get_item(i)?))
-            .collect()
+        let mut out = Vec::with_capacity(list.len().saturating_sub(start));
+        for i in start..list.len() {
+            out.push(one(i, &list.get_item(i)?)?);
+        }
+        Ok(out)
     } else if let Ok(tuple) = obj.cast::<PyTuple>() {
-        (start..tuple.len())
-            .map(|i| one(i, &tuple.get_item(i)?))
-            .collect()
+        let mut out = Vec::with_capacity(tuple.len().saturating_sub(start));
+        for i in start..tuple.len() {
+            out.push(one(i, &tuple.get_item(i)?)?);
+        }
+        Ok(out)
     } else {
         Err(InvalidKeyError::new_err(format!(
             "{what} must be a list or tuple of hashes (bytes or int), got {}",

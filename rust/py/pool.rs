@@ -223,6 +223,13 @@ impl CpuPool {
         Ok(())
     }
 
+    /// Recency only (no use counted, absent keys skipped), last key first.
+    fn refresh(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = convert::keys(keys, "keys")?;
+        self.lock().refresh(&keys);
+        Ok(())
+    }
+
     /// Drops ready, unpinned entries whose content is no longer trusted; returns the keys
     /// dropped (absent, storing and pinned keys are left alone).
     fn discard(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {

@@ -12,14 +12,14 @@ use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use super::batch;
 use super::convert;
 use super::convert::Arg;
 use super::errors::to_py;
 use super::errors::{InvalidRequestError, StepInputError};
-use crate::config::{GroupArgs, SchedulerArgs};
+use crate::config::{GroupArgs, SchedulerArgs, SchedulerConfig};
 use crate::error::Error;
 use crate::ids::BlockId;
 use crate::jobs::JobKind;
@@ -273,19 +273,7 @@ fn scheduled_input(
         }
         Some(computed) => {
             let ids = convert::request_ids(scheduled, "scheduled")?;
-            let counts = convert::items(
-                computed,
-                "computed",
-                "a sequence of token counts",
-                StepInputError::new_err,
-            )?;
-            if counts.len() != ids.len() {
-                return Err(StepInputError::new_err(format!(
-                    "step input: {} scheduled request ids but {} computed-token counts",
-                    ids.len(),
-                    counts.len()
-                )));
-            }
+            let counts = computed_counts(computed, ids.len())?;
             let tokens = counts
                 .iter()
                 .enumerate()
@@ -326,6 +314,26 @@ fn new_blocks_input(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(PyBackedStr, u32, V
     .collect()
 }
 
+/// The items of `computed`, one token count per scheduled request (`n` of them).
+fn computed_counts<'py>(
+    computed: &Bound<'py, PyAny>,
+    n: usize,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let counts = convert::items(
+        computed,
+        "computed",
+        "a sequence of token counts",
+        StepInputError::new_err,
+    )?;
+    if counts.len() != n {
+        return Err(StepInputError::new_err(format!(
+            "step input: {n} scheduled request ids but {} computed-token counts",
+            counts.len()
+        )));
+    }
+    Ok(counts)
+}
+
 /// An optional list of request ids (`None`: empty).
 fn id_list(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Vec<PyBackedStr>> {
     match obj {
@@ -334,10 +342,37 @@ fn id_list(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Vec<PyBackedS
     }
 }
 
-/// Converts the constructor's arguments (values as given; [`SchedulerArgs::resolve`] checks
-/// them).
+/// The resolved configuration, handed from [`resolve_config`] to its two callers.
+#[pyclass(frozen)]
+struct ResolvedConfig(SchedulerConfig);
+
+/// Resolves `Scheduler(*args, **kwargs)` (and `check_config`'s arguments): the one place that
+/// spells the constructor's signature. Converts the values as given; [`SchedulerArgs::resolve`]
+/// checks them.
+fn resolve(
+    args: &Bound<'_, PyTuple>,
+    kwargs: Option<&Bound<'_, PyDict>>,
+) -> PyResult<SchedulerConfig> {
+    let f = wrap_pyfunction!(resolve_config, args.py())?;
+    Ok(f.call(args, kwargs)?
+        .cast::<ResolvedConfig>()?
+        .get()
+        .0
+        .clone())
+}
+
+/// The constructor's arguments, converted and resolved (see [`resolve`]).
+#[pyfunction]
+#[pyo3(name = "Scheduler", signature = (
+    groups, *, num_gpu_blocks, blocks_per_chunk = Arg::Omitted,
+    hash_block_size = Arg::Omitted, cpu_chunks = Arg::Omitted, cpu_bytes = Arg::Omitted,
+    policy = Arg::Omitted, num_workers = Arg::Omitted, max_loading_requests = Arg::Omitted,
+    offload_prompt_only = Arg::Omitted, max_offload_tokens = Arg::Omitted,
+    store_threshold = Arg::Omitted, null_block = Arg::Omitted,
+    debug_skip_deferred_arming = Arg::Omitted
+))]
 #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
-fn scheduler_args(
+fn resolve_config(
     groups: &Bound<'_, PyAny>,
     num_gpu_blocks: &Bound<'_, PyAny>,
     blocks_per_chunk: Arg<'_>,
@@ -352,7 +387,7 @@ fn scheduler_args(
     store_threshold: Arg<'_>,
     null_block: Arg<'_>,
     debug_skip_deferred_arming: Arg<'_>,
-) -> PyResult<SchedulerArgs> {
+) -> PyResult<ResolvedConfig> {
     let config_err = |what: &str, obj: &Bound<'_, PyAny>, expected: &str| {
         to_py(crate::config::type_error(
             what,
@@ -387,7 +422,7 @@ fn scheduler_args(
         })
     })
     .collect::<PyResult<Vec<_>>>()?;
-    Ok(SchedulerArgs {
+    let args = SchedulerArgs {
         groups,
         blocks_per_chunk: convert::config_int_or(&blocks_per_chunk, "blocks_per_chunk", 1)?,
         hash_block_size: convert::config_opt_int(&hash_block_size, "hash_block_size", None)?,
@@ -418,7 +453,8 @@ fn scheduler_args(
             "debug_skip_deferred_arming",
             false,
         )?,
-    })
+    };
+    Ok(ResolvedConfig(args.resolve().map_err(to_py)?))
 }
 
 #[pymethods]
@@ -426,104 +462,34 @@ impl Scheduler {
     /// Builds the core. `groups` holds `(block_size, sliding_window, bytes_per_block)` per KV
     /// group; give exactly one of `cpu_chunks` (slots per group) and `cpu_bytes` (all groups).
     #[new]
-    #[pyo3(signature = (
-        groups, *, num_gpu_blocks, blocks_per_chunk = Arg::Omitted,
-        hash_block_size = Arg::Omitted, cpu_chunks = Arg::Omitted, cpu_bytes = Arg::Omitted,
-        policy = Arg::Omitted, num_workers = Arg::Omitted, max_loading_requests = Arg::Omitted,
-        offload_prompt_only = Arg::Omitted, max_offload_tokens = Arg::Omitted,
-        store_threshold = Arg::Omitted, null_block = Arg::Omitted,
-        debug_skip_deferred_arming = Arg::Omitted
-    ), text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
-        cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
-        offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
-        debug_skip_deferred_arming=False)")]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        groups: &Bound<'_, PyAny>,
-        num_gpu_blocks: &Bound<'_, PyAny>,
-        blocks_per_chunk: Arg<'_>,
-        hash_block_size: Arg<'_>,
-        cpu_chunks: Arg<'_>,
-        cpu_bytes: Arg<'_>,
-        policy: Arg<'_>,
-        num_workers: Arg<'_>,
-        max_loading_requests: Arg<'_>,
-        offload_prompt_only: Arg<'_>,
-        max_offload_tokens: Arg<'_>,
-        store_threshold: Arg<'_>,
-        null_block: Arg<'_>,
-        debug_skip_deferred_arming: Arg<'_>,
-    ) -> PyResult<Self> {
-        let args = scheduler_args(
-            groups,
-            num_gpu_blocks,
-            blocks_per_chunk,
-            hash_block_size,
-            cpu_chunks,
-            cpu_bytes,
-            policy,
-            num_workers,
-            max_loading_requests,
-            offload_prompt_only,
-            max_offload_tokens,
-            store_threshold,
-            null_block,
-            debug_skip_deferred_arming,
-        )?;
-        let cfg = args.resolve().map_err(to_py)?;
+    #[pyo3(
+        signature = (*args, **kwargs),
+        text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
+            cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
+            offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
+            debug_skip_deferred_arming=False)"
+    )]
+    fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         Ok(Self {
-            inner: Mutex::new(Core::new(cfg).map_err(to_py)?),
+            inner: Mutex::new(Core::new(resolve(args, kwargs)?).map_err(to_py)?),
         })
     }
 
     /// Checks a configuration without building anything (same arguments as the constructor).
     /// Returns `(cpu_chunks, bytes_per_chunk of each group)` as the core resolves them.
     #[staticmethod]
-    #[pyo3(signature = (
-        groups, *, num_gpu_blocks, blocks_per_chunk = Arg::Omitted,
-        hash_block_size = Arg::Omitted, cpu_chunks = Arg::Omitted, cpu_bytes = Arg::Omitted,
-        policy = Arg::Omitted, num_workers = Arg::Omitted, max_loading_requests = Arg::Omitted,
-        offload_prompt_only = Arg::Omitted, max_offload_tokens = Arg::Omitted,
-        store_threshold = Arg::Omitted, null_block = Arg::Omitted,
-        debug_skip_deferred_arming = Arg::Omitted
-    ), text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
-        cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
-        offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
-        debug_skip_deferred_arming=False)")]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (*args, **kwargs),
+        text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
+            cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
+            offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
+            debug_skip_deferred_arming=False)"
+    )]
     fn check_config(
-        groups: &Bound<'_, PyAny>,
-        num_gpu_blocks: &Bound<'_, PyAny>,
-        blocks_per_chunk: Arg<'_>,
-        hash_block_size: Arg<'_>,
-        cpu_chunks: Arg<'_>,
-        cpu_bytes: Arg<'_>,
-        policy: Arg<'_>,
-        num_workers: Arg<'_>,
-        max_loading_requests: Arg<'_>,
-        offload_prompt_only: Arg<'_>,
-        max_offload_tokens: Arg<'_>,
-        store_threshold: Arg<'_>,
-        null_block: Arg<'_>,
-        debug_skip_deferred_arming: Arg<'_>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<(u32, Vec<u64>)> {
-        let args = scheduler_args(
-            groups,
-            num_gpu_blocks,
-            blocks_per_chunk,
-            hash_block_size,
-            cpu_chunks,
-            cpu_bytes,
-            policy,
-            num_workers,
-            max_loading_requests,
-            offload_prompt_only,
-            max_offload_tokens,
-            store_threshold,
-            null_block,
-            debug_skip_deferred_arming,
-        )?;
-        let cfg = args.resolve().map_err(to_py)?;
+        let cfg = resolve(args, kwargs)?;
         let bytes = cfg.groups.iter().map(|g| g.bytes_per_chunk).collect();
         Ok((cfg.cpu_chunks, bytes))
     }
@@ -702,19 +668,7 @@ impl Scheduler {
             Ok(batch::Scheduled { obj, id })
         })
         .collect::<PyResult<Vec<_>>>()?;
-        let counts = convert::items(
-            computed,
-            "computed",
-            "a sequence of token counts",
-            StepInputError::new_err,
-        )?;
-        if counts.len() != sched.len() {
-            return Err(StepInputError::new_err(format!(
-                "step input: {} scheduled request ids but {} computed-token counts",
-                sched.len(),
-                counts.len()
-            )));
-        }
+        let counts = computed_counts(computed, sched.len())?;
         let mut tokens = Vec::with_capacity(sched.len());
         for (i, (c, s)) in counts.iter().zip(&sched).enumerate() {
             let mut n = match convert::int_value(c) {

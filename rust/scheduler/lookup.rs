@@ -145,14 +145,15 @@ impl Scheduler {
         // that are ready or being stored.
         let mut ready = Vec::with_capacity(self.pools.len());
         let mut maybe = Vec::with_capacity(self.pools.len());
+        let mut states = Vec::new();
         for g in 0..self.cfg.groups.len() {
             let keys = self.chunk_keys(r, g, hit, cap);
-            self.pools[g].lookup(&keys);
-            let pool = &self.pools[g];
-            ready.push(prefix_counts(&keys, |k| {
-                matches!(pool.state(k), KeyState::Ready { .. })
+            states.clear();
+            self.pools[g].lookup_states(&keys, &mut states);
+            ready.push(prefix_counts(&states, |st| {
+                matches!(st, KeyState::Ready { .. })
             }));
-            maybe.push(prefix_counts(&keys, |k| pool.state(k) != KeyState::Absent));
+            maybe.push(prefix_counts(&states, |st| st != KeyState::Absent));
         }
         let end = self.best_end(&ready, hit, cap);
         (end, self.best_end(&maybe, hit, cap) > end)
@@ -219,11 +220,14 @@ impl Scheduler {
     }
 }
 
-/// `c[i]` = how many of the first `i` keys are available.
-pub(super) fn prefix_counts(keys: &[Key], mut available: impl FnMut(Key) -> bool) -> Vec<u32> {
-    let mut c = Vec::with_capacity(keys.len() + 1);
+/// `c[i]` = how many of the first `i` items (keys, or their states) are available.
+pub(super) fn prefix_counts<T: Copy>(
+    items: &[T],
+    mut available: impl FnMut(T) -> bool,
+) -> Vec<u32> {
+    let mut c = Vec::with_capacity(items.len() + 1);
     c.push(0u32);
-    for &k in keys {
+    for &k in items {
         let last = *c.last().expect("seeded");
         c.push(last + u32::from(available(k)));
     }

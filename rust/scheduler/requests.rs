@@ -203,12 +203,28 @@ impl Scheduler {
         {
             return;
         }
+        self.refresh_stored(i);
+        let r = self.req(i);
         let owner = r.owner;
         let id = r.id.clone();
         self.tracker.forget(owner);
         self.index.remove(&id);
         self.reqs[i as usize] = None;
         self.free.push(i);
+    }
+
+    /// A request done for good refreshes the recency of its chunks still in the pools, the
+    /// earliest most recent: a conversation's next turn re-uses the prefix, and without this
+    /// its first chunks (stored first, touched only by lookups) would be the oldest and
+    /// evicted first, cutting the whole prefix under pressure.
+    fn refresh_stored(&mut self, i: u32) {
+        let r = self.req(i);
+        let keys: Vec<Vec<Key>> = (r.groups.iter().enumerate())
+            .map(|(g, rg)| (0..rg.cursor).filter_map(|c| self.key(r, g, c)).collect())
+            .collect();
+        for (pool, keys) in self.pools.iter_mut().zip(&keys) {
+            pool.refresh(keys);
+        }
     }
 
     /// The engine released a running request's blocks outside a step (for example after a

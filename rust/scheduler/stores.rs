@@ -138,7 +138,16 @@ impl Scheduler {
                 deferred,
                 JobPayload {
                     req: i,
-                    transfers: transfers.clone(),
+                    // Its completion needs the keys only: the copies go out with the plan.
+                    transfers: transfers
+                        .iter()
+                        .map(|t| GroupTransfer {
+                            group: t.group,
+                            gpu_blocks: Vec::new(),
+                            cpu_blocks: Vec::new(),
+                            keys: t.keys.clone(),
+                        })
+                        .collect(),
                     first_chunks: Vec::new(),
                     load_end: 0,
                     tier: None,

@@ -364,6 +364,11 @@ class ModelScheduler:
             or rid in self.retry
         ):
             return
+        # Done for good: its chunks still in the pools are refreshed (recency only), the
+        # earliest most recent, so a next turn finds the prefix rather than its suffix.
+        for g, rg in enumerate(r.groups):
+            keys = [self.key(r, g, c) for c in range(rg.cursor)]
+            self.pools[g].refresh([k for k in keys if k is not None])
         self.released.discard(rid)
         del self.reqs[rid]
 

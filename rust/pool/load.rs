@@ -1,0 +1,93 @@
+//! Loads: pins on ready entries (never evicted while pinned), and `discard` of entries whose
+//! content is no longer trusted.
+
+use crate::error::{Error, Result};
+use crate::ids::{Key, SlotId};
+
+use super::{Entry, Pool, PoolEventKind};
+
+impl Pool {
+    /// Pins every key for a load and returns their slots, in input order (a key listed twice is
+    /// pinned twice). Every key must be ready, else [`Error::UnknownKey`] or
+    /// [`Error::KeyNotReady`] and nothing changes. Does not update recency: call
+    /// [`Pool::touch`] for that.
+    pub fn prepare_load(&mut self, keys: &[Key]) -> Result<Vec<SlotId>> {
+        let mut slots = Vec::with_capacity(keys.len());
+        for &key in keys {
+            let &slot = self.index.get(&key).ok_or(Error::UnknownKey(key))?;
+            if self.entries[slot.0 as usize] == Entry::Storing {
+                return Err(Error::KeyNotReady(key));
+            }
+            slots.push(slot);
+        }
+        for &slot in &slots {
+            self.pin(slot);
+        }
+        self.stats.loads += keys.len() as u64;
+        Ok(slots)
+    }
+
+    fn pin(&mut self, slot: SlotId) {
+        if let Entry::Ready(p) = &mut self.entries[slot.0 as usize] {
+            if *p == 0 {
+                self.pinned += 1;
+            }
+            *p += 1;
+        }
+    }
+
+    fn unpin(&mut self, key: Key) -> Result<()> {
+        let &slot = self.index.get(&key).ok_or(Error::UnknownKey(key))?;
+        match &mut self.entries[slot.0 as usize] {
+            Entry::Ready(p) if *p > 0 => {
+                *p -= 1;
+                if *p == 0 {
+                    self.pinned -= 1;
+                }
+                Ok(())
+            }
+            _ => Err(Error::KeyNotPinned(key)),
+        }
+    }
+
+    /// Unpins every key (once per occurrence). Every key must be pinned, else
+    /// [`Error::UnknownKey`] or [`Error::KeyNotPinned`] and nothing changes.
+    pub fn complete_load(&mut self, keys: &[Key]) -> Result<()> {
+        for (i, &key) in keys.iter().enumerate() {
+            if let Err(e) = self.unpin(key) {
+                for k in &keys[..i] {
+                    let slot = self.index[k];
+                    self.pin(slot);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops ready, unpinned entries whose content can no longer be trusted (for example after
+    /// a load from them failed), freeing their slots without a ghost entry, and emits one
+    /// `removed` event. Absent, storing and pinned keys are left as they are. Returns the keys
+    /// dropped.
+    pub fn discard(&mut self, keys: &[Key]) -> Vec<Key> {
+        let mut dropped = Vec::new();
+        for &key in keys {
+            let Some(&slot) = self.index.get(&key) else {
+                continue;
+            };
+            if self.entries[slot.0 as usize] != Entry::Ready(0) {
+                continue;
+            }
+            self.policy.remove(slot);
+            self.index.remove(&key);
+            self.entries[slot.0 as usize] = Entry::Free;
+            self.free.release(slot.0);
+            dropped.push(key);
+        }
+        if !dropped.is_empty() {
+            self.stats.discarded += dropped.len() as u64;
+            self.emit(PoolEventKind::Removed, dropped.clone());
+        }
+        dropped
+    }
+}

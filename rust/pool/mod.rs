@@ -1,0 +1,214 @@
+//! The CPU pool: the scheduler-side view of the CPU tier (DESIGN.md §5).
+//!
+//! The pool decides where each chunk lives and which chunk leaves; it holds no bytes (the data
+//! plane does). It has a fixed number of slots. Each key is *absent*, *storing* (a slot is
+//! reserved, the copy is in flight, nothing is readable) or *ready* with a pin count (loads in
+//! flight). Only ready, unpinned entries are ever evicted.
+//!
+//! How it is laid out, for a million slots on the engine's hot path:
+//! - a key index `Key -> SlotId` ([`FxHashMap`]) and dense per-slot arrays (entry state, key);
+//! - the eviction order lives in an [`EvictionPolicy`] (intrusive lists over slot indices, O(1)
+//!   per insert / touch / evict, no allocation per operation);
+//! - free slots are a run-length set: maximal free runs indexed by start and by length (two
+//!   B-trees, O(log runs) per allocation or release). A store call asks for all its slots at
+//!   once: the smallest free run that holds them all (best fit), else the largest runs first,
+//!   so the data plane copies a job with few large copies. In a full pool (the steady state)
+//!   the victims' slots are the only free ones: they are handed out directly, sorted, without
+//!   touching the B-trees. [`PoolStats`] says how contiguous allocations are.
+//!
+//! Every operation checks its input before it changes anything: an `Err` (or a `None` from
+//! [`Pool::prepare_store`]) means nothing changed. Changes visible to other caches are queued
+//! as [`PoolEvent`]s (medium [`MEDIUM`]) and drained with [`Pool::take_events`]. The queue is
+//! bounded ([`Pool::set_event_limit`], by default [`default_event_limit`] keys): an event that
+//! does not fit is dropped whole and counted in [`PoolStats::events_dropped`], so a caller that
+//! never drains costs bounded memory and one that does can tell when its index went stale.
+//!
+//! One concept per file: this one holds the pool, its configuration and key states; `lookup.rs`
+//! reads and recency (`touch`, `refresh`), `store.rs` and `load.rs` the two directions,
+//! `free.rs` the free-run set, `admission.rs` the admission filter, `events.rs` the event
+//! queue, `inspect.rs` counters, order and the consistency check.
+
+mod admission;
+mod events;
+mod free;
+mod inspect;
+mod load;
+mod lookup;
+mod store;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::error::{Error, Result};
+use crate::ids::{Key, SlotId};
+use crate::policy::{EvictionPolicy, PolicyKind};
+
+use admission::Admission;
+use free::FreeSlots;
+
+pub use events::{default_event_limit, PoolEvent, PoolEventKind, MEDIUM};
+pub use inspect::{PoolOrder, PoolStats};
+pub use store::StorePlan;
+
+/// The largest capacity a pool accepts (2^28 slots, about 10 GiB of bookkeeping).
+pub const MAX_CAPACITY: u32 = 1 << 28;
+
+/// How a pool is configured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Number of slots (`1..=MAX_CAPACITY`).
+    pub capacity: u32,
+    /// Eviction policy.
+    pub policy: PolicyKind,
+    /// Admission filter: a key is stored only after it was looked up (while absent) this many
+    /// times. `0` or `1` means no filter.
+    pub store_threshold: u32,
+}
+
+impl PoolConfig {
+    /// `capacity` slots, LRU, no admission filter.
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            capacity,
+            policy: PolicyKind::Lru,
+            store_threshold: 0,
+        }
+    }
+}
+
+/// What the pool knows about one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeyState {
+    /// Not in the pool.
+    Absent,
+    /// A slot is reserved and the store is in flight: not readable, ask again later.
+    Storing,
+    /// Readable; `pins` loads are in flight.
+    Ready {
+        /// Number of loads in flight (pinned entries are never evicted).
+        pins: u32,
+    },
+}
+
+impl KeyState {
+    /// `"absent"`, `"storing"` or `"ready"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KeyState::Absent => "absent",
+            KeyState::Storing => "storing",
+            KeyState::Ready { .. } => "ready",
+        }
+    }
+}
+
+/// State of one slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Entry {
+    Free,
+    Storing,
+    Ready(u32),
+}
+
+/// The CPU pool. See the module documentation.
+#[derive(Debug)]
+pub struct Pool {
+    config: PoolConfig,
+    index: FxHashMap<Key, SlotId>,
+    entries: Vec<Entry>,
+    keys: Vec<Key>,
+    free: FreeSlots,
+    policy: Box<dyn EvictionPolicy>,
+    admission: Admission,
+    events: Vec<PoolEvent>,
+    event_keys: usize,
+    event_limit: usize,
+    storing: u32,
+    pinned: u32,
+    stats: PoolStats,
+    victims: Vec<SlotId>,
+    /// Reused per call (slots of `complete_store`'s keys).
+    scratch: Vec<SlotId>,
+    seen: FxHashSet<Key>,
+}
+
+impl Pool {
+    /// An empty pool. Fails when the capacity is 0 or above [`MAX_CAPACITY`].
+    pub fn new(config: PoolConfig) -> Result<Pool> {
+        let c = config.capacity;
+        if c == 0 || c > MAX_CAPACITY {
+            return Err(Error::Config(format!(
+                "pool capacity must be between 1 and {MAX_CAPACITY} slots, got {c}: \
+                 size it as CPU bytes for KV / bytes per chunk"
+            )));
+        }
+        Ok(Pool {
+            config,
+            index: FxHashMap::default(),
+            entries: vec![Entry::Free; c as usize],
+            keys: vec![Key(0); c as usize],
+            free: FreeSlots::all(c),
+            policy: config.policy.build(c),
+            admission: Admission::new(config.store_threshold, c),
+            events: Vec::new(),
+            event_keys: 0,
+            event_limit: default_event_limit(c),
+            storing: 0,
+            pinned: 0,
+            stats: PoolStats::default(),
+            victims: Vec::new(),
+            scratch: Vec::new(),
+            seen: FxHashSet::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> PoolConfig {
+        self.config
+    }
+
+    /// Number of slots.
+    pub fn capacity(&self) -> u32 {
+        self.config.capacity
+    }
+
+    /// The eviction policy in use.
+    pub fn policy(&self) -> PolicyKind {
+        self.config.policy
+    }
+
+    /// Number of keys present (storing or ready).
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether no key is present.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Empties the pool: every entry (pinned and storing ones included), the policy's order
+    /// and history, and the admission counts. Ready keys are announced in one `removed` event
+    /// (queued after any undrained events). Counters are kept; `resets` counts the call.
+    pub fn reset(&mut self) {
+        let mut removed: Vec<(SlotId, Key)> = self
+            .index
+            .iter()
+            .filter(|(_, s)| matches!(self.entries[s.0 as usize], Entry::Ready(_)))
+            .map(|(&k, &s)| (s, k))
+            .collect();
+        removed.sort_unstable();
+        if !removed.is_empty() {
+            self.emit(
+                PoolEventKind::Removed,
+                removed.into_iter().map(|(_, k)| k).collect(),
+            );
+        }
+        self.index.clear();
+        self.entries.fill(Entry::Free);
+        self.free = FreeSlots::all(self.config.capacity);
+        self.policy.clear();
+        self.admission.clear();
+        self.storing = 0;
+        self.pinned = 0;
+        self.stats.resets += 1;
+    }
+}

@@ -1,0 +1,180 @@
+//! Stores: `prepare_store` reserves slots (evicting ready, unpinned entries the policy
+//! chooses; all or nothing) and `complete_store` publishes or drops the keys.
+
+use crate::error::{Error, Result};
+use crate::ids::{Key, SlotId};
+
+use super::{Entry, Pool, PoolEventKind};
+
+/// Keys below this many per call are deduplicated by a linear scan, above it with a hash set.
+const LINEAR_DEDUP: usize = 32;
+
+/// The answer of [`Pool::prepare_store`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StorePlan {
+    /// Keys to store now, in input order (keys already present or filtered are not here).
+    pub keys: Vec<Key>,
+    /// The slot of each key of `keys`.
+    pub slots: Vec<SlotId>,
+    /// Keys evicted to make room, in eviction order (their slots may be reused by `slots`).
+    pub evicted: Vec<Key>,
+    /// Keys the admission filter skipped (not looked up often enough yet), in input order.
+    pub filtered: Vec<Key>,
+}
+
+impl Pool {
+    /// Whether `key` already occurs among the absent keys gathered so far in this call.
+    fn is_duplicate(&mut self, key: Key, plan: &StorePlan, many: bool) -> bool {
+        if many {
+            !self.seen.insert(key)
+        } else {
+            plan.keys.contains(&key) || plan.filtered.contains(&key)
+        }
+    }
+
+    /// Reserves slots for the keys not present yet, evicting ready unpinned entries chosen by
+    /// the policy when there is not enough free room — never an entry of a key in `keys`.
+    /// Keys already present are skipped; keys the admission filter rejects are listed in
+    /// [`StorePlan::filtered`]. The new entries are *storing* until [`Pool::complete_store`].
+    ///
+    /// All or nothing: `None` when not enough entries are evictable; then nothing changed
+    /// (the refusal is counted in [`PoolStats::no_room`]).
+    pub fn prepare_store(&mut self, keys: &[Key]) -> Option<StorePlan> {
+        let mut plan = StorePlan::default();
+        let many = keys.len() > LINEAR_DEDUP;
+        if many {
+            self.seen.clear();
+        }
+        // Ready entries of this call are protected from eviction by a temporary extra pin.
+        let mut protected: Vec<SlotId> = Vec::new();
+        for &key in keys {
+            if let Some(&slot) = self.index.get(&key) {
+                if matches!(self.entries[slot.0 as usize], Entry::Ready(_)) {
+                    protected.push(slot);
+                }
+                continue;
+            }
+            if self.is_duplicate(key, &plan, many) {
+                continue;
+            }
+            if self.admission.admits(key) {
+                plan.keys.push(key);
+            } else {
+                plan.filtered.push(key);
+            }
+        }
+        let need = plan.keys.len() as u32;
+        let evict = need.saturating_sub(self.free.free) as usize;
+        let mut victims = std::mem::take(&mut self.victims);
+        victims.clear();
+        if evict > 0 {
+            self.adjust_pins(&protected, true);
+            let entries = &self.entries;
+            let found = self.policy.choose_victims(
+                evict,
+                &|s| entries[s.0 as usize] == Entry::Ready(0),
+                &mut victims,
+            );
+            self.adjust_pins(&protected, false);
+            if !found {
+                self.victims = victims;
+                self.stats.no_room += 1;
+                return None;
+            }
+        }
+        // A full pool (the steady state) has no free slot but the victims' own: they are
+        // handed out directly, sorted, instead of through the free set (same runs, no B-tree
+        // traffic).
+        let reuse_victims = self.free.free == 0;
+        plan.evicted.reserve(victims.len());
+        for &slot in &victims {
+            let key = self.keys[slot.0 as usize];
+            self.policy.evict(slot, key);
+            self.index.remove(&key);
+            self.entries[slot.0 as usize] = Entry::Free;
+            if !reuse_victims {
+                self.free.release(slot.0);
+            }
+            plan.evicted.push(key);
+        }
+        if !plan.evicted.is_empty() {
+            self.stats.evictions += plan.evicted.len() as u64;
+            self.emit(PoolEventKind::Removed, plan.evicted.clone());
+        }
+        if need > 0 {
+            plan.slots.reserve(need as usize);
+            let runs = if reuse_victims {
+                debug_assert_eq!(victims.len(), need as usize);
+                victims.sort_unstable();
+                plan.slots.extend_from_slice(&victims);
+                1 + victims.windows(2).filter(|w| w[1].0 != w[0].0 + 1).count() as u32
+            } else {
+                self.free.alloc(need, &mut plan.slots)
+            };
+            for (&key, &slot) in plan.keys.iter().zip(&plan.slots) {
+                self.index.insert(key, slot);
+                self.entries[slot.0 as usize] = Entry::Storing;
+                self.keys[slot.0 as usize] = key;
+                self.policy.insert(slot, key);
+            }
+            self.storing += need;
+            self.stats.allocations += 1;
+            self.stats.allocated_slots += u64::from(need);
+            self.stats.allocated_runs += u64::from(runs);
+            self.stats.contiguous_allocations += u64::from(runs == 1);
+        }
+        self.victims = victims;
+        self.stats.filtered += plan.filtered.len() as u64;
+        Some(plan)
+    }
+
+    /// Adds (`up`) or removes one raw pin on the ready entries of `slots`, without touching the
+    /// pinned counter: used only to hide entries from a victim search.
+    fn adjust_pins(&mut self, slots: &[SlotId], up: bool) {
+        for s in slots {
+            if let Entry::Ready(p) = &mut self.entries[s.0 as usize] {
+                *p = if up { *p + 1 } else { *p - 1 };
+            }
+        }
+    }
+
+    /// Finishes the stores of `keys`: with `ok` they become readable (one `stored` event);
+    /// otherwise they are removed and their slots freed, never readable. Keys already ready are
+    /// left as they are (a late failure cannot unpublish them). Every key must be present,
+    /// else [`Error::UnknownKey`] and nothing changes.
+    pub fn complete_store(&mut self, keys: &[Key], ok: bool) -> Result<()> {
+        let mut slots = std::mem::take(&mut self.scratch);
+        slots.clear();
+        for &key in keys {
+            let Some(&slot) = self.index.get(&key) else {
+                self.scratch = slots;
+                return Err(Error::UnknownKey(key));
+            };
+            slots.push(slot);
+        }
+        let mut stored = Vec::new();
+        for (&key, &slot) in keys.iter().zip(&slots) {
+            // A duplicate of a key this call already handled is no longer storing.
+            if self.entries[slot.0 as usize] != Entry::Storing {
+                continue;
+            }
+            self.storing -= 1;
+            if ok {
+                self.entries[slot.0 as usize] = Entry::Ready(0);
+                stored.push(key);
+            } else {
+                self.policy.remove(slot);
+                self.index.remove(&key);
+                self.entries[slot.0 as usize] = Entry::Free;
+                self.free.release(slot.0);
+                self.stats.failed_stores += 1;
+            }
+        }
+        self.scratch = slots;
+        if !stored.is_empty() {
+            self.stats.stores += stored.len() as u64;
+            self.emit(PoolEventKind::Stored, stored);
+        }
+        Ok(())
+    }
+}
