@@ -15,6 +15,8 @@
 //! This is the only module with `unsafe` code. [`Copier::new`] is `unsafe`: its caller
 //! guarantees that the registered buffers stay allocated for the copier's lifetime (the
 //! bindings hold the Python buffer objects); everything after that is checked here.
+//!
+//! Why the CPU copy runs here and not in torch: `docs/design-notes.md`.
 
 /// Largest contiguous piece copied by one `memcpy`.
 pub const PIECE: usize = 256 << 10;

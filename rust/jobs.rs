@@ -11,6 +11,8 @@
 //!
 //! The table also enforces the per-request rule of DESIGN.md §4, invariant 7: a request has one
 //! pending load or any number of pending stores, never both.
+//!
+//! Completions are tied to worker ranks, a departure explained in `docs/design-notes.md`.
 
 use std::collections::VecDeque;
 

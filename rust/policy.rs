@@ -18,6 +18,8 @@
 //!   that grows on a B1 ghost hit and shrinks on a B2 ghost hit.
 //!
 //! More policies implement [`EvictionPolicy`] and get a [`PolicyKind`].
+//!
+//! Where this ARC departs from the paper, and why: `docs/design-notes.md` ("The ARC variant").
 
 use std::fmt;
 use std::str::FromStr;

@@ -27,6 +27,9 @@
 //! reads and recency (`touch`, `refresh`), `store.rs` and `load.rs` the two directions,
 //! `free.rs` the free-run set, `admission.rs` the admission filter, `events.rs` the event
 //! queue, `inspect.rs` counters, order and the consistency check.
+//!
+//! Departures from DESIGN.md §5 (one pool per KV group, `refresh` on a request's drop) and
+//! their reasons: `docs/design-notes.md`.
 
 mod admission;
 mod events;

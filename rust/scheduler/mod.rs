@@ -32,6 +32,9 @@
 //! 5. the single fence check over `written`. A store of step 4 runs after this step's forward
 //!    pass and a load submitted with this plan writes its own blocks: neither is ever in the
 //!    flush set of the step that creates it.
+//!
+//! Departures from DESIGN.md §3–§4 (lcm-aligned loads, `written` never drops a chunk, a flushed
+//! load submitted by its own step) and their reasons: `docs/design-notes.md`.
 
 mod checks;
 mod complete;

@@ -27,6 +27,9 @@
 //! own, and touch no GPU block, so the fence never sees them. A reset flushes them like every
 //! pending job; their tier state is released then. Per tier, the scheduler counts jobs, queue
 //! depth and the time from a job's plan to its completion ([`TierGroupStats`]).
+//!
+//! How a promotion chooses its chunks and bounds the CPU room it holds (beyond DESIGN.md §9):
+//! `docs/design-notes.md`.
 
 use std::path::Path;
 use std::time::Instant;
