@@ -9,7 +9,8 @@ use std::thread::sleep;
 use std::time::Duration;
 
 use kvoffload::copy::{RowSpace, Span};
-use kvoffload::scheduler::{remote_namespace, Scheduler, StepPlan};
+use kvoffload::scheduler::{Scheduler, StepPlan};
+use kvoffload::tier::disk::engine_namespace;
 use kvoffload::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker, WorkerJob};
 use kvoffload::tier::remote::{RemoteClient, RemoteConfig};
 use kvoffload::{BlockId, Key};
@@ -64,7 +65,9 @@ impl Engine {
             file: None,
             remote: Some(RemoteGroup {
                 client: Arc::clone(&client),
-                namespace: remote_namespace("m", salt, CHUNK as u64, 4, 1, 0, 1, 0).digest(),
+                namespace: engine_namespace("m", CHUNK as u64, 4, 1, 0, 1, 0)
+                    .salted(salt)
+                    .digest(),
             }),
         };
         #[allow(unsafe_code)]

@@ -30,6 +30,28 @@ fn to_py(e: CopyError) -> PyErr {
     }
 }
 
+/// Holds `buffers` (1-D, contiguous, writable `uint8`: a copier's KV tensors and CPU pool, or
+/// a tier worker's CPU pool) and returns their spans.
+pub fn register(buffers: &[Bound<'_, PyAny>]) -> PyResult<(Vec<PyBuffer<u8>>, Vec<Span>)> {
+    let mut held = Vec::with_capacity(buffers.len());
+    let mut spans = Vec::with_capacity(buffers.len());
+    for (i, obj) in buffers.iter().enumerate() {
+        let buf = PyBuffer::<u8>::get(obj)
+            .map_err(|e| ConfigError::new_err(format!("buffer {i} is not a uint8 buffer: {e}")))?;
+        if buf.readonly() || buf.dimensions() != 1 || !buf.is_c_contiguous() {
+            return Err(ConfigError::new_err(format!(
+                "buffer {i} must be one-dimensional, contiguous and writable"
+            )));
+        }
+        spans.push(Span {
+            base: buf.buf_ptr() as usize,
+            len: buf.len_bytes(),
+        });
+        held.push(buf);
+    }
+    Ok((held, spans))
+}
+
 /// Copies rows between registered KV tensors and CPU-pool regions, with the GIL released.
 #[pyclass(frozen, module = "kvoffload._core")]
 pub struct Copier {
@@ -48,23 +70,7 @@ impl Copier {
         buffers: Vec<Bound<'_, PyAny>>,
         groups: Vec<(usize, usize, Vec<RegionArg>)>,
     ) -> PyResult<Self> {
-        let mut held = Vec::with_capacity(buffers.len());
-        let mut spans = Vec::with_capacity(buffers.len());
-        for (i, obj) in buffers.iter().enumerate() {
-            let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
-                ConfigError::new_err(format!("buffer {i} is not a uint8 buffer: {e}"))
-            })?;
-            if buf.readonly() || buf.dimensions() != 1 || !buf.is_c_contiguous() {
-                return Err(ConfigError::new_err(format!(
-                    "buffer {i} must be one-dimensional, contiguous and writable"
-                )));
-            }
-            spans.push(Span {
-                base: buf.buf_ptr() as usize,
-                len: buf.len_bytes(),
-            });
-            held.push(buf);
-        }
+        let (held, spans) = register(&buffers)?;
         let space = |buffer, offset, stride| RowSpace {
             buffer,
             offset,

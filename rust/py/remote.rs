@@ -16,7 +16,7 @@ use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
 use super::tier::{set_counters, RegionArg, TierWorker};
 use crate::ids::Key;
-use crate::scheduler::remote_namespace;
+use crate::tier::disk::engine_namespace;
 use crate::tier::io::RemoteGroup;
 use crate::tier::namespace::Namespace;
 use crate::tier::remote::{ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem};
@@ -154,16 +154,16 @@ impl RemoteWorker {
             world_size,
             threads,
             |g, chunk, block_size| {
-                let ns = remote_namespace(
+                let ns = engine_namespace(
                     model,
-                    cache_salt,
                     chunk,
                     block_size,
                     blocks_per_chunk,
                     rank,
                     world_size,
                     g,
-                );
+                )
+                .salted(cache_salt);
                 let remote = RemoteGroup {
                     client: Arc::clone(&client),
                     namespace: ns.digest(),

@@ -18,8 +18,9 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::copy::register;
 use super::errors::{to_py, ConfigError, KvOffloadError};
-use crate::copy::{RowSpace, Span};
+use crate::copy::RowSpace;
 use crate::ids::{JobId, Key};
 use crate::scheduler::{TierGroupStats, TierJob, TierJobKind};
 use crate::tier::disk::{engine_namespace, inspect, SlabFile, SlabLayout, MEDIUM as DISK};
@@ -120,27 +121,6 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
     d.set_item("max_queue_depth", s.max_pending)?;
     d.set_item("promoting_chunks", s.promoting)?;
     Ok(d)
-}
-
-/// Holds the CPU pool's buffers (1-D, contiguous, writable `uint8`) and returns their spans.
-pub fn register(buffers: &[Bound<'_, PyAny>]) -> PyResult<(Vec<PyBuffer<u8>>, Vec<Span>)> {
-    let mut held = Vec::with_capacity(buffers.len());
-    let mut spans = Vec::with_capacity(buffers.len());
-    for (i, obj) in buffers.iter().enumerate() {
-        let buf = PyBuffer::<u8>::get(obj)
-            .map_err(|e| ConfigError::new_err(format!("buffer {i} is not a uint8 buffer: {e}")))?;
-        if buf.readonly() || buf.dimensions() != 1 || !buf.is_c_contiguous() {
-            return Err(ConfigError::new_err(format!(
-                "buffer {i} must be one-dimensional, contiguous and writable"
-            )));
-        }
-        spans.push(Span {
-            base: buf.buf_ptr() as usize,
-            len: buf.len_bytes(),
-        });
-        held.push(buf);
-    }
-    Ok((held, spans))
 }
 
 /// A group's regions as given: `(buffer, offset, stride, row_bytes)` each.

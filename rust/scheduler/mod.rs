@@ -61,7 +61,6 @@ use crate::tracker::Tracker;
 pub use plan::{
     CompletedJob, GroupTransfer, PlannedJob, SchedulerEvent, SchedulerStats, StepInput, StepPlan,
 };
-pub use remote_tier::remote_namespace;
 pub use requests::Status;
 pub use tiers::{TierAdmission, TierGroupStats, TierJob, TierJobKind};
 

@@ -39,6 +39,15 @@ pub struct Namespace {
 }
 
 impl Namespace {
+    /// This namespace for tenant `cache_salt` (the shared tier's: tenants share nothing).
+    #[must_use]
+    pub fn salted(self, cache_salt: &str) -> Self {
+        Self {
+            cache_salt: cache_salt.to_owned(),
+            ..self
+        }
+    }
+
     /// The 128-bit digest written into every header of this namespace.
     pub fn digest(&self) -> u128 {
         let mut enc: Vec<u8> = b"kvoffload-namespace-v1".to_vec();
