@@ -139,7 +139,7 @@ demo: build ## run the simulated engine end to end, with its chart (DEMO_PLOT; t
 	mkdir -p $(dir $(DEMO_PLOT))
 	$(VENV)/bin/kvoffload simulate --plot $(DEMO_PLOT)
 	@echo "== a CPU tier smaller than the working set, without and with the disk tier"
-	$(VENV)/bin/kvoffload simulate --workload mixed --requests 300 --cpu-chunks 1024 --quiet --no-baseline
+	$(VENV)/bin/kvoffload simulate --workload mixed --requests 300 --cpu-chunks 1024 --quiet
 	rm -rf $(DEMO_DISK)
 	$(VENV)/bin/kvoffload simulate --workload mixed --requests 300 --cpu-chunks 1024 --quiet --disk $(DEMO_DISK)
 
