@@ -89,3 +89,25 @@ def test_import_refuses_an_untested_vllm_before_loading_the_connector(fake: str)
     assert SUPPORTED_VLLM in out
     assert repr(fake) in out
     assert out.rstrip().endswith(" []"), out
+
+
+def test_hisparse_is_refused_naming_the_setting() -> None:
+    """vLLM 0.33 defers a load's allocation past its lookup's step when HiSparse keeps a host
+    pool; the connector refuses that configuration instead of planning a load at a stale hit."""
+    import dataclasses
+
+    from kvoffload.errors import ConfigError
+    from kvoffload.integrations.vllm.config import build_offload_config
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from tests.vllm.harness import make_config
+
+    fields = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    if VLLM_VERSION.startswith("0.33"):
+        # The check reads this field: a rename in vLLM must fail here, not go unnoticed.
+        assert "hisparse_host_num_blocks" in fields
+    vc, kcc = make_config(64)
+    build_offload_config(vc, kcc)  # accepted without HiSparse
+    object.__setattr__(kcc, "hisparse_host_num_blocks", 48)
+    with pytest.raises(ConfigError, match=r"HiSparse \(hisparse_host_num_blocks=48\)"):
+        build_offload_config(vc, kcc)

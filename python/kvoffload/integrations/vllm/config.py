@@ -4,7 +4,7 @@ The extra config's keys are :class:`OffloadConfig`'s options (plus the connector
 ``exact_fence``); their values go to it as given, and it validates them (with the core, one
 validator: :class:`~kvoffload.errors.ConfigError` naming the field and the value). Unknown keys
 raise ``ConfigError`` naming them; so do engine features the connector refuses (other KV-cache
-kinds, speculative decoding, mixed block sizes, a role other than ``kv_both``).
+kinds, speculative decoding, HiSparse, mixed block sizes, a role other than ``kv_both``).
 ``disk_model`` and ``remote_model`` default to the engine's model and dtype.
 """
 
@@ -85,6 +85,15 @@ def build_offload_config(
         kwargs.setdefault("remote_model", model_name(vllm_config))
     if vllm_config.speculative_config is not None:
         raise ConfigError("KvOffloadConnector does not support speculative decoding yet")
+    hisparse = getattr(kv_cache_config, "hisparse_host_num_blocks", None)
+    if hisparse is not None:
+        # vLLM 0.33 defers a load's allocation past the step that looked it up when HiSparse
+        # keeps a host pool (Scheduler.defer_async_loads): the lookup's local hit would no
+        # longer be known when the load is planned.
+        raise ConfigError(
+            f"KvOffloadConnector does not support HiSparse (hisparse_host_num_blocks="
+            f"{hisparse}): vLLM defers its loads past the step that planned them"
+        )
     block_size = int(vllm_config.cache_config.block_size)
     groups = []
     for g, spec_group in enumerate(kv_cache_config.kv_cache_groups):
