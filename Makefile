@@ -96,7 +96,7 @@ VLLM033_GPU_ONLY := torch torchaudio torchvision torchcodec pynvvideocodec flash
 	apache-tvm-ffi tilelang nvidia-cudnn-frontend nvtx fastsafetensors instanttensor \
 	nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels
 VLLM033_TESTS := tests/vllm/test_compat.py tests/vllm/test_scheduler.py tests/vllm/test_tp.py \
-	tests/vllm/test_tiers.py
+	tests/vllm/test_tiers.py tests/vllm/test_streaming.py
 
 $(STAMP_VLLM033_DEPS): $(UV)
 	test -x $(VLLM033_PY) || python3 -m venv $(VLLM033_VENV)
