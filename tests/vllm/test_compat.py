@@ -96,10 +96,10 @@ def test_hisparse_is_refused_naming_the_setting() -> None:
     pool; the connector refuses that configuration instead of planning a load at a stale hit."""
     import dataclasses
 
-    from kvoffload.errors import ConfigError
-    from kvoffload.integrations.vllm.config import build_offload_config
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from kvoffload.errors import ConfigError
+    from kvoffload.integrations.vllm.config import build_offload_config
     from tests.vllm.harness import make_config
 
     fields = {f.name for f in dataclasses.fields(KVCacheConfig)}
