@@ -19,15 +19,21 @@ from tests.vllm.harness import BS, Harness, prompt
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def _session(h: Harness, rid: str, tokens: list[int], max_tokens: int) -> Request:
-    req = Request(
+def _chunk(h: Harness, rid: str, tokens: list[int], max_tokens: int, resumable: bool) -> Request:
+    """A session's request (its first input chunk, a next one, or with ``resumable`` False its
+    end), as the engine hands it to vLLM's scheduler."""
+    return Request(
         request_id=rid,
         prompt_token_ids=list(tokens),
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         pooling_params=None,
         block_hasher=h.hasher,
-        resumable=True,
+        resumable=resumable,
     )
+
+
+def _session(h: Harness, rid: str, tokens: list[int], max_tokens: int) -> Request:
+    req = _chunk(h, rid, tokens, max_tokens, resumable=True)
     h.reqs[rid] = req
     h.true_tokens[rid] = list(tokens)
     h.sched.add_request(req)
@@ -52,16 +58,7 @@ def test_session_update_never_stores_new_tokens_under_the_old_hashes(
         h.step_until(stopped, "the session to stop")
         h.flush_outputs()
         old = list(sess.all_token_ids)  # the uncomputed sampled token included
-        h.sched.add_request(
-            Request(
-                request_id="s",
-                prompt_token_ids=prompt(2, 2 * BS),
-                sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
-                pooling_params=None,
-                block_hasher=h.hasher,
-                resumable=True,
-            )
-        )
+        h.sched.add_request(_chunk(h, "s", prompt(2, 2 * BS), 1, resumable=True))
         new = list(sess.all_token_ids)
         assert new[: sess.num_computed_tokens] == old[: sess.num_computed_tokens]
         assert new[: len(old)] != old  # the session really replaced a hashed token
@@ -71,15 +68,7 @@ def test_session_update_never_stores_new_tokens_under_the_old_hashes(
         computed = sess.num_computed_tokens
         # The session ends (a non-resumable update), and vLLM's own prefix cache is emptied:
         # what the next requests reuse comes from the CPU tier.
-        h.sched.add_request(
-            Request(
-                request_id="s",
-                prompt_token_ids=[1],
-                sampling_params=SamplingParams(max_tokens=1),
-                pooling_params=None,
-                block_hasher=h.hasher,
-            )
-        )
+        h.sched.add_request(_chunk(h, "s", [1], 1, resumable=False))
         h.drain()
         assert h.sched.reset_prefix_cache()
         core = h.conn.scheduler_side.sched  # type: ignore[union-attr]
