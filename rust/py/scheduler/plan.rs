@@ -1,0 +1,166 @@
+//! The step plan's Python objects: [`TransferJob`], [`StepPlan`] and [`CompletedJob`].
+
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::ids::BlockId;
+use crate::jobs::JobKind;
+use crate::scheduler::{CompletedJob as CoreCompleted, PlannedJob};
+
+fn kind_name(kind: JobKind) -> &'static str {
+    match kind {
+        JobKind::Store => "store",
+        JobKind::Load => "load",
+    }
+}
+
+/// One store or load job of a step plan.
+#[pyclass(frozen, module = "kvoffload._core")]
+pub struct TransferJob {
+    /// Job id.
+    #[pyo3(get)]
+    job_id: u64,
+    /// `"store"` or `"load"`.
+    #[pyo3(get)]
+    kind: &'static str,
+    /// The request it belongs to.
+    #[pyo3(get)]
+    request_id: String,
+    inner: PlannedJob,
+}
+
+#[pymethods]
+impl TransferJob {
+    /// Copies per group: `(group, gpu_blocks, cpu_blocks)`; `cpu_blocks` are positions in the
+    /// group's CPU region (`slot * blocks_per_chunk + offset`).
+    #[getter]
+    fn transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .inner
+            .transfers
+            .iter()
+            .map(|t| (t.group, t.gpu_blocks.clone(), t.cpu_blocks.clone()));
+        PyList::new(py, items)
+    }
+
+    /// Chunk keys per group: `(group, keys)`.
+    #[getter]
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .inner
+            .transfers
+            .iter()
+            .map(|t| (t.group, t.keys.iter().map(|k| k.0).collect::<Vec<u128>>()));
+        PyList::new(py, items)
+    }
+
+    /// Number of GPU blocks copied.
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner
+            .transfers
+            .iter()
+            .map(|t| t.gpu_blocks.len())
+            .sum()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferJob(job_id={}, kind={:?}, request_id={:?}, blocks={})",
+            self.job_id,
+            self.kind,
+            self.request_id,
+            self.num_blocks()
+        )
+    }
+}
+
+pub(super) fn job_obj(py: Python<'_>, j: PlannedJob) -> PyResult<Py<TransferJob>> {
+    Py::new(
+        py,
+        TransferJob {
+            job_id: j.id.0,
+            kind: kind_name(j.kind),
+            request_id: j.request.clone(),
+            inner: j,
+        },
+    )
+}
+
+/// What the workers must do this step.
+#[pyclass(frozen, module = "kvoffload._core")]
+pub struct StepPlan {
+    /// Load jobs created since the previous plan.
+    #[pyo3(get)]
+    pub(super) loads: Py<PyList>,
+    /// Store jobs of this step (submit them at the start of the next step).
+    #[pyo3(get)]
+    pub(super) stores: Py<PyList>,
+    /// Jobs that must complete before this step writes its blocks.
+    #[pyo3(get)]
+    pub(super) flush: Py<PyList>,
+    /// Lower-tier jobs: `(job_id, kind, medium, group, keys, cpu_slots, places, generations)`
+    /// with kind `"write"` (write-behind) or `"promote"`; run them with a `DiskWorker`.
+    #[pyo3(get)]
+    pub(super) tier_jobs: Py<PyList>,
+}
+
+#[pymethods]
+impl StepPlan {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "StepPlan(loads={}, stores={}, flush={})",
+            self.loads.bind(py).len(),
+            self.stores.bind(py).len(),
+            self.flush
+                .bind(py)
+                .repr()
+                .map_or_else(|_| "?".into(), |r| r.to_string())
+        )
+    }
+}
+
+/// A job whose last worker reported.
+#[pyclass(frozen, module = "kvoffload._core")]
+pub struct CompletedJob {
+    /// Job id.
+    #[pyo3(get)]
+    job_id: u64,
+    /// `"store"` or `"load"`.
+    #[pyo3(get)]
+    kind: &'static str,
+    /// The request it belongs to.
+    #[pyo3(get)]
+    request_id: String,
+    /// Whether every worker succeeded.
+    #[pyo3(get)]
+    ok: bool,
+    /// For a failed load: GPU blocks whose content is invalid (recompute them).
+    #[pyo3(get)]
+    invalid_blocks: Vec<BlockId>,
+}
+
+#[pymethods]
+impl CompletedJob {
+    fn __repr__(&self) -> String {
+        format!(
+            "CompletedJob(job_id={}, kind={:?}, request_id={:?}, ok={})",
+            self.job_id,
+            self.kind,
+            self.request_id,
+            if self.ok { "True" } else { "False" }
+        )
+    }
+}
+
+impl From<CoreCompleted> for CompletedJob {
+    fn from(c: CoreCompleted) -> Self {
+        Self {
+            job_id: c.id.0,
+            kind: kind_name(c.kind),
+            request_id: c.request,
+            ok: c.ok,
+            invalid_blocks: c.invalid_blocks,
+        }
+    }
+}
