@@ -90,6 +90,20 @@ pub fn event_limit(max_event_keys: i128) -> Result<usize> {
     check_range("max_event_keys", max_event_keys, 0, MAX_EVENT_KEYS).map(|v| v as usize)
 }
 
+/// Default deadline of a disk promotion, in milliseconds (`disk_deadline_ms`).
+pub const DEFAULT_DISK_DEADLINE_MS: u64 = 5000;
+
+/// Checks a deadline of `field` in milliseconds: a number in (0, 3600000].
+pub fn deadline_ms(field: &str, ms: f64) -> Result<std::time::Duration> {
+    if ms.is_finite() && ms > 0.0 && ms <= 3_600_000.0 {
+        Ok(std::time::Duration::from_secs_f64(ms / 1000.0))
+    } else {
+        Err(Error::Config(format!(
+            "{field} must be a number of milliseconds in (0, 3600000], got {ms}"
+        )))
+    }
+}
+
 /// One KV group as the caller gave it (see [`GroupConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupArgs {

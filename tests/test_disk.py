@@ -141,6 +141,10 @@ def test_another_model_sees_nothing(tmp_path: Path) -> None:
         ({"disk_bytes": True}, "disk_bytes must be a positive integer, got True"),
         ({"disk_bytes": 100}, "disk_bytes=100 holds 0 slots"),
         ({"disk_path": 3}, "disk_path must be a path, got 3"),
+        ({"disk_deadline_ms": "soon"}, r"disk_deadline_ms must be a number .*'soon'"),
+        ({"disk_deadline_ms": 0}, r"disk_deadline_ms must be a number .*got 0"),
+        ({"disk_deadline_ms": float("inf")}, r"disk_deadline_ms must be a number .*inf"),
+        ({"disk_deadline_ms": True}, r"disk_deadline_ms must be a number .*True"),
     ],
 )
 def test_bad_disk_config_names_the_value(tmp_path: Path, kw: dict[str, object], match: str) -> None:

@@ -178,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of the disk tier per KV group (default: 1 GiB)",
     )
     s.add_argument(
+        "--disk-deadline-ms",
+        dest="disk_deadline_ms",
+        type=_positive_float,
+        default=5000.0,
+        metavar="MS",
+        help="with --disk: a promotion from disk later than this expires and its requests "
+        "recompute (default: 5000)",
+    )
+    s.add_argument(
         "--restart",
         action="store_true",
         help="with --disk: run the workload, close, reopen the same directory and run it "

@@ -86,6 +86,9 @@ class OffloadConfig:
         disk_bytes: Bytes the disk tier may occupy, per group and worker (needs ``disk_path``).
         disk_model: Names the weights and dtype in the disk tier's namespace: engines with
             another model never read its chunks.
+        disk_deadline_ms: Longest time a promotion from the disk tier may take; later, it
+            expires and its requests recompute (its CPU slots stay held until the late I/O
+            is reported). Failed or expired disk jobs put the tier on probation.
         remote_url: ``redis://host:port[/db]`` of a shared tier (Redis) below the CPU pool
             (None: none). Engines configured with the same URL, model and layout share chunks:
             chunks ready in the CPU pool are written behind, lookups that miss the CPU pool ask
@@ -119,6 +122,7 @@ class OffloadConfig:
     disk_path: str | os.PathLike[str] | None = None
     disk_bytes: int | None = None
     disk_model: str = ""
+    disk_deadline_ms: float = 5000.0
     remote_url: str | None = None
     remote_model: str = ""
     cache_salt: str = ""
@@ -196,7 +200,12 @@ class OffloadConfig:
                 raise ConfigError(f"disk_model must be a string, got {self.disk_model!r}")
         core = Scheduler(**self._core_kwargs())
         if self.disk_path is not None:
-            core.attach_disk(os.fspath(self.disk_path), disk_bytes, self.disk_model)
+            core.attach_disk(
+                os.fspath(self.disk_path),
+                disk_bytes,
+                self.disk_model,
+                deadline_ms=self.disk_deadline_ms,
+            )
             core.set_tier_admission("disk", self.disk_min_hits)
         if self.remote_url is not None:
             core.attach_remote(

@@ -11,8 +11,10 @@ pub struct PoolStats {
     pub capacity: u32,
     /// Slots holding a key (storing or ready).
     pub used: u32,
-    /// Free slots (`used + free == capacity`).
+    /// Free slots (`used + held + free == capacity`).
     pub free: u32,
+    /// Slots held for a late writer ([`Pool::hold`]): neither used nor free.
+    pub held: u32,
     /// Entries being stored.
     pub storing: u32,
     /// Ready entries with at least one pin.
@@ -89,6 +91,7 @@ impl Pool {
             used: self.index.len() as u32,
             free: self.free.free,
             storing: self.storing,
+            held: self.held,
             pinned: self.pinned,
             ghosts: self.policy.ghost_len() as u32,
             target: self.policy.target(),
@@ -119,9 +122,10 @@ impl Pool {
     /// Checks every internal invariant (O(capacity), for tests); the error says which broke.
     pub fn check_consistency(&self) -> std::result::Result<(), String> {
         let cap = self.config.capacity;
-        if self.index.len() as u64 + u64::from(self.free.free) != u64::from(cap) {
+        let held = u64::from(self.held);
+        if self.index.len() as u64 + held + u64::from(self.free.free) != u64::from(cap) {
             return Err(format!(
-                "used {} + free {} != capacity {cap}",
+                "used {} + held {held} + free {} != capacity {cap}",
                 self.index.len(),
                 self.free.free
             ));
@@ -138,9 +142,9 @@ impl Pool {
             }
         }
         let occupied = self.entries.iter().filter(|e| **e != Entry::Free).count();
-        if occupied != self.index.len() {
+        if occupied as u64 != self.index.len() as u64 + held {
             return Err(format!(
-                "{occupied} occupied slots, {} keys",
+                "{occupied} occupied slots, {} keys and {held} held",
                 self.index.len()
             ));
         }

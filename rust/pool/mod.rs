@@ -25,7 +25,7 @@
 //!
 //! One concept per file: this one holds the pool, its configuration and key states; `lookup.rs`
 //! reads and recency (`touch`, `refresh`), `store.rs` and `load.rs` the two directions,
-//! `free.rs` the free-run set, `admission.rs` the admission filter, `events.rs` the event
+//! `free.rs` the free-run set, `hold.rs` slots held for a late writer, `admission.rs` the admission filter, `events.rs` the event
 //! queue, `inspect.rs` counters, order and the consistency check.
 //!
 //! Departures from DESIGN.md §5 (one pool per KV group, `refresh` on a request's drop) and
@@ -34,6 +34,7 @@
 mod admission;
 mod events;
 mod free;
+mod hold;
 mod inspect;
 mod load;
 mod lookup;
@@ -125,6 +126,8 @@ pub struct Pool {
     event_keys: usize,
     event_limit: usize,
     storing: u32,
+    /// Slots held for a late writer (`hold.rs`).
+    held: u32,
     pinned: u32,
     stats: PoolStats,
     victims: Vec<SlotId>,
@@ -155,6 +158,7 @@ impl Pool {
             event_keys: 0,
             event_limit: default_event_limit(c),
             storing: 0,
+            held: 0,
             pinned: 0,
             stats: PoolStats::default(),
             victims: Vec::new(),
@@ -211,6 +215,7 @@ impl Pool {
         self.policy.clear();
         self.admission.clear();
         self.storing = 0;
+        self.held = 0;
         self.pinned = 0;
         self.stats.resets += 1;
     }

@@ -40,12 +40,23 @@ fn chunk_buffer(buf: &PyBuffer<u8>, n: usize, writable: bool, what: &str) -> PyR
 }
 
 fn duration(field: &str, ms: f64) -> PyResult<std::time::Duration> {
-    if ms.is_finite() && ms > 0.0 && ms <= 3_600_000.0 {
-        Ok(std::time::Duration::from_secs_f64(ms / 1000.0))
+    crate::config::deadline_ms(field, ms).map_err(to_py)
+}
+
+/// A deadline of `field` in milliseconds given as any Python object: a real number in
+/// (0, 3600000], else [`ConfigError`] naming the field (never a `TypeError`).
+pub fn ms_arg(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<std::time::Duration> {
+    let ms = if obj.is_instance_of::<pyo3::types::PyBool>() {
+        None
     } else {
-        Err(ConfigError::new_err(format!(
-            "{field} must be a number of milliseconds in (0, 3600000], got {ms}"
-        )))
+        obj.extract::<f64>().ok()
+    };
+    match ms {
+        Some(ms) => duration(field, ms),
+        None => Err(ConfigError::new_err(format!(
+            "{field} must be a number of milliseconds in (0, 3600000], got {}",
+            super::convert::describe(obj)
+        ))),
     }
 }
 

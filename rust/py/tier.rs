@@ -91,7 +91,12 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
         promote_no_room,
         promoted_chunks,
         write_us,
-        promote_us
+        promote_us,
+        expired_promotions,
+        held_slots,
+        late_reports,
+        dropped_writes,
+        skipped_lookups
     );
     set_counters!(
         d,

@@ -23,6 +23,8 @@ impl Scheduler {
     /// `Ok(None)` means "ask again later".
     pub fn lookup(&mut self, id: &str, hit_tokens: u32) -> Result<Option<u32>> {
         let i = self.waiting(id, "only waiting requests are looked up")?;
+        // Promotions past their deadline release the requests waiting for them.
+        self.expire_tier_jobs();
         self.stats.lookups += 1;
         // Work on the request outside the slab so the pools and the tracker stay borrowable.
         let mut r = self.reqs[i as usize]

@@ -48,6 +48,7 @@ mod requests;
 mod reset;
 mod step;
 mod stores;
+mod tier_deadline;
 mod tiers;
 
 use rustc_hash::FxHashMap;
@@ -62,7 +63,7 @@ pub use plan::{
     CompletedJob, GroupTransfer, PlannedJob, SchedulerEvent, SchedulerStats, StepInput, StepPlan,
 };
 pub use requests::Status;
-pub use tiers::{TierAdmission, TierGroupStats, TierJob, TierJobKind};
+pub use tiers::{DiskWatch, TierAdmission, TierGroupStats, TierJob, TierJobKind};
 
 use positions::PosEntry;
 use requests::Request;

@@ -31,15 +31,17 @@
 //! How a promotion chooses its chunks and bounds the CPU room it holds (beyond DESIGN.md §9):
 //! `docs/design-notes.md`.
 
+use std::collections::VecDeque;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::error::{Error, Result};
-use crate::ids::{JobId, Key, OwnerId};
+use crate::ids::{JobId, Key, OwnerId, SlotId};
 use crate::pool::KeyState;
 use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
+use crate::tier::health::Health;
 use crate::tier::namespace::Namespace;
 use crate::tier::remote_index::MEDIUM as REMOTE;
 use crate::tier::{Location, TierEvent, TierIndex, TierStats};
@@ -125,6 +127,42 @@ pub struct TierGroupStats {
     pub write_us: u64,
     /// Microseconds promotion jobs took, summed (as `write_us`).
     pub promote_us: u64,
+    /// Promotions that missed their deadline (disk): their keys left the CPU pool's index at
+    /// once (waiting requests recompute), their CPU slots stayed held until the late report.
+    pub expired_promotions: u64,
+    /// CPU slots held now for expired promotions whose report has not arrived.
+    pub held_slots: u64,
+    /// Reports of expired promotions (they publish nothing; their held slots are freed).
+    pub late_reports: u64,
+    /// Chunks not written behind because the tier was on probation (disk; the shared tier's
+    /// client counts its own).
+    pub dropped_writes: u64,
+    /// Keys not looked up in the tier because it was on probation (disk).
+    pub skipped_lookups: u64,
+}
+
+/// How the scheduler watches a disk tier's jobs: a promotion's deadline, and probation after
+/// repeated failed or expired jobs ([`Health`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DiskWatch {
+    /// Longest time from a promotion's plan to its last report; later, it expires.
+    pub deadline: Duration,
+    /// Consecutive failed or expired jobs that put the tier on probation.
+    pub probation_after: u32,
+    /// How long a probation lasts before the next trial.
+    pub probation: Duration,
+}
+
+impl Default for DiskWatch {
+    /// A 5 s deadline ([`crate::config::DEFAULT_DISK_DEADLINE_MS`]); probation after 3 failed
+    /// or expired jobs, for 5 s.
+    fn default() -> Self {
+        Self {
+            deadline: Duration::from_millis(crate::config::DEFAULT_DISK_DEADLINE_MS),
+            probation_after: 3,
+            probation: Duration::from_secs(5),
+        }
+    }
 }
 
 /// Which chunks a tier admits for write-behind (DESIGN.md §9: an admission filter per tier).
@@ -152,7 +190,19 @@ pub(super) struct GroupTier {
     /// [`HIT_COUNTS`] keys (counts are then recent ones).
     hits: FxHashMap<Key, u32>,
     /// When each pending job of this tier was created (its I/O time ends at completion).
-    started: FxHashMap<JobId, Instant>,
+    pub(super) started: FxHashMap<JobId, Instant>,
+    /// Promotion deadline (disk tiers; `None`: the tier bounds its own operations).
+    pub(super) deadline: Option<Duration>,
+    /// Probation of the tier as its jobs show it (disk tiers; `None`: the tier keeps its own).
+    pub(super) health: Option<Health>,
+    /// `(deadline, job)` of promotions with a deadline, in creation order.
+    pub(super) deadlines: VecDeque<(Instant, JobId)>,
+    /// Expired promotions awaiting their report: the CPU slots they hold.
+    pub(super) held: FxHashMap<JobId, Vec<SlotId>>,
+    /// Keys of expired promotions awaiting their report: not promoted again meanwhile.
+    pub(super) stuck: FxHashSet<Key>,
+    /// Whether this tier is skipped by the promotion being planned (on probation).
+    pub(super) skip: bool,
 }
 
 /// Most keys whose loads a tier with `min_hits > 0` counts at once.
@@ -210,6 +260,12 @@ impl Scheduler {
             admission,
             hits: FxHashMap::default(),
             started: FxHashMap::default(),
+            deadline: None,
+            health: None,
+            deadlines: VecDeque::new(),
+            held: FxHashMap::default(),
+            stuck: FxHashSet::default(),
+            skip: false,
         });
         // Nearest first: the shared tier after the local ones.
         tiers.sort_by_key(|t| t.index.medium() == REMOTE);
@@ -243,6 +299,27 @@ impl Scheduler {
     /// namespaces from `model` and the configuration ([`engine_namespace`]), each index rebuilt
     /// from every rank's headers. All or nothing.
     pub fn attach_disk(&mut self, root: &Path, disk_bytes: u64, model: &str) -> Result<()> {
+        self.attach_disk_with(root, disk_bytes, model, DiskWatch::default())
+    }
+
+    /// [`Scheduler::attach_disk`] with a promotion deadline and probation settings.
+    pub fn attach_disk_with(
+        &mut self,
+        root: &Path,
+        disk_bytes: u64,
+        model: &str,
+        watch: DiskWatch,
+    ) -> Result<()> {
+        let health = Health::new(
+            "disk_probation_after",
+            watch.probation_after,
+            watch.probation,
+        )?;
+        if watch.deadline.is_zero() {
+            return Err(Error::Config(
+                "disk_deadline_ms must be positive, got 0".into(),
+            ));
+        }
         let mut indexes = Vec::with_capacity(self.cfg.groups.len());
         for g in 0..self.cfg.groups.len() {
             let chunk = self.tier_chunk_bytes(g, "disk")?;
@@ -252,7 +329,14 @@ impl Scheduler {
                 .collect::<Result<Vec<_>>>()?;
             indexes.push(DiskIndex::recover(layout, self.cfg.policy, &scans)?);
         }
-        self.attach_all("attach_disk", indexes)
+        self.attach_all("attach_disk", indexes)?;
+        for t in self.tiers.iter_mut().flatten() {
+            if t.index.medium() == crate::tier::disk::MEDIUM {
+                t.deadline = Some(watch.deadline);
+                t.health = Some(health.clone());
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of a chunk of group `g` (a lower tier of `medium` needs them).
@@ -318,6 +402,11 @@ impl Scheduler {
                 let mut s = t.stats;
                 s.tier = t.index.stats();
                 s.medium = t.index.medium();
+                if let Some(h) = &t.health {
+                    s.tier.probations = h.probations();
+                    s.tier.recoveries = h.recoveries();
+                    s.tier.skipped_checks = s.skipped_lookups;
+                }
                 s
             })
             .collect()
@@ -353,6 +442,10 @@ impl Scheduler {
         let groups = self.cfg.groups.len();
         let mut counts = Vec::with_capacity(groups);
         let mut pending = false;
+        let now = Instant::now();
+        for t in self.tiers.iter_mut().flatten() {
+            t.skip = !t.admit(now);
+        }
         for g in 0..groups {
             let keys = self.chunk_keys(r, g, hit, cap);
             let pool = &self.pools[g];
@@ -368,6 +461,10 @@ impl Scheduler {
                 .filter(|&k| pool.state(k) == KeyState::Absent)
                 .collect();
             for t in tiers.iter_mut() {
+                if t.skip {
+                    t.stats.skipped_lookups += missing.len() as u64;
+                    continue;
+                }
                 pending |= t.index.prefetch(&missing);
                 missing.retain(|&k| !matches!(t.index.state(k), KeyState::Ready { .. }));
             }
@@ -478,7 +575,11 @@ impl Scheduler {
         }
         tier.stats.pending += 1;
         tier.stats.max_pending = tier.stats.max_pending.max(tier.stats.pending);
-        tier.started.insert(job, Instant::now());
+        let now = Instant::now();
+        tier.started.insert(job, now);
+        if let (TierJobKind::Promote, Some(d)) = (kind, tier.deadline) {
+            tier.deadlines.push_back((now + d, job));
+        }
         self.new_tier_jobs.push(TierJob {
             id: job,
             kind,
@@ -516,6 +617,10 @@ impl Scheduler {
             if admitted.is_empty() {
                 continue;
             }
+            if !tier.admit(Instant::now()) {
+                tier.stats.dropped_writes += admitted.len() as u64;
+                continue;
+            }
             let Some(plan) = tier.index.prepare_write(&admitted) else {
                 continue;
             };
@@ -531,7 +636,7 @@ impl Scheduler {
     }
 
     /// Ends tier job `job` of group `g` in its tier's counters (pending, I/O time).
-    fn end_tier_job(&mut self, job: JobId, t: TierRef, g: usize) -> &mut GroupTier {
+    pub(super) fn end_tier_job(&mut self, job: JobId, t: TierRef, g: usize) -> &mut GroupTier {
         let tier = &mut self.tiers[g][t.tier as usize];
         tier.stats.pending -= 1;
         let us = tier
@@ -554,7 +659,11 @@ impl Scheduler {
         keys: &[Key],
         ok: bool,
     ) {
+        if self.complete_expired(job, t, g, keys, ok) {
+            return;
+        }
         let tier = self.end_tier_job(job, t, g);
+        tier.record(ok);
         match t.kind {
             TierJobKind::Write => {
                 let done = tier.index.complete_write(keys, ok);
@@ -590,6 +699,13 @@ impl Scheduler {
     /// counts as failed, a promotion's pins go; the CPU pool was emptied anyway).
     pub(super) fn reset_tier_job(&mut self, job: JobId, t: TierRef, g: usize, keys: &[Key]) {
         let tier = self.end_tier_job(job, t, g);
+        // The CPU pool was emptied (held slots too): the flush waits for the late I/O.
+        if let Some(slots) = tier.held.remove(&job) {
+            tier.stats.held_slots -= slots.len() as u64;
+            for k in keys {
+                tier.stuck.remove(k);
+            }
+        }
         let done = match t.kind {
             TierJobKind::Write => tier.index.complete_write(keys, false),
             TierJobKind::Promote => {
@@ -601,9 +717,10 @@ impl Scheduler {
     }
 }
 
-/// The nearest of `tiers` holding `key` ready.
+/// The nearest of `tiers` holding `key` ready, skipping tiers on probation and keys an
+/// expired promotion still reads.
 fn nearest(tiers: &[GroupTier], key: Key) -> Option<usize> {
-    tiers
-        .iter()
-        .position(|t| matches!(t.index.state(key), KeyState::Ready { .. }))
+    tiers.iter().position(|t| {
+        !t.skip && matches!(t.index.state(key), KeyState::Ready { .. }) && !t.stuck.contains(&key)
+    })
 }

@@ -28,7 +28,10 @@
 
 mod bulk;
 pub mod disk;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod header;
+pub mod health;
 pub mod io;
 pub mod namespace;
 pub mod remote;

@@ -39,6 +39,7 @@ use redis::Value;
 
 use super::bulk::{self, BulkConn};
 use super::header::{checksum, ChunkHeader, HEADER_LEN};
+use super::health::{Health, Transition};
 use crate::error::{Error, Result};
 use crate::ids::Key;
 
@@ -236,13 +237,6 @@ fn slice_pieces<'a>(data: &[&'a [u8]], start: usize, end: usize) -> Vec<&'a [u8]
 }
 
 #[derive(Debug, Default)]
-struct Health {
-    failures: u32,
-    until: Option<Instant>,
-    trial: bool,
-}
-
-#[derive(Debug, Default)]
 struct Counters {
     writes: AtomicU64,
     failed_writes: AtomicU64,
@@ -257,8 +251,6 @@ struct Counters {
     round_trips: AtomicU64,
     errors: AtomicU64,
     deadline_misses: AtomicU64,
-    probations: AtomicU64,
-    recoveries: AtomicU64,
     bytes_written: AtomicU64,
     bytes_read: AtomicU64,
 }
@@ -326,15 +318,13 @@ impl RemoteClient {
                 format!("{} is not within 4096..=512 MiB - header", cfg.part_bytes),
             ));
         }
-        if cfg.probation_after == 0 {
-            return Err(bad("remote_probation_after", "0 is not >= 1".into()));
-        }
+        let health = Health::new("remote_probation_after", cfg.probation_after, cfg.probation)?;
         Ok(Self {
             cfg,
             client,
             idle: Mutex::new(Vec::new()),
             idle_bulk: Mutex::new(Vec::new()),
-            health: Mutex::new(Health::default()),
+            health: Mutex::new(health),
             counters: Counters::default(),
             generation: AtomicU64::new(0),
         })
@@ -347,53 +337,41 @@ impl RemoteClient {
 
     /// Whether the tier is on probation now (operations are skipped).
     pub fn on_probation(&self) -> bool {
-        let h = self.health.lock().expect("health lock");
-        h.until.is_some_and(|t| Instant::now() < t)
+        self.health
+            .lock()
+            .expect("health lock")
+            .on_probation(Instant::now())
     }
 
     /// Whether an operation may run now: not on probation, or the probation is over (then this
     /// operation is the trial).
     fn admit(&self) -> bool {
-        let mut h = self.health.lock().expect("health lock");
-        match h.until {
-            Some(t) if Instant::now() < t => false,
-            Some(_) => {
-                h.until = None;
-                h.trial = true;
-                true
-            }
-            None => true,
-        }
+        self.health
+            .lock()
+            .expect("health lock")
+            .admit(Instant::now())
     }
 
     fn record(&self, outcome: std::result::Result<(), &OpError>) {
-        let mut h = self.health.lock().expect("health lock");
-        match outcome {
-            Ok(()) => {
-                h.failures = 0;
-                if std::mem::take(&mut h.trial) {
-                    add(&self.counters.recoveries, 1);
-                }
-            }
-            Err(e) => {
-                add(
-                    match e {
-                        OpError::Redis => &self.counters.errors,
-                        OpError::Late => &self.counters.deadline_misses,
-                    },
-                    1,
-                );
-                h.failures += 1;
-                if h.until.is_none() && (h.trial || h.failures >= self.cfg.probation_after) {
-                    h.trial = false;
-                    h.until = Some(Instant::now() + self.cfg.probation);
-                    add(&self.counters.probations, 1);
-                    drop(h);
-                    // Pooled connections are likely broken too.
-                    self.idle.lock().expect("pool lock").clear();
-                    self.idle_bulk.lock().expect("pool lock").clear();
-                }
-            }
+        if let Err(e) = outcome {
+            add(
+                match e {
+                    OpError::Redis => &self.counters.errors,
+                    OpError::Late => &self.counters.deadline_misses,
+                },
+                1,
+            );
+        }
+        let now = Instant::now();
+        let t = self
+            .health
+            .lock()
+            .expect("health lock")
+            .record(outcome.is_ok(), now);
+        if t == Transition::Probation {
+            // Pooled connections are likely broken too.
+            self.idle.lock().expect("pool lock").clear();
+            self.idle_bulk.lock().expect("pool lock").clear();
         }
     }
 
@@ -795,6 +773,7 @@ impl RemoteClient {
     pub fn stats(&self) -> RemoteStats {
         let c = &self.counters;
         let g = |a: &AtomicU64| a.load(Relaxed);
+        let h = self.health.lock().expect("health lock").clone();
         RemoteStats {
             writes: g(&c.writes),
             failed_writes: g(&c.failed_writes),
@@ -809,8 +788,8 @@ impl RemoteClient {
             round_trips: g(&c.round_trips),
             errors: g(&c.errors),
             deadline_misses: g(&c.deadline_misses),
-            probations: g(&c.probations),
-            recoveries: g(&c.recoveries),
+            probations: h.probations(),
+            recoveries: h.recoveries(),
             bytes_written: g(&c.bytes_written),
             bytes_read: g(&c.bytes_read),
         }

@@ -72,6 +72,8 @@ class SimConfig:
         disk_path: Directory of a disk tier below the CPU pool (None: no disk tier). A run on a
             directory an earlier run filled starts with its chunks on disk.
         disk_bytes: Bytes of the disk tier per KV group (with ``disk_path``).
+        disk_deadline_ms: Longest time a promotion from the disk tier may take; later, its
+            requests recompute.
         remote_deadline_ms: Longest wait for one operation of the shared tier (the scheduler's
             existence checks and the worker's reads and writes).
         remote_url: A shared tier (Redis) below the CPU pool at this URL (None: none); with
@@ -107,6 +109,7 @@ class SimConfig:
     max_steps: int = 1_000_000
     disk_path: str | None = None
     disk_bytes: int = 0
+    disk_deadline_ms: float = 5000.0
     remote_url: str | None = None
     remote_deadline_ms: float = 1000.0
 
@@ -139,6 +142,7 @@ class SimConfig:
             disk_path=self.disk_path,
             disk_bytes=self.disk_bytes if self.disk_path is not None else None,
             disk_model="kvoffload-sim",
+            disk_deadline_ms=self.disk_deadline_ms,
             remote_url=self.remote_url,
             remote_model="kvoffload-sim",
             remote_deadline_ms=self.remote_deadline_ms,

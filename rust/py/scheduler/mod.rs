@@ -511,8 +511,10 @@ impl Scheduler {
 
     /// Attaches a disk tier under `path` to every group (`disk_bytes` per group and worker),
     /// rebuilding its index from the headers every worker wrote there; `model` names the
-    /// weights and dtype (part of the namespace). Call it before the first request.
-    #[pyo3(signature = (path, disk_bytes, model = ""))]
+    /// weights and dtype (part of the namespace). A promotion not done within `deadline_ms`
+    /// expires (its requests recompute); failed or expired jobs put the tier on probation.
+    /// Call it before the first request.
+    #[pyo3(signature = (path, disk_bytes, model = "", deadline_ms = None))]
     #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
     fn attach_disk(
         &self,
@@ -520,10 +522,18 @@ impl Scheduler {
         path: std::path::PathBuf,
         disk_bytes: u64,
         model: &str,
+        deadline_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let mut watch = crate::scheduler::DiskWatch::default();
+        if let Some(d) = deadline_ms {
+            watch.deadline = super::remote::ms_arg("disk_deadline_ms", d)?;
+        }
         let model = model.to_string();
-        py.detach(|| self.lock().attach_disk(&path, disk_bytes, &model))
-            .map_err(to_py)
+        py.detach(|| {
+            self.lock()
+                .attach_disk_with(&path, disk_bytes, &model, watch)
+        })
+        .map_err(to_py)
     }
 
     /// Attaches the shared (Redis) tier at `url` to every group: chunks stored in the CPU pool

@@ -395,6 +395,8 @@ impl SlabFile {
         pieces: &mut [&mut [u8]],
     ) -> std::result::Result<(), ReadError> {
         let t0 = Instant::now();
+        #[cfg(feature = "fault-injection")]
+        crate::tier::fault::before_read(self.path());
         let r = self.read_inner(key, loc, pieces);
         let counter = if r.is_ok() {
             self.stats

@@ -1,0 +1,131 @@
+//! Deadlines and probation of the disk tier's jobs, as the scheduler sees them.
+//!
+//! - *Deadline*: a disk promotion not completed [`DiskWatch::deadline`] after its plan
+//!   expires ([`Scheduler::expire_tier_jobs`], run by every lookup). Its keys leave the CPU
+//!   pool's index at once, so the requests waiting for them stop asking later and recompute;
+//!   but its CPU slots stay *held* (not free, never reused: [`Pool::hold`]) because the
+//!   worker's I/O thread may still write into them. Its disk entries stay pinned and are not
+//!   promoted again meanwhile. When the late report arrives, the held slots are freed and
+//!   nothing is published, whatever the report says; a late failure drops the keys from the
+//!   tier, a late success only unpins them.
+//! - *Probation* ([`Health`], shared with the Redis client): failed or expired jobs put the
+//!   tier on probation; meanwhile chunks are not written behind (counted in
+//!   [`TierGroupStats::dropped_writes`]) and lookups skip the tier (counted in
+//!   [`TierGroupStats::skipped_lookups`]); the first job after it is the trial.
+//!
+//! [`DiskWatch::deadline`]: super::tiers::DiskWatch::deadline
+//! [`Pool::hold`]: crate::pool::Pool::hold
+//! [`Health`]: crate::tier::health::Health
+//! [`TierGroupStats::dropped_writes`]: super::TierGroupStats::dropped_writes
+//! [`TierGroupStats::skipped_lookups`]: super::TierGroupStats::skipped_lookups
+
+use std::time::Instant;
+
+use crate::ids::{JobId, Key};
+
+use super::tiers::{GroupTier, TierJobKind, TierRef};
+use super::Scheduler;
+
+impl GroupTier {
+    /// Whether the tier takes a job now (not on probation, or this is the trial).
+    pub(super) fn admit(&mut self, now: Instant) -> bool {
+        self.health.as_mut().is_none_or(|h| h.admit(now))
+    }
+
+    /// Records the outcome of one of the tier's jobs in its health.
+    pub(super) fn record(&mut self, ok: bool) {
+        if let Some(h) = self.health.as_mut() {
+            h.record(ok, Instant::now());
+        }
+    }
+}
+
+impl Scheduler {
+    /// Expires every promotion past its deadline (see the module documentation).
+    pub(super) fn expire_tier_jobs(&mut self) {
+        if !self.tiers.iter().flatten().any(|t| !t.deadlines.is_empty()) {
+            return;
+        }
+        self.expire_tier_jobs_at(Instant::now());
+    }
+
+    /// [`Scheduler::expire_tier_jobs`] as of `now`.
+    fn expire_tier_jobs_at(&mut self, now: Instant) {
+        for g in 0..self.tiers.len() {
+            for ti in 0..self.tiers[g].len() {
+                while let Some(&(at, job)) = self.tiers[g][ti].deadlines.front() {
+                    if at > now {
+                        break;
+                    }
+                    self.tiers[g][ti].deadlines.pop_front();
+                    if self.tiers[g][ti].is_pending(job) {
+                        self.expire(g, ti, job, now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Expires promotion `job` of group `g`'s tier `ti`: its keys leave the CPU pool's index,
+    /// its slots stay held until its report.
+    fn expire(&mut self, g: usize, ti: usize, job: JobId, now: Instant) {
+        let Some(keys) = self
+            .tracker
+            .jobs()
+            .get(job)
+            .map(|j| j.payload.transfers[0].keys.clone())
+        else {
+            return;
+        };
+        let held = self.pools[g].hold(&keys);
+        debug_assert!(held.is_ok(), "{held:?}");
+        let Ok(slots) = held else { return };
+        let tier = &mut self.tiers[g][ti];
+        tier.stats.expired_promotions += 1;
+        tier.stats.held_slots += slots.len() as u64;
+        tier.stuck.extend(keys.iter().copied());
+        tier.held.insert(job, slots);
+        if let Some(h) = tier.health.as_mut() {
+            h.record(false, now);
+        }
+    }
+
+    /// Applies the report of tier job `job` if it expired: frees its held CPU slots, publishes
+    /// nothing, and returns `true`. `false`: the job did not expire.
+    pub(super) fn complete_expired(
+        &mut self,
+        job: JobId,
+        t: TierRef,
+        g: usize,
+        keys: &[Key],
+        ok: bool,
+    ) -> bool {
+        if t.kind != TierJobKind::Promote || !self.tiers[g][t.tier as usize].held.contains_key(&job)
+        {
+            return false;
+        }
+        let tier = self.end_tier_job(job, t, g);
+        let slots = tier.held.remove(&job).expect("checked above");
+        tier.stats.held_slots -= slots.len() as u64;
+        tier.stats.late_reports += 1;
+        tier.stats.promoting -= keys.len() as u64;
+        for k in keys {
+            tier.stuck.remove(k);
+        }
+        // A late failure drops the keys from the tier (a rank that found bad bytes
+        // quarantined them); a late success leaves them there, unpinned.
+        let bad: &[Key] = if ok { &[] } else { keys };
+        let done = tier.index.complete_read(keys, bad);
+        debug_assert!(done.is_ok(), "{done:?}");
+        let freed = self.pools[g].release_held(&slots);
+        debug_assert!(freed.is_ok(), "{freed:?}");
+        true
+    }
+}
+
+impl GroupTier {
+    /// Whether tier job `job` is pending and has not expired.
+    fn is_pending(&self, job: JobId) -> bool {
+        self.started.contains_key(&job) && !self.held.contains_key(&job)
+    }
+}
