@@ -243,6 +243,11 @@ fn a_hung_promotion_expires_its_slots_stay_held_and_a_late_success_serves_nothin
     let mut e = Engine::new(&root, watch(100));
     let fault = ReadFault::hang(&root);
     let held = hung_promotion(&mut e, &fault, "b", &a);
+    // Both I/O threads lowered their CPU priority (the hung one before its first job).
+    if cfg!(target_os = "linux") {
+        assert_eq!(e.worker.low_priority_threads().1, 2);
+        assert!(e.worker.low_priority_threads().0 >= 1);
+    }
     // A second request waits for the promotion in flight.
     e.s.add_request("b2", 17, a.clone()).unwrap();
     assert_eq!(

@@ -492,14 +492,18 @@ impl DiskWorker {
         Ok(PyClassInitializer::from(base).add_subclass(Self {}))
     }
 
-    /// Per group: whether `O_DIRECT` is in use, and its I/O counters (empty once closed).
+    /// Per group: whether `O_DIRECT` is in use, its I/O counters, and how many of the
+    /// worker's I/O threads run at the lowest CPU priority (empty once closed).
     fn stats<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let py = slf.py();
         slf.as_super().get().with(|w| {
             let mut out = Vec::new();
+            let (low, threads) = w.map_or((0, 0), Io::low_priority_threads);
             for (g, grp) in w.map_or(&[][..], Io::groups).iter().enumerate() {
                 let d = PyDict::new(py);
                 d.set_item("group", g)?;
+                d.set_item("io_threads", threads)?;
+                d.set_item("io_threads_low_priority", low)?;
                 if let Some(f) = &grp.file {
                     let s = f.io_stats();
                     d.set_item("path", f.path())?;

@@ -15,7 +15,13 @@
 //!
 //! A slot being written behind is pinned in the CPU pool and a slot being promoted is
 //! reserved (not readable), so no other copy touches the bytes a tier job reads or writes.
+//!
+//! The I/O threads run at the lowest CPU priority (nice 19, [`lower_thread_priority`]): the
+//! checksums and copies of a write-behind must not take the CPU from the engine's Python
+//! thread on a small machine (issue 14's stall goal). [`TierWorker::low_priority_threads`]
+//! says how many got it (a sandbox may refuse).
 
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -84,6 +90,8 @@ struct Shared {
     groups: Vec<TierGroup>,
     done: Mutex<Vec<(JobId, bool)>>,
     cv: Condvar,
+    /// I/O threads that run at the lowest CPU priority.
+    low_priority: AtomicUsize,
 }
 
 /// Tier jobs on background threads. See the module documentation.
@@ -279,6 +287,7 @@ impl TierWorker {
             groups,
             done: Mutex::new(Vec::new()),
             cv: Condvar::new(),
+            low_priority: AtomicUsize::new(0),
         });
         let (tx, rx) = mpsc::channel::<WorkerJob>();
         let rx = Arc::new(Mutex::new(rx));
@@ -287,12 +296,17 @@ impl TierWorker {
                 let (shared, rx) = (Arc::clone(&shared), Arc::clone(&rx));
                 std::thread::Builder::new()
                     .name(format!("kvoffload-tier-{i}"))
-                    .spawn(move || loop {
-                        let job = rx.lock().expect("queue lock").recv();
-                        let Ok(job) = job else { break };
-                        let ok = shared.run(&job);
-                        shared.done.lock().expect("done lock").push((job.id, ok));
-                        shared.cv.notify_all();
+                    .spawn(move || {
+                        if lower_thread_priority() {
+                            shared.low_priority.fetch_add(1, Relaxed);
+                        }
+                        loop {
+                            let job = rx.lock().expect("queue lock").recv();
+                            let Ok(job) = job else { break };
+                            let ok = shared.run(&job);
+                            shared.done.lock().expect("done lock").push((job.id, ok));
+                            shared.cv.notify_all();
+                        }
                     })
                     .expect("spawn a tier I/O thread")
             })
@@ -307,6 +321,13 @@ impl TierWorker {
     /// The registered groups.
     pub fn groups(&self) -> &[TierGroup] {
         &self.shared.groups
+    }
+
+    /// `(lowered, threads)`: I/O threads running at the lowest CPU priority, of all (a
+    /// thread lowers itself when it starts: right after [`TierWorker::new`] the count may
+    /// still grow).
+    pub fn low_priority_threads(&self) -> (usize, usize) {
+        (self.shared.low_priority.load(Relaxed), self.threads.len())
     }
 
     /// Queues `jobs`; returns at once.
@@ -353,5 +374,51 @@ impl Drop for TierWorker {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+/// Puts the calling thread at the lowest CPU priority (nice 19; Linux: `setpriority` on the
+/// thread's id, which changes only that thread; threads it starts inherit it). Returns
+/// whether that worked (elsewhere, or where the system refuses: `false`, nothing changed).
+pub fn lower_thread_priority() -> bool {
+    #[cfg(target_os = "linux")]
+    #[allow(unsafe_code)]
+    {
+        // SAFETY: `gettid` has no preconditions and `setpriority` only reads its arguments.
+        let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+        // SAFETY: as above; a failure leaves the priority as it was.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19) == 0 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_os = "linux")]
+    #[allow(unsafe_code)]
+    fn own_nice() -> i32 {
+        // SAFETY: no preconditions.
+        let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+        // SAFETY: reads the priority of this thread only.
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t) }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn only_the_calling_thread_gets_the_lowest_priority() {
+        let before = own_nice();
+        let (ok, nice, child) = std::thread::spawn(|| {
+            let ok = super::lower_thread_priority();
+            let child = std::thread::spawn(own_nice).join().unwrap();
+            (ok, own_nice(), child)
+        })
+        .join()
+        .unwrap();
+        assert!(ok, "raising one's own nice value is always allowed");
+        assert_eq!((nice, child), (19, 19), "its threads inherit it");
+        assert_eq!(own_nice(), before, "other threads keep theirs");
     }
 }
