@@ -54,6 +54,9 @@ impl TierIndex for Shared {
     fn take_events(&mut self) -> Vec<TierEvent> {
         self.0.take_events()
     }
+    fn set_event_limit(&mut self, limit: usize) {
+        self.0.set_event_limit(limit);
+    }
     fn stats(&self) -> TierStats {
         self.0.stats()
     }

@@ -128,7 +128,18 @@ fn scheduler_on(root: &Path) -> Scheduler {
 
 /// First engine: request "a" stores 4 chunks; they are written behind to disk.
 fn fill(root: &Path) {
+    let mut s = fill_with(root, None);
+    let ev = s.take_tier_events();
+    assert_eq!(ev.len(), 1);
+    assert_eq!((ev[0].1.medium, ev[0].1.keys.clone()), ("disk", keys()));
+}
+
+/// [`fill`] with the scheduler's event queues bounded to `limit` keys, if given.
+fn fill_with(root: &Path, limit: Option<usize>) -> Scheduler {
     let mut s = scheduler_on(root);
+    if let Some(l) = limit {
+        s.set_event_limit(l);
+    }
     let mut w = Worker::new(root);
     s.add_request("a", 17, keys()).unwrap();
     assert_eq!(s.lookup("a", 0).unwrap(), Some(0));
@@ -149,9 +160,19 @@ fn fill(root: &Path) {
     let st = s.tier_stats()[0];
     assert_eq!((st.tier.writes, st.write_jobs, st.pending), (4, 1, 0));
     assert!(s.pending_jobs().is_empty());
-    let ev = s.take_tier_events();
-    assert_eq!(ev.len(), 1);
-    assert_eq!((ev[0].1.medium, ev[0].1.keys.clone()), ("disk", keys()));
+    s
+}
+
+#[test]
+fn tier_events_are_bounded_and_drops_counted() {
+    // 3 keys fit, the write-behind's event has 4: dropped whole, counted; 0 records none.
+    for limit in [3, 0] {
+        let root = tmp(&format!("events{limit}"));
+        let mut s = fill_with(&root, Some(limit));
+        assert!(s.take_tier_events().is_empty());
+        assert_eq!(s.tier_stats()[0].tier.events_dropped, 1);
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }
 
 /// Second engine on the same directory: "b" with the same prefix promotes, then loads.

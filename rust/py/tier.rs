@@ -119,7 +119,8 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
         skipped_checks,
         asked_later,
         probations,
-        recoveries
+        recoveries,
+        events_dropped
     );
     d.set_item("failed_write_jobs", s.failed_writes)?;
     d.set_item("queue_depth", s.pending)?;

@@ -85,11 +85,14 @@ impl Scheduler {
             .map_or(0, |t| t.blocks.len()))
     }
 
-    /// Bounds every pool's event queue to `limit` keys; 0 records no events (an engine that
-    /// publishes no KV events).
+    /// Bounds every pool's and lower tier's event queue to `limit` keys; 0 records no
+    /// events (an engine that publishes no KV events).
     pub fn set_event_limit(&mut self, limit: usize) {
         for p in &mut self.pools {
             p.set_event_limit(limit);
+        }
+        for t in self.tiers.iter_mut().flatten() {
+            t.index.set_event_limit(limit);
         }
     }
 }

@@ -28,6 +28,7 @@
 
 mod bulk;
 pub mod disk;
+pub mod events;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod header;
@@ -117,6 +118,9 @@ pub struct TierStats {
     pub probations: u64,
     /// Trials that ended a probation of the scheduler's client.
     pub recoveries: u64,
+    /// Events not queued because the tier's event queue was full or recording was off
+    /// ([`TierIndex::set_event_limit`]).
+    pub events_dropped: u64,
 }
 
 /// The scheduler-side index of one lower tier for one KV group. No I/O; every call checks its
@@ -155,6 +159,10 @@ pub trait TierIndex: Send + std::fmt::Debug {
 
     /// Drains the tier's events.
     fn take_events(&mut self) -> Vec<TierEvent>;
+
+    /// Bounds the tier's event queue to `limit` keys (0: record no events); an event that
+    /// does not fit is dropped whole and counted ([`TierStats::events_dropped`]).
+    fn set_event_limit(&mut self, limit: usize);
 
     /// Counters and occupancy.
     fn stats(&self) -> TierStats;

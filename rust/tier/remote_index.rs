@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 
+use super::events::TierEvents;
 use super::remote::RemoteClient;
 use super::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
 use crate::error::{Error, Result};
@@ -68,7 +69,7 @@ pub struct RemoteIndex {
     inflight: FxHashMap<Key, Instant>,
     ask: Sender<(Vec<Key>, Instant)>,
     answers: Receiver<Answer>,
-    events: Vec<TierEvent>,
+    events: TierEvents,
     stats: TierStats,
 }
 
@@ -111,7 +112,7 @@ impl RemoteIndex {
             inflight: FxHashMap::default(),
             ask,
             answers,
-            events: Vec::new(),
+            events: TierEvents::new(MEDIUM, crate::pool::default_event_limit(0)),
             stats: TierStats::default(),
         })
     }
@@ -290,11 +291,7 @@ impl TierIndex for RemoteIndex {
         self.stats.writing -= keys.len() as u64;
         if ok {
             self.stats.writes += keys.len() as u64;
-            self.events.push(TierEvent {
-                medium: MEDIUM,
-                kind: PoolEventKind::Stored,
-                keys: keys.to_vec(),
-            });
+            self.events.push(PoolEventKind::Stored, keys.to_vec());
         } else {
             self.stats.failed_writes += keys.len() as u64;
         }
@@ -348,17 +345,17 @@ impl TierIndex for RemoteIndex {
         }
         self.stats.reading -= keys.len() as u64;
         if !bad.is_empty() {
-            self.events.push(TierEvent {
-                medium: MEDIUM,
-                kind: PoolEventKind::Removed,
-                keys: bad.to_vec(),
-            });
+            self.events.push(PoolEventKind::Removed, bad.to_vec());
         }
         Ok(())
     }
 
     fn take_events(&mut self) -> Vec<TierEvent> {
-        std::mem::take(&mut self.events)
+        self.events.take()
+    }
+
+    fn set_event_limit(&mut self, limit: usize) {
+        self.events.set_limit(limit);
     }
 
     fn stats(&self) -> TierStats {
@@ -366,6 +363,7 @@ impl TierIndex for RemoteIndex {
         TierStats {
             probations: client.probations,
             recoveries: client.recoveries,
+            events_dropped: self.events.dropped(),
             used: self
                 .entries
                 .values()

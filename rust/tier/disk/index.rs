@@ -7,7 +7,8 @@ use super::{ScanReport, SlabLayout, WriteItem, MEDIUM};
 use crate::error::{Error, Result};
 use crate::ids::Key;
 use crate::policy::PolicyKind;
-use crate::pool::{KeyState, Pool, PoolConfig, PoolEventKind};
+use crate::pool::{default_event_limit, KeyState, Pool, PoolConfig, PoolEventKind};
+use crate::tier::events::TierEvents;
 use crate::tier::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
 
 /// The scheduler-side index of one namespace's slab (all ranks). See the module documentation.
@@ -21,7 +22,7 @@ pub struct DiskIndex {
     next_gen: u64,
     /// Keys found bad while pinned: dropped when their last pin goes.
     doomed: FxHashSet<Key>,
-    events: Vec<TierEvent>,
+    events: TierEvents,
     layout: SlabLayout,
     promotions: u64,
     quarantined: u64,
@@ -107,7 +108,7 @@ impl DiskIndex {
             gens,
             next_gen,
             doomed: FxHashSet::default(),
-            events: Vec::new(),
+            events: TierEvents::new(MEDIUM, default_event_limit(layout.slots)),
             layout,
             promotions: 0,
             quarantined: bad,
@@ -136,11 +137,7 @@ impl DiskIndex {
     }
 
     fn emit(&mut self, kind: PoolEventKind, keys: Vec<Key>) {
-        self.events.push(TierEvent {
-            medium: MEDIUM,
-            kind,
-            keys,
-        });
+        self.events.push(kind, keys);
     }
 
     /// Relays the pool's events with this tier's medium.
@@ -233,7 +230,18 @@ impl TierIndex for DiskIndex {
 
     fn take_events(&mut self) -> Vec<TierEvent> {
         self.relay_events();
-        std::mem::take(&mut self.events)
+        self.events.take()
+    }
+
+    fn set_event_limit(&mut self, limit: usize) {
+        self.relay_events();
+        self.events.set_limit(limit);
+        // The pool's queue is relayed after every call: it needs room for one call only.
+        self.pool.set_event_limit(if limit == 0 {
+            0
+        } else {
+            default_event_limit(self.layout.slots)
+        });
     }
 
     fn stats(&self) -> TierStats {
@@ -252,6 +260,7 @@ impl TierIndex for DiskIndex {
             no_room: p.no_room,
             writing: u64::from(p.storing),
             reading: u64::from(p.pinned),
+            events_dropped: self.events.dropped() + p.events_dropped,
             ..TierStats::default()
         }
     }
