@@ -98,18 +98,7 @@ impl Engine {
             }
             self.s.complete(job.id, 0, true).unwrap();
         }
-        let jobs: Vec<WorkerJob> = plan
-            .tier_jobs
-            .iter()
-            .map(|j| WorkerJob {
-                id: j.id,
-                kind: j.kind,
-                group: j.group,
-                keys: j.keys.clone(),
-                cpu_slots: j.cpu_slots.clone(),
-                locations: j.locations.clone(),
-            })
-            .collect();
+        let jobs: Vec<WorkerJob> = plan.tier_jobs.iter().map(WorkerJob::from).collect();
         let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
         self.worker.submit(jobs);
         let done = self.worker.wait(&ids, Duration::from_secs(20));

@@ -43,11 +43,11 @@ mod load;
 mod lookup;
 mod plan;
 mod positions;
-mod remote_tier;
 mod requests;
 mod reset;
 mod step;
 mod stores;
+mod tier_attach;
 mod tier_deadline;
 mod tiers;
 

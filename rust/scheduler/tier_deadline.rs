@@ -21,7 +21,7 @@
 
 use std::time::Instant;
 
-use crate::ids::{JobId, Key};
+use crate::ids::{JobId, Key, SlotId};
 
 use super::tiers::{GroupTier, TierJobKind, TierRef};
 use super::Scheduler;
@@ -105,13 +105,9 @@ impl Scheduler {
             return false;
         }
         let tier = self.end_tier_job(job, t, g);
-        let slots = tier.held.remove(&job).expect("checked above");
-        tier.stats.held_slots -= slots.len() as u64;
+        let slots = tier.end_hold(job, keys).expect("checked above");
         tier.stats.late_reports += 1;
         tier.stats.promoting -= keys.len() as u64;
-        for k in keys {
-            tier.stuck.remove(k);
-        }
         // A late failure drops the keys from the tier (a rank that found bad bytes
         // quarantined them); a late success leaves them there, unpinned.
         let bad: &[Key] = if ok { &[] } else { keys };
@@ -124,6 +120,17 @@ impl Scheduler {
 }
 
 impl GroupTier {
+    /// Ends the hold of expired promotion `job` of `keys`, if it expired: returns the CPU
+    /// slots it held.
+    pub(super) fn end_hold(&mut self, job: JobId, keys: &[Key]) -> Option<Vec<SlotId>> {
+        let slots = self.held.remove(&job)?;
+        self.stats.held_slots -= slots.len() as u64;
+        for k in keys {
+            self.stuck.remove(k);
+        }
+        Some(slots)
+    }
+
     /// Whether tier job `job` is pending and has not expired.
     fn is_pending(&self, job: JobId) -> bool {
         self.started.contains_key(&job) && !self.held.contains_key(&job)

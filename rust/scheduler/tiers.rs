@@ -30,20 +30,18 @@
 //!
 //! How a promotion chooses its chunks and bounds the CPU room it holds (beyond DESIGN.md §9):
 //! `docs/design-notes.md`.
+//!
+//! Files: this one the tier jobs (write-behind, promotion, completion); `tier_attach.rs`
+//! attaching tiers; `tier_deadline.rs` the disk tier's promotion deadline and probation.
 
 use std::collections::VecDeque;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::error::{Error, Result};
 use crate::ids::{JobId, Key, OwnerId, SlotId};
 use crate::pool::KeyState;
-use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
 use crate::tier::health::Health;
-use crate::tier::namespace::Namespace;
-use crate::tier::remote_index::MEDIUM as REMOTE;
 use crate::tier::{Location, TierEvent, TierIndex, TierStats};
 
 use super::lookup::prefix_counts;
@@ -205,53 +203,10 @@ pub(super) struct GroupTier {
     pub(super) skip: bool,
 }
 
-/// Most keys whose loads a tier with `min_hits > 0` counts at once.
-const HIT_COUNTS: usize = 1 << 20;
-
-/// Where a tier job belongs: its kind and its tier among its group's tiers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct TierRef {
-    pub(super) kind: TierJobKind,
-    pub(super) tier: u32,
-}
-
-impl Scheduler {
-    /// Attaches a lower tier to KV group `group` (before the first request is added), written
-    /// behind to as `admission` says. A group may have one tier per medium; lookups promote
-    /// from the nearest tier holding a chunk (local tiers before the shared one). Chunks become
-    /// readable through a tier only by promotion into the CPU pool.
-    pub fn attach_tier(&mut self, group: u32, index: Box<dyn TierIndex>) -> Result<()> {
-        self.attach_tier_with(group, index, TierAdmission::default())
-    }
-
-    /// [`Scheduler::attach_tier`] with an admission filter.
-    pub fn attach_tier_with(
-        &mut self,
-        group: u32,
-        index: Box<dyn TierIndex>,
-        admission: TierAdmission,
-    ) -> Result<()> {
-        let g = group as usize;
-        if g >= self.cfg.groups.len() {
-            return Err(Error::Config(format!(
-                "attach_tier: group {group} does not exist, the scheduler has {} groups",
-                self.cfg.groups.len()
-            )));
-        }
-        self.check_no_requests("attach_tier")?;
-        let medium = index.medium();
-        if self
-            .tiers
-            .get(g)
-            .is_some_and(|ts| ts.iter().any(|t| t.index.medium() == medium))
-        {
-            return Err(Error::Config(format!(
-                "attach_tier: group {group} has a {medium} tier already"
-            )));
-        }
-        self.tiers.resize_with(self.cfg.groups.len(), Vec::new);
-        let tiers = &mut self.tiers[g];
-        tiers.push(GroupTier {
+impl GroupTier {
+    /// Tier `index` of group `group`, written behind to as `admission` says.
+    pub(super) fn new(index: Box<dyn TierIndex>, group: u32, admission: TierAdmission) -> Self {
+        Self {
             index,
             stats: TierGroupStats {
                 group,
@@ -266,128 +221,21 @@ impl Scheduler {
             held: FxHashMap::default(),
             stuck: FxHashSet::default(),
             skip: false,
-        });
-        // Nearest first: the shared tier after the local ones.
-        tiers.sort_by_key(|t| t.index.medium() == REMOTE);
-        Ok(())
-    }
-
-    /// Sets the admission filter of every group's tier of `medium`; returns how many tiers
-    /// it set (0: no such tier).
-    pub fn set_tier_admission(&mut self, medium: &str, admission: TierAdmission) -> usize {
-        let mut n = 0;
-        for t in self.tiers.iter_mut().flatten() {
-            if t.index.medium() == medium {
-                t.admission = admission;
-                n += 1;
-            }
-        }
-        n
-    }
-
-    /// `Err` naming `what` once a request or a job exists (tiers attach before them).
-    pub(super) fn check_no_requests(&self, what: &str) -> Result<()> {
-        if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
-            return Err(Error::Config(format!(
-                "{what}: attach tiers before the first request"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Attaches a disk tier under `root` to every group: `disk_bytes` per group and worker,
-    /// namespaces from `model` and the configuration ([`engine_namespace`]), each index rebuilt
-    /// from every rank's headers. All or nothing.
-    pub fn attach_disk(&mut self, root: &Path, disk_bytes: u64, model: &str) -> Result<()> {
-        self.attach_disk_with(root, disk_bytes, model, DiskWatch::default())
-    }
-
-    /// [`Scheduler::attach_disk`] with a promotion deadline and probation settings.
-    pub fn attach_disk_with(
-        &mut self,
-        root: &Path,
-        disk_bytes: u64,
-        model: &str,
-        watch: DiskWatch,
-    ) -> Result<()> {
-        let health = Health::new(
-            "disk_probation_after",
-            watch.probation_after,
-            watch.probation,
-        )?;
-        if watch.deadline.is_zero() {
-            return Err(Error::Config(
-                "disk_deadline_ms must be positive, got 0".into(),
-            ));
-        }
-        let mut indexes = Vec::with_capacity(self.cfg.groups.len());
-        for g in 0..self.cfg.groups.len() {
-            let chunk = self.tier_chunk_bytes(g, "disk")?;
-            let layout = SlabLayout::new(chunk, disk_bytes)?;
-            let scans = (0..self.cfg.num_workers)
-                .map(|rank| scan_namespace(root, &self.tier_namespace(g, rank, model), layout))
-                .collect::<Result<Vec<_>>>()?;
-            indexes.push(DiskIndex::recover(layout, self.cfg.policy, &scans)?);
-        }
-        self.attach_all("attach_disk", indexes)?;
-        for t in self.tiers.iter_mut().flatten() {
-            if t.index.medium() == crate::tier::disk::MEDIUM {
-                t.deadline = Some(watch.deadline);
-                t.health = Some(health.clone());
-            }
-        }
-        Ok(())
-    }
-
-    /// Bytes of a chunk of group `g` (a lower tier of `medium` needs them).
-    pub(super) fn tier_chunk_bytes(&self, g: usize, medium: &str) -> Result<u64> {
-        match self.cfg.groups[g].bytes_per_chunk {
-            0 => Err(Error::Config(format!(
-                "{medium} tier: group {g} has bytes_per_chunk=0; a lower tier needs the size of \
-                 a chunk"
-            ))),
-            n => Ok(n),
         }
     }
+}
 
-    /// The engine namespace of group `g`'s chunks on worker `rank` ([`engine_namespace`]).
-    pub(super) fn tier_namespace(&self, g: usize, rank: u32, model: &str) -> Namespace {
-        let (cfg, gc) = (&self.cfg, &self.cfg.groups[g]);
-        engine_namespace(
-            model,
-            gc.bytes_per_chunk,
-            gc.block_size,
-            cfg.blocks_per_chunk,
-            rank,
-            cfg.num_workers,
-            g as u32,
-        )
-    }
+/// Most keys whose loads a tier with `min_hits > 0` counts at once.
+const HIT_COUNTS: usize = 1 << 20;
 
-    /// Attaches one index per group (group `i` gets `indexes[i]`), all or nothing.
-    pub(super) fn attach_all<T: TierIndex + 'static>(
-        &mut self,
-        what: &str,
-        indexes: Vec<T>,
-    ) -> Result<()> {
-        self.check_no_requests(what)?;
-        if let Some(g) = (0..indexes.len()).find(|&g| {
-            let m = indexes[g].medium();
-            self.tiers
-                .get(g)
-                .is_some_and(|ts| ts.iter().any(|t| t.index.medium() == m))
-        }) {
-            return Err(Error::Config(format!(
-                "{what}: group {g} has a {} tier already",
-                indexes[g].medium()
-            )));
-        }
-        for (g, idx) in indexes.into_iter().enumerate() {
-            self.attach_tier(g as u32, Box::new(idx))?;
-        }
-        Ok(())
-    }
+/// Where a tier job belongs: its kind and its tier among its group's tiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TierRef {
+    pub(super) kind: TierJobKind,
+    pub(super) tier: u32,
+}
 
+impl Scheduler {
     /// Whether any group has a lower tier.
     pub fn has_tiers(&self) -> bool {
         self.tiers.iter().any(|ts| !ts.is_empty())
@@ -700,12 +548,7 @@ impl Scheduler {
     pub(super) fn reset_tier_job(&mut self, job: JobId, t: TierRef, g: usize, keys: &[Key]) {
         let tier = self.end_tier_job(job, t, g);
         // The CPU pool was emptied (held slots too): the flush waits for the late I/O.
-        if let Some(slots) = tier.held.remove(&job) {
-            tier.stats.held_slots -= slots.len() as u64;
-            for k in keys {
-                tier.stuck.remove(k);
-            }
-        }
+        tier.end_hold(job, keys);
         let done = match t.kind {
             TierJobKind::Write => tier.index.complete_write(keys, false),
             TierJobKind::Promote => {

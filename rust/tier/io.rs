@@ -85,6 +85,20 @@ pub struct WorkerJob {
     pub locations: Vec<Location>,
 }
 
+impl From<&crate::scheduler::TierJob> for WorkerJob {
+    /// The worker's part of a planned tier job (the medium picks the worker).
+    fn from(j: &crate::scheduler::TierJob) -> Self {
+        Self {
+            id: j.id,
+            kind: j.kind,
+            group: j.group,
+            keys: j.keys.clone(),
+            cpu_slots: j.cpu_slots.clone(),
+            locations: j.locations.clone(),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Shared {
     groups: Vec<TierGroup>,
