@@ -13,6 +13,7 @@ mod remote;
 mod scheduler;
 mod sync;
 mod tier;
+mod tier_worker;
 mod tracker;
 
 use pyo3::prelude::*;
@@ -35,7 +36,7 @@ mod _core {
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
     #[pymodule_export]
-    use super::tier::{disk_inspect, DiskWorker, TierWorker};
+    use super::tier_worker::{disk_inspect, DiskWorker, TierWorker};
     #[pymodule_export]
     use super::tracker::JobTracker;
 

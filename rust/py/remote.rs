@@ -14,7 +14,8 @@ use pyo3::types::PyDict;
 
 use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
-use super::tier::{set_counters, RegionArg, TierWorker};
+use super::tier::set_counters;
+use super::tier_worker::{RegionArg, TierWorker};
 use crate::ids::Key;
 use crate::tier::disk::engine_namespace;
 use crate::tier::io::RemoteGroup;

@@ -1,0 +1,383 @@
+//! `kvoffload._core.TierWorker` and its `DiskWorker`, and `disk_inspect`: the worker side of
+//! the lower tiers, and the read-only report behind `kvoffload disk inspect` / `verify`.
+//!
+//! A tier worker registers the CPU pool's buffers (Python buffer objects, e.g. numpy views of
+//! the pinned pool tensors: it holds them, so the memory stays alive) and, per KV group, where
+//! each tensor's CPU rows sit; it opens the group's tier (a slab file here, a shared-tier
+//! client in `remote.rs`'s `RemoteWorker`) and runs tier jobs on its own threads. `submit`
+//! (plan tuples) and `submit_packed` (the packed rows `schedule_batch` returns, see
+//! [`super::tier::encode_tier_jobs`]) return at once; `poll` / `wait` collect `(job_id, ok)`; `close`
+//! finishes the queued jobs and stops the threads. Both subclasses share this base: only the
+//! way a group's tier is opened, and their counters, differ.
+
+use std::path::PathBuf;
+use std::sync::RwLock;
+use std::time::Duration;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::copy::register;
+use super::errors::{to_py, ConfigError, KvOffloadError};
+use super::tier::{decode_tier_jobs, set_counters, worker_jobs, TierJobArg};
+use crate::copy::RowSpace;
+use crate::ids::JobId;
+use crate::tier::disk::{engine_namespace, inspect, SlabFile, SlabLayout, MEDIUM as DISK};
+use crate::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker as Io};
+
+/// One region as given: `(buffer, offset, stride, row_bytes)`.
+pub type RegionArg = (usize, usize, usize, usize);
+
+/// A group's regions as given: `(buffer, offset, stride, row_bytes)` each.
+pub fn cpu_regions(regions: Vec<RegionArg>) -> Vec<CpuRegion> {
+    regions
+        .into_iter()
+        .map(|(buffer, offset, stride, row_bytes)| CpuRegion {
+            space: RowSpace {
+                buffer,
+                offset,
+                stride,
+            },
+            row_bytes,
+        })
+        .collect()
+}
+
+/// One group's tier as a worker opens it: its slab file or its shared-tier client.
+pub type OpenGroup = (Option<SlabFile>, Option<RemoteGroup>);
+
+/// What `DiskWorker` and `RemoteWorker` share: the registration of the CPU pool, the I/O
+/// threads, and submitting, polling, waiting for and closing tier jobs.
+#[pyclass(subclass, frozen, module = "kvoffload._core")]
+pub struct TierWorker {
+    /// `None` once closed.
+    inner: RwLock<Option<Io>>,
+    medium: &'static str,
+    /// Keeps every registered buffer alive and unresizable.
+    _buffers: Vec<PyBuffer<u8>>,
+}
+
+impl TierWorker {
+    /// Registers `buffers` and `groups` (`(cpu_rows, block_size, regions)` each) and starts the
+    /// threads; `open(group, chunk_bytes, block_size)` opens each group's tier. `what` names the
+    /// class in errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn open(
+        what: &str,
+        medium: &'static str,
+        buffers: &[Bound<'_, PyAny>],
+        groups: Vec<(usize, u32, Vec<RegionArg>)>,
+        blocks_per_chunk: u32,
+        rank: u32,
+        world_size: u32,
+        threads: usize,
+        mut open: impl FnMut(u32, u64, u32) -> PyResult<OpenGroup>,
+    ) -> PyResult<Self> {
+        if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
+            return Err(ConfigError::new_err(format!(
+                "{what}: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
+                 world_size={world_size}: need blocks_per_chunk >= 1 and 0 <= rank < world_size"
+            )));
+        }
+        let (held, spans) = register(buffers)?;
+        let mut tgroups = Vec::with_capacity(groups.len());
+        for (g, (cpu_rows, block_size, regions)) in groups.into_iter().enumerate() {
+            let chunk: u64 = regions
+                .iter()
+                .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
+                .sum();
+            let (file, remote) = open(g as u32, chunk, block_size)?;
+            tgroups.push(TierGroup {
+                cpu_rows,
+                rows_per_chunk: blocks_per_chunk as usize,
+                regions: cpu_regions(regions),
+                file,
+                remote,
+            });
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: each span is the memory of a buffer held in `_buffers` for the worker's whole
+        // lifetime; a held buffer export keeps its exporter from freeing or resizing it.
+        let inner = unsafe { Io::new(&spans, tgroups, threads) }.map_err(to_py)?;
+        Ok(Self {
+            inner: RwLock::new(Some(inner)),
+            medium,
+            _buffers: held,
+        })
+    }
+
+    /// Runs `f` on the open worker (`None` once closed).
+    pub fn with<R>(&self, f: impl FnOnce(Option<&Io>) -> R) -> R {
+        f(self.inner.read().expect("tier worker lock").as_ref())
+    }
+}
+
+fn results(done: Vec<(JobId, bool)>) -> Vec<(u64, bool)> {
+    done.into_iter().map(|(j, ok)| (j.0, ok)).collect()
+}
+
+#[pymethods]
+impl TierWorker {
+    /// The tier's medium: `"disk"` or `"remote"`.
+    #[getter]
+    fn medium(&self) -> &'static str {
+        self.medium
+    }
+
+    /// Queues tier jobs as `StepPlan.tier_jobs` carries them; returns at once.
+    fn submit(&self, jobs: Vec<TierJobArg>) -> PyResult<()> {
+        let jobs = worker_jobs(jobs, self.medium)?;
+        self.with(|w| w.map(|w| w.submit(jobs)))
+            .ok_or_else(|| self.closed_err())
+    }
+
+    /// Queues the tier jobs of a packed buffer (`Scheduler.schedule_batch`'s sixth item, one
+    /// row per chunk); returns their ids at once, in order.
+    fn submit_packed(&self, jobs: &[u8]) -> PyResult<Vec<u64>> {
+        let jobs = decode_tier_jobs(jobs, self.medium)?;
+        let ids = jobs.iter().map(|j| j.id.0).collect();
+        self.with(|w| w.map(|w| w.submit(jobs)))
+            .ok_or_else(|| self.closed_err())?;
+        Ok(ids)
+    }
+
+    /// Jobs finished since the last poll or wait: `(job_id, ok)`.
+    fn poll(&self, py: Python<'_>) -> Vec<(u64, bool)> {
+        results(py.detach(|| self.with(|w| w.map(Io::poll).unwrap_or_default())))
+    }
+
+    /// Waits (GIL released) until every job of `job_ids` finished or `timeout` seconds
+    /// passed; returns every job finished since the last poll or wait: `(job_id, ok)`.
+    #[pyo3(signature = (job_ids, timeout = 60.0))]
+    fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: f64) -> PyResult<Vec<(u64, bool)>> {
+        if !timeout.is_finite() || timeout < 0.0 {
+            return Err(ConfigError::new_err(format!(
+                "wait: timeout={timeout} must be a finite number of seconds >= 0"
+            )));
+        }
+        let ids: Vec<JobId> = job_ids.into_iter().map(JobId).collect();
+        let d = Duration::from_secs_f64(timeout.min(1e9));
+        Ok(results(py.detach(|| {
+            self.with(|w| w.map(|w| w.wait(&ids, d)).unwrap_or_default())
+        })))
+    }
+
+    /// Finishes the queued jobs (their results are dropped), stops the threads and releases
+    /// the tier; later submits raise, polls return nothing. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let io = self.inner.write().expect("tier worker lock").take();
+        py.detach(move || drop(io));
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.with(|w| w.is_none())
+    }
+}
+
+impl TierWorker {
+    fn closed_err(&self) -> PyErr {
+        KvOffloadError::new_err(format!("the {} tier worker was closed", self.medium))
+    }
+}
+
+/// Runs disk tier jobs on Rust threads, straight from and into the registered CPU pool.
+#[pyclass(extends = TierWorker, frozen, module = "kvoffload._core")]
+pub struct DiskWorker {}
+
+#[pymethods]
+impl DiskWorker {
+    /// Opens the slab file of every group under `path` (`disk_bytes` each) for worker `rank`
+    /// of `world_size`, and registers the CPU pool: `buffers`, and per group
+    /// `(cpu_rows, block_size, regions)` with regions `(buffer, offset, stride, row_bytes)`.
+    #[new]
+    #[pyo3(signature = (path, disk_bytes, buffers, groups, blocks_per_chunk = 1, model = "", rank = 0, world_size = 1, threads = 2, direct = true, sync = true))]
+    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
+    fn new(
+        path: PathBuf,
+        disk_bytes: u64,
+        buffers: Vec<Bound<'_, PyAny>>,
+        groups: Vec<(usize, u32, Vec<RegionArg>)>,
+        blocks_per_chunk: u32,
+        model: &str,
+        rank: u32,
+        world_size: u32,
+        threads: usize,
+        direct: bool,
+        sync: bool,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let base = TierWorker::open(
+            "DiskWorker",
+            DISK,
+            &buffers,
+            groups,
+            blocks_per_chunk,
+            rank,
+            world_size,
+            threads,
+            |g, chunk, block_size| {
+                let ns = engine_namespace(
+                    model,
+                    chunk,
+                    block_size,
+                    blocks_per_chunk,
+                    rank,
+                    world_size,
+                    g,
+                );
+                let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
+                let file = SlabFile::open(&path, &ns, layout, direct, sync).map_err(to_py)?;
+                Ok((Some(file), None))
+            },
+        )?;
+        Ok(PyClassInitializer::from(base).add_subclass(Self {}))
+    }
+
+    /// Per group: whether `O_DIRECT` is in use, its I/O counters, and how many of the
+    /// worker's I/O threads run at the lowest CPU priority (empty once closed).
+    fn stats<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let py = slf.py();
+        slf.as_super().get().with(|w| {
+            let mut out = Vec::new();
+            let (low, threads) = w.map_or((0, 0), Io::low_priority_threads);
+            for (g, grp) in w.map_or(&[][..], Io::groups).iter().enumerate() {
+                let d = PyDict::new(py);
+                d.set_item("group", g)?;
+                d.set_item("io_threads", threads)?;
+                d.set_item("io_threads_low_priority", low)?;
+                if let Some(f) = &grp.file {
+                    let s = f.io_stats();
+                    d.set_item("path", f.path())?;
+                    d.set_item("direct", f.direct())?;
+                    d.set_item("slots", f.layout().slots)?;
+                    d.set_item("chunk_bytes", f.layout().chunk_bytes)?;
+                    set_counters!(
+                        d,
+                        s,
+                        bytes_written,
+                        bytes_read,
+                        chunks_written,
+                        chunks_read,
+                        read_failures,
+                        write_failures,
+                        direct_pieces,
+                        buffered_pieces,
+                        write_ns,
+                        read_ns
+                    );
+                }
+                out.push(d);
+            }
+            Ok(out)
+        })
+    }
+}
+
+/// Reports every namespace directory of a disk tier at `path` (read-only); with `verify`,
+/// reads every committed chunk and checks its checksum.
+#[pyfunction]
+#[pyo3(signature = (path, verify = false))]
+#[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
+pub fn disk_inspect(
+    py: Python<'_>,
+    path: PathBuf,
+    verify: bool,
+) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    let reports = py.detach(|| inspect(&path, verify)).map_err(to_py)?;
+    let mut out = Vec::with_capacity(reports.len());
+    for r in reports {
+        let d = PyDict::new(py);
+        d.set_item("namespace", format!("{:032x}", r.namespace))?;
+        set_counters!(
+            d,
+            r,
+            dir,
+            group,
+            chunk_bytes,
+            slots,
+            chunks,
+            free,
+            quarantined,
+            file_bytes,
+            disk_bytes
+        );
+        if verify {
+            d.set_item("verified", r.verified)?;
+            d.set_item("corrupt", r.corrupt)?;
+        }
+        out.push(d);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tier::remote_index::MEDIUM as REMOTE;
+
+    fn job(id: u64, kind: TierJobKind, medium: &'static str, keys: &[u128]) -> TierJob {
+        TierJob {
+            id: JobId(id),
+            kind,
+            medium,
+            group: 1,
+            keys: keys.iter().map(|&k| Key(k)).collect(),
+            cpu_slots: (0..keys.len() as u32).map(|s| s + 10).collect(),
+            locations: (0..keys.len() as u64)
+                .map(|p| Location {
+                    place: p + 100,
+                    generation: p + 7,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn packed_tier_jobs_round_trip_for_their_medium_only() {
+        let big = (u128::from(u64::MAX) << 64) | 5;
+        let jobs = [
+            job(3, TierJobKind::Write, DISK, &[1, big]),
+            job(4, TierJobKind::Promote, DISK, &[9]),
+        ];
+        let buf = encode_tier_jobs(&jobs);
+        assert_eq!(buf.len(), 3 * TIER_ROW_WORDS * 8);
+        let back = decode_tier_jobs(&buf, DISK).unwrap();
+        assert_eq!(back.len(), jobs.len());
+        for (b, j) in back.iter().zip(&jobs) {
+            assert_eq!((b.id, b.kind, b.group), (j.id, j.kind, j.group));
+            assert_eq!((&b.keys, &b.cpu_slots), (&j.keys, &j.cpu_slots));
+            assert_eq!(b.locations, j.locations);
+        }
+        assert!(decode_tier_jobs(&encode_tier_jobs(&[]), DISK)
+            .unwrap()
+            .is_empty());
+        // With both tiers, each worker takes its own medium's jobs from the plan's buffer.
+        let mixed = encode_tier_jobs(&[
+            job(5, TierJobKind::Write, DISK, &[1, 2]),
+            job(6, TierJobKind::Promote, REMOTE, &[3]),
+            job(7, TierJobKind::Write, REMOTE, &[4, 5]),
+        ]);
+        let ids = |m: &str| -> Vec<u64> {
+            let jobs = decode_tier_jobs(&mixed, m).unwrap();
+            jobs.iter().map(|j| j.id.0).collect()
+        };
+        assert_eq!((ids(DISK), ids(REMOTE)), (vec![5], vec![6, 7]));
+        assert!(decode_tier_jobs(&buf, REMOTE).unwrap().is_empty());
+        // An unknown medium or kind, a torn buffer, rows of one job split apart: refused.
+        let mut unknown = buf.clone();
+        unknown[8 + 1] = 2;
+        assert!(decode_tier_jobs(&unknown, DISK).is_err());
+        let mut kind = buf.clone();
+        kind[8] = 7;
+        assert!(decode_tier_jobs(&kind, DISK).is_err());
+        assert!(decode_tier_jobs(&buf[..buf.len() - 8], DISK).is_err());
+        let split = [
+            job(3, TierJobKind::Write, DISK, &[1]),
+            job(4, TierJobKind::Write, DISK, &[2]),
+            job(3, TierJobKind::Write, DISK, &[3]),
+        ];
+        assert!(decode_tier_jobs(&encode_tier_jobs(&split), DISK).is_err());
+    }
+}
