@@ -509,9 +509,9 @@ class CountingCopier:
         self.inner = inner
         self.calls = 0
 
-    def copy(self, *args: Any) -> int:
+    def copy_packed(self, *args: Any) -> int:
         self.calls += 1
-        return int(self.inner.copy(*args))
+        return int(self.inner.copy_packed(*args))
 
 
 @pytest.mark.parametrize(

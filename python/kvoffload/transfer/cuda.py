@@ -97,5 +97,4 @@ def _submit_on_stream(
         with contextlib.suppress(Exception):  # the job's error is already recorded
             stream.synchronize()
         job.t_done = time.perf_counter()
-        job.done.set()
         sink.push(job)

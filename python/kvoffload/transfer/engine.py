@@ -50,6 +50,7 @@ from kvoffload.transfer.jobs import (
     _Job,
     _plan,
     _plan_many,
+    _plan_packed,
 )
 from kvoffload.transfer.layout import (
     GroupCaches,
@@ -242,6 +243,9 @@ class TransferEngine:
 
         self._device = device
         self._groups: tuple[_Group, ...] = tuple(groups)
+        self._shapes = [
+            (g.num_blocks, g.num_cpu_blocks, g.bytes_per_block, len(g.regions)) for g in groups
+        ]
         self._bpc = bpc
         self._num_slots = slots
         self._pool = pool
@@ -377,7 +381,41 @@ class TransferEngine:
         """
         new_stores = _plan_many(self._groups, stores, "store", "step stores")
         new_loads = _plan_many(self._groups, loads, "load", "step loads")
-        flush_ids = _id_list(flush, "step flush")
+        self._step(new_stores, _id_list(flush, "step flush"), new_loads)
+
+    def step_packed(
+        self,
+        load_jobs: Iterable[SupportsIndex],
+        store_jobs: Iterable[SupportsIndex],
+        flush: Iterable[SupportsIndex],
+        runs: bytes,
+    ) -> None:
+        """:meth:`step` for a plan as the core packs it: job ids and one buffer of runs.
+
+        The rows of ``runs`` (``StepPlan.runs``, or ``Scheduler.schedule_batch``'s) are checked
+        once, in the core, and read in place by the copies: no per-job or per-block list is
+        built. Same order and guarantees as :meth:`step`.
+
+        Args:
+            load_jobs: The plan's load job ids.
+            store_jobs: The plan's store job ids.
+            flush: Jobs that must complete before this step writes its blocks.
+            runs: Rows of five little-endian ``uint32`` (index of the job in
+                ``load_jobs + store_jobs``, group, first GPU block, first CPU position, length),
+                the rows of one job consecutive.
+
+        Raises:
+            TransferError: A malformed buffer or row (the message names the row), a job id
+                given twice or already in use.
+            InvalidBlockError: A row whose blocks or CPU positions are out of range (named).
+            UnknownJobError: A flushed id this engine never saw.
+            EngineClosedError: After shutdown.
+        """
+        new_loads, new_stores = _plan_packed(self._shapes, load_jobs, store_jobs, runs)
+        self._step(new_stores, _id_list(flush, "step flush"), new_loads)
+
+    def _step(self, new_stores: list[_Job], flush_ids: list[int], new_loads: list[_Job]) -> None:
+        """:meth:`step` with its jobs validated."""
         with self._lock:
             self._check_open()
             mine: set[int] = set()
@@ -634,7 +672,7 @@ class TransferEngine:
         for job in jobs:
             if job.end_event is None:
                 left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                if not job.done.wait(left):
+                if not self._sink.wait(job, left):
                     raise self._timeout_error(jobs)
             elif deadline is None:
                 job.end_event.synchronize()
@@ -657,7 +695,7 @@ class TransferEngine:
     def _is_done(self, job: _Job) -> bool:
         if job.end_event is not None:
             return bool(job.end_event.query())
-        return job.done.is_set()
+        return job.finished
 
     def _collect(self, *, drain: bool = False) -> list[TransferResult]:
         """Remove finished jobs from the in-flight table and turn them into results. Lock held.

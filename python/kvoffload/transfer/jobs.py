@@ -1,12 +1,15 @@
-"""What a job is: transfers validated into runs, its progress, its result, its id.
+"""What a job is: validated packed runs, its progress, its result, its id.
 
-A job is a list of transfers ``(group, gpu_blocks, cpu_blocks)``. :func:`_plan` checks every
-value against the registered groups (nothing is queued for a bad job) and finds, with numpy, the
-runs where both the GPU block ids and the CPU positions are consecutive: each run is one copy
-per registered tensor (:attr:`TransferResult.copies` counts them). Executors record progress on
-the :class:`_Job`; finished jobs go to a :class:`_Completions` list that ``poll`` drains, each
-exactly once. :class:`_IdRanges` remembers which job ids an engine has seen, in bounded memory
-(``docs/design-notes.md``, "Bounded memory of job ids").
+A job's copies are *runs*: rows of a packed little-endian ``uint32`` buffer (job index, group,
+first GPU block, first CPU position, length; ``RUN_WORDS`` words, ``rust/runs.rs``) where both
+the GPU blocks and the CPU positions are consecutive; each run is one copy per registered tensor
+(:attr:`TransferResult.copies` counts them). A step plan's jobs share the plan's buffer as the
+core made it (:func:`_plan_packed`: checked once, in the core; each job keeps its row range).
+A job given as transfers ``(group, gpu_blocks, cpu_blocks)`` is checked here and packed the
+same way (:func:`_plan`, with numpy). Nothing is queued for a bad job. Executors record
+progress on the :class:`_Job`; finished jobs go to a :class:`_Completions` list that ``poll``
+drains, each exactly once. :class:`_IdRanges` remembers which job ids an engine has seen, in
+bounded memory (``docs/design-notes.md``, "Bounded memory of job ids").
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvoffload._core import RUN_WORDS, check_runs
 from kvoffload.errors import (
     InvalidBlockError,
     TransferError,
@@ -67,24 +71,23 @@ class TransferResult:
     error: str | None
 
 
-_Run = tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
-"""``(group, gpu_starts, cpu_starts, lengths)`` for the runs of one transfer."""
-
-
 class _Job:
-    """A validated job: its runs, plus progress written by whoever executes it."""
+    """A validated job: its rows of a packed runs buffer, plus progress written by whoever
+    executes it."""
 
     __slots__ = (
         "bytes",
         "copies",
-        "done",
+        "end",
         "end_event",
         "error",
+        "finished",
         "job_id",
         "kind",
         "planned_bytes",
         "planned_copies",
         "runs",
+        "start",
         "t_done",
         "t_submit",
     )
@@ -93,13 +96,17 @@ class _Job:
         self,
         job_id: int,
         kind: JobKind,
-        runs: list[_Run],
+        runs: bytes,
+        start: int,
+        end: int,
         planned_bytes: int,
         planned_copies: int,
     ) -> None:
         self.job_id = job_id
         self.kind: JobKind = kind
         self.runs = runs
+        self.start = start
+        self.end = end
         self.planned_bytes = planned_bytes
         self.planned_copies = planned_copies
         self.bytes = 0
@@ -107,8 +114,13 @@ class _Job:
         self.error: str | None = None
         self.t_submit = 0.0
         self.t_done: float | None = None
-        self.done = threading.Event()
+        self.finished = False  # set by _Completions.push (CPU lanes, failed CUDA enqueues)
         self.end_event: torch.cuda.Event | None = None
+
+    def rows(self) -> list[list[int]]:
+        """The job's runs: ``[job index, group, gpu start, cpu start, length]`` each."""
+        packed = np.frombuffer(self.runs, dtype="<u4").reshape(-1, RUN_WORDS)
+        return packed[self.start : self.end].tolist()  # type: ignore[no-any-return]
 
     def result(self) -> TransferResult:
         """The job's result; call once it is done."""
@@ -125,15 +137,24 @@ class _Job:
 
 
 class _Completions:
-    """Thread-safe list of finished jobs, drained by ``poll``."""
+    """Thread-safe list of finished jobs, drained by ``poll``; a host waits on it for a job
+    (one condition per engine, not an event per job: a step may make hundreds of jobs)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
         self._jobs: list[_Job] = []
 
     def push(self, job: _Job) -> None:
+        """Hand over a finished job: it is marked finished and its waiters wake."""
         with self._lock:
+            job.finished = True
             self._jobs.append(job)
+            self._lock.notify_all()
+
+    def wait(self, job: _Job, timeout: float | None) -> bool:
+        """Wait until ``job`` was pushed (at most ``timeout`` seconds); whether it was."""
+        with self._lock:
+            return self._lock.wait_for(lambda: job.finished, timeout)
 
     def push_back(self, jobs: list[_Job]) -> None:
         """Return drained jobs that could not be handed out (they come first next time)."""
@@ -253,7 +274,7 @@ def _plan(
 ) -> _Job:
     """Validate a job against the registered ``groups`` and compute its runs; changes nothing."""
     jid = _index(job_id, "job id", TransferError)
-    runs: list[_Run] = []
+    runs: list[npt.NDArray[np.int64]] = []
     dests: dict[int, list[npt.NDArray[np.int64]]] = {}
     planned_bytes = 0
     planned_copies = 0
@@ -293,7 +314,13 @@ def _plan(
         breaks = np.flatnonzero((np.diff(g) != 1) | (np.diff(c) != 1)) + 1
         starts = np.concatenate((np.zeros(1, dtype=np.int64), breaks))
         lengths = np.diff(np.append(starts, g.size))
-        runs.append((group, g[starts], c[starts], lengths))
+        rows = np.empty((starts.size, RUN_WORDS), dtype=np.int64)
+        rows[:, 0] = 0
+        rows[:, 1] = group
+        rows[:, 2] = g[starts]
+        rows[:, 3] = c[starts]
+        rows[:, 4] = lengths
+        runs.append(rows)
         dests.setdefault(group, []).append(c if kind == "store" else g)
         planned_bytes += g.size * grp.bytes_per_block
         planned_copies += starts.size * len(grp.regions)
@@ -307,4 +334,44 @@ def _plan(
                 raise TransferError(
                     f"job {jid}: group {group} writes {side} {int(d[same[0]])} twice"
                 )
-    return _Job(jid, kind, runs, planned_bytes, planned_copies)
+    packed = np.concatenate(runs).astype("<u4").tobytes() if runs else b""
+    return _Job(jid, kind, packed, 0, len(packed) // (4 * RUN_WORDS), planned_bytes, planned_copies)
+
+
+def _plan_packed(
+    shapes: list[tuple[int, int, int, int]],
+    load_jobs: object,
+    store_jobs: object,
+    runs: object,
+) -> tuple[list[_Job], list[_Job]]:
+    """Validate a plan's packed runs for its load and store jobs (in the core, once) and make
+    its jobs, which share the buffer; changes nothing.
+
+    ``shapes`` holds ``(num_blocks, num_cpu_blocks, bytes_per_block, regions)`` per group.
+    """
+    loads = _ids(load_jobs, "step_packed load_jobs")
+    stores = _ids(store_jobs, "step_packed store_jobs")
+    if isinstance(runs, bytes):
+        buf = runs
+    else:
+        try:
+            buf = memoryview(runs).cast("B").tobytes()  # type: ignore[arg-type]
+        except TypeError:
+            raise TransferError(
+                "step_packed runs must be bytes (or a contiguous buffer), got "
+                f"{type(runs).__name__}"
+            ) from None
+    n = len(loads)
+    spans = check_runs(buf, n + len(stores), n, shapes)
+    made = [
+        _Job(jid, "load" if i < n else "store", buf, *span)
+        for i, (jid, span) in enumerate(zip([*loads, *stores], spans, strict=True))
+    ]
+    return made[:n], made[n:]
+
+
+def _ids(xs: object, what: str) -> list[int]:
+    """Job ids of a plan; raises TransferError naming the bad value."""
+    if isinstance(xs, (str, bytes)) or not isinstance(xs, Iterable):
+        raise TransferError(f"{what} must be an iterable of job ids, got {xs!r}")
+    return [_index(x, f"{what}: job id", TransferError) for x in xs]
