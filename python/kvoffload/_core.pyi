@@ -12,6 +12,7 @@ _PoolEvent: TypeAlias = tuple[Literal["stored", "removed"], list[int], Literal["
 
 __all__ = [
     "RUN_WORDS",
+    "TIER_ROW_WORDS",
     "CompletedJob",
     "CompletionError",
     "ConfigError",
@@ -47,6 +48,9 @@ __version__: str
 RUN_WORDS: int
 """Words (``uint32``) per row of a packed runs buffer: job index, group, GPU start, CPU start,
 length."""
+TIER_ROW_WORDS: int
+"""Words (``uint64``) per row of packed tier jobs: job id, kind | medium << 8, group, key low,
+key high, CPU slot, place, generation."""
 
 @final
 class Copier:

@@ -44,6 +44,7 @@ mod _core {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        m.add("RUN_WORDS", crate::runs::RUN_WORDS)
+        m.add("RUN_WORDS", crate::runs::RUN_WORDS)?;
+        m.add("TIER_ROW_WORDS", super::tier::TIER_ROW_WORDS)
     }
 }

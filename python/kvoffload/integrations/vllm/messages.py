@@ -16,11 +16,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvoffload._core import RUN_WORDS
+from kvoffload._core import RUN_WORDS, TIER_ROW_WORDS
 
 __all__ = ["TIER_COUNTERS", "KvOffloadMetadata", "KvOffloadStats", "KvOffloadWorkerMetadata"]
-
-_TIER_WORDS = 8  # job id, kind | medium << 8, group, key low, key high, CPU slot, place, gen
 
 
 @dataclass
@@ -57,7 +55,7 @@ class KvOffloadMetadata(KVConnectorMetadata):
 
     def tier_rows(self) -> npt.NDArray[np.uint64]:
         """The tier jobs' rows, one per chunk (see ``tier_jobs``)."""
-        return np.frombuffer(self.tier_jobs, dtype="<u8").reshape(-1, _TIER_WORDS)
+        return np.frombuffer(self.tier_jobs, dtype="<u8").reshape(-1, TIER_ROW_WORDS)
 
     def tier_job_ids(self) -> list[int]:
         """Ids of the tier jobs, in plan order."""
