@@ -21,8 +21,24 @@
 /// Largest contiguous piece copied by one `memcpy`.
 pub const PIECE: usize = 256 << 10;
 
+use std::ops::Range;
+
+use crate::runs;
+
 /// A contiguous piece: `(dst, src, len)` addresses.
 type Piece = (usize, usize, usize);
+
+/// One run as the checker sees it, whatever form it came in.
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    /// Index of the run (or packed row) in the call, for errors.
+    run: usize,
+    group: usize,
+    region: Option<usize>,
+    gpu: i64,
+    cpu: i64,
+    count: i64,
+}
 
 /// What went wrong with a registration or a copy. Nothing was copied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -94,6 +110,12 @@ pub enum CopyError {
         count: i64,
         /// Rows registered on that side.
         rows: usize,
+    },
+    /// A packed runs buffer that is not a whole number of rows, or rows past its end.
+    #[error("{reason}")]
+    Packed {
+        /// What is wrong.
+        reason: String,
     },
     /// A run's three row lists differ in length.
     #[error("run {run}: {gpu} GPU starts, {cpu} CPU starts and {counts} counts")]
@@ -288,23 +310,7 @@ impl Copier {
 
     /// Checks every run and returns the raw pieces; nothing is copied.
     fn pieces(&self, dir: Direction, runs: &[Runs]) -> Result<Vec<Piece>, CopyError> {
-        // Check everything first: a bad run copies nothing, even after good ones.
         for (k, t) in runs.iter().enumerate() {
-            let grp = self.groups.get(t.group).ok_or(CopyError::UnknownGroup {
-                run: k,
-                group: t.group,
-                groups: self.groups.len(),
-            })?;
-            if let Some(region) = t.region {
-                if region >= grp.regions.len() {
-                    return Err(CopyError::UnknownRegion {
-                        run: k,
-                        group: t.group,
-                        region,
-                        regions: grp.regions.len(),
-                    });
-                }
-            }
             if t.gpu.len() != t.counts.len() || t.cpu.len() != t.counts.len() {
                 return Err(CopyError::Lengths {
                     run: k,
@@ -313,65 +319,137 @@ impl Copier {
                     counts: t.counts.len(),
                 });
             }
-            for ((&g0, &c0), &n) in t.gpu.iter().zip(&t.cpu).zip(&t.counts) {
-                for (side, start, rows) in [("GPU", g0, grp.gpu_rows), ("CPU", c0, grp.cpu_rows)] {
-                    let fits = start >= 0
-                        && n >= 0
-                        && start
-                            .checked_add(n)
-                            .is_some_and(|end| usize::try_from(end).is_ok_and(|e| e <= rows));
-                    if !fits {
-                        return Err(CopyError::RowsOutOfRange {
-                            run: k,
-                            group: t.group,
-                            side,
-                            start,
-                            count: n,
-                            rows,
-                        });
-                    }
+        }
+        let rows = runs.iter().enumerate().flat_map(|(k, t)| {
+            (0..t.counts.len()).map(move |i| Row {
+                run: k,
+                group: t.group,
+                region: t.region,
+                gpu: t.gpu[i],
+                cpu: t.cpu[i],
+                count: t.counts[i],
+            })
+        });
+        self.row_pieces(dir, rows)
+    }
+
+    /// Checks every row and returns the raw pieces; nothing is copied. Both kinds of input
+    /// (run lists, packed runs) come through here: one checker.
+    fn row_pieces<I>(&self, dir: Direction, rows: I) -> Result<Vec<Piece>, CopyError>
+    where
+        I: Iterator<Item = Row> + Clone,
+    {
+        // Check everything first: a bad run copies nothing, even after good ones.
+        for t in rows.clone() {
+            let grp = self.groups.get(t.group).ok_or(CopyError::UnknownGroup {
+                run: t.run,
+                group: t.group,
+                groups: self.groups.len(),
+            })?;
+            if let Some(region) = t.region {
+                if region >= grp.regions.len() {
+                    return Err(CopyError::UnknownRegion {
+                        run: t.run,
+                        group: t.group,
+                        region,
+                        regions: grp.regions.len(),
+                    });
+                }
+            }
+            let n = t.count;
+            for (side, start, rows) in [("GPU", t.gpu, grp.gpu_rows), ("CPU", t.cpu, grp.cpu_rows)]
+            {
+                let fits = start >= 0
+                    && n >= 0
+                    && start
+                        .checked_add(n)
+                        .is_some_and(|end| usize::try_from(end).is_ok_and(|e| e <= rows));
+                if !fits {
+                    return Err(CopyError::RowsOutOfRange {
+                        run: t.run,
+                        group: t.group,
+                        side,
+                        start,
+                        count: n,
+                        rows,
+                    });
                 }
             }
         }
         let mut out = Vec::new();
-        for t in runs {
+        for t in rows {
             let grp = &self.groups[t.group];
             let regions = match t.region {
                 Some(r) => &grp.regions[r..=r],
                 None => &grp.regions[..],
+            };
+            // In range (checked above): row * stride + row_bytes <= buffer length.
+            let (g0, c0, n) = (t.gpu as usize, t.cpu as usize, t.count as usize);
+            let (d0, s0) = match dir {
+                Direction::Store => (c0, g0),
+                Direction::Load => (g0, c0),
             };
             for reg in regions {
                 let (dst, src) = match dir {
                     Direction::Store => (reg.cpu, reg.gpu),
                     Direction::Load => (reg.gpu, reg.cpu),
                 };
-                let (dst_rows, src_rows) = match dir {
-                    Direction::Store => (&t.cpu, &t.gpu),
-                    Direction::Load => (&t.gpu, &t.cpu),
-                };
-                let dbase = self.buffers[dst.buffer].base + dst.offset;
-                let sbase = self.buffers[src.buffer].base + src.offset;
-                for ((&d0, &s0), &n) in dst_rows.iter().zip(src_rows).zip(&t.counts) {
-                    // In range (checked above): row * stride + row_bytes <= buffer length.
-                    let (d0, s0, n) = (d0 as usize, s0 as usize, n as usize);
-                    let d = dbase + d0 * dst.stride;
-                    let s = sbase + s0 * src.stride;
-                    if dst.stride == reg.row_bytes && src.stride == reg.row_bytes {
-                        push(&mut out, d, s, n * reg.row_bytes);
-                    } else {
-                        for i in 0..n {
-                            push(
-                                &mut out,
-                                d + i * dst.stride,
-                                s + i * src.stride,
-                                reg.row_bytes,
-                            );
-                        }
+                let d = self.buffers[dst.buffer].base + dst.offset + d0 * dst.stride;
+                let s = self.buffers[src.buffer].base + src.offset + s0 * src.stride;
+                if dst.stride == reg.row_bytes && src.stride == reg.row_bytes {
+                    push(&mut out, d, s, n * reg.row_bytes);
+                } else {
+                    for i in 0..n {
+                        push(
+                            &mut out,
+                            d + i * dst.stride,
+                            s + i * src.stride,
+                            reg.row_bytes,
+                        );
                     }
                 }
             }
         }
         Ok(out)
+    }
+
+    /// Copies rows `rows` of a packed runs buffer ([`crate::runs`]) in direction `dir`, for
+    /// every region of each run's group (or only `region`), over up to `threads` threads.
+    /// Returns the bytes copied. Every row is checked here again, whoever checked it before.
+    ///
+    /// # Errors
+    /// A buffer that is not a whole number of rows, `rows` past its end, or a row that names
+    /// an unknown group or region or leaves the registered rows (the error names the row's
+    /// index in the buffer). Nothing is copied then.
+    pub fn copy_packed(
+        &self,
+        dir: Direction,
+        buf: &[u8],
+        rows: Range<usize>,
+        region: Option<usize>,
+        threads: usize,
+    ) -> Result<usize, CopyError> {
+        let n = runs::num_rows(buf).map_err(|e| CopyError::Packed {
+            reason: e.to_string(),
+        })?;
+        if rows.start > rows.end || rows.end > n {
+            return Err(CopyError::Packed {
+                reason: format!("rows {rows:?} of a buffer of {n} rows"),
+            });
+        }
+        let it = rows.map(|i| {
+            let r = runs::row(buf, i);
+            Row {
+                run: i,
+                group: r.group as usize,
+                region,
+                gpu: i64::from(r.gpu),
+                cpu: i64::from(r.cpu),
+                count: i64::from(r.len),
+            }
+        });
+        let pieces = self.row_pieces(dir, it)?;
+        Ok(self.copy_checked(&pieces, threads))
     }
 
     /// Copies the rows of every run in direction `dir`, over up to `threads` threads. Returns
@@ -382,7 +460,12 @@ impl Copier {
     /// Nothing is copied then.
     pub fn copy(&self, dir: Direction, runs: &[Runs], threads: usize) -> Result<usize, CopyError> {
         let pieces = self.pieces(dir, runs)?;
-        let threads = if threads > 1 && !disjoint_destinations(&pieces) {
+        Ok(self.copy_checked(&pieces, threads))
+    }
+
+    /// Copies pieces that [`Self::row_pieces`] returned.
+    fn copy_checked(&self, pieces: &[Piece], threads: usize) -> usize {
+        let threads = if threads > 1 && !disjoint_destinations(pieces) {
             1 // the same bytes written twice: in order, never by two threads at once
         } else {
             threads
@@ -392,8 +475,9 @@ impl Copier {
         // checked by `new`), which the caller of `new` keeps allocated; a destination is always
         // on the other side of its source, and the sides are disjoint (checked by `new`);
         // pieces given to different threads write disjoint bytes (checked just above).
-        let copied = unsafe { copy_pieces(&pieces, threads) };
-        Ok(copied)
+        unsafe {
+            copy_pieces(pieces, threads)
+        }
     }
 }
 
@@ -647,5 +731,55 @@ mod tests {
         let t = [runs(0, &[0, 2], &[0, 0], &[1, 1])];
         c.copy(Direction::Store, &t, 4).unwrap();
         assert_eq!(&b.cpu[..500], &b.gpu[2000..2500]);
+    }
+
+    #[test]
+    fn packed_rows_copy_in_place_and_a_bad_row_copies_nothing() {
+        let mut b = Bufs::new(3000, 3000);
+        let c = strided(&mut b);
+        let mut buf = Vec::new();
+        for (job, gpu, cpu, len) in [(0, 0, 4, 1), (1, 1, 0, 2), (1, 2, 2, 9)] {
+            let group = 0;
+            runs::push(
+                &mut buf,
+                runs::Run {
+                    job,
+                    group,
+                    gpu,
+                    cpu,
+                    len,
+                },
+            );
+        }
+        // Rows 0..2 only: the third row (out of range) is not read.
+        assert_eq!(
+            c.copy_packed(Direction::Store, &buf, 0..2, None, 2)
+                .unwrap(),
+            1500
+        );
+        assert_eq!(&b.cpu[2400..2900], &b.gpu[0..500]);
+        assert_eq!(&b.cpu[0..500], &b.gpu[1000..1500]);
+        assert_eq!(&b.cpu[600..1100], &b.gpu[2000..2500]);
+        let before = b.cpu.clone();
+        b.gpu.fill(9);
+        let e = c
+            .copy_packed(Direction::Store, &buf, 0..3, None, 1)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("run 2 (group 0): GPU rows 2..2+9"),
+            "{e}"
+        );
+        assert!(c
+            .copy_packed(Direction::Store, &buf, 2..4, None, 1)
+            .is_err());
+        assert!(c
+            .copy_packed(Direction::Store, &buf[..7], 0..0, None, 1)
+            .is_err());
+        assert_eq!(b.cpu, before, "a rejected call copied bytes");
+        assert_eq!(
+            c.copy_packed(Direction::Load, &buf, 1..1, None, 1).unwrap(),
+            0
+        );
     }
 }

@@ -13,6 +13,7 @@
 //! - [`pool`]: the CPU pool (slots, key states, pins, contiguous allocation, events);
 //! - [`policy`]: the pool's eviction policies (LRU, ARC) behind one trait;
 //! - [`scheduler`]: requests, lookups, loads, store planning and the per-step plan;
+//! - [`runs`]: the packed copy runs a plan hands the data plane, and their check;
 //! - [`copy`]: bounded byte copies between registered KV tensors and the CPU pool;
 //! - [`tier`]: tiers below the CPU pool (the disk tier; the contract lower tiers share);
 //! - `py` (feature `python`): the Python bindings, the only place that mentions pyo3.
@@ -28,6 +29,7 @@ pub mod ids;
 pub mod jobs;
 pub mod policy;
 pub mod pool;
+pub mod runs;
 pub mod scheduler;
 pub mod tier;
 pub mod tracker;

@@ -480,7 +480,7 @@ def test_wait_and_fence_reject_unknown_ids_but_accept_finished_ones(
 
 
 def test_known_ids_are_remembered_in_bounded_memory() -> None:
-    from kvoffload.transfer.jobs import _IdRanges
+    from kvoffload.transfer.ids import _IdRanges
 
     r = _IdRanges(limit=8)
     for x in range(0, 1000, 2):  # 500 gaps
@@ -509,9 +509,9 @@ class CountingCopier:
         self.inner = inner
         self.calls = 0
 
-    def copy(self, *args: Any) -> int:
+    def copy_packed(self, *args: Any) -> int:
         self.calls += 1
-        return int(self.inner.copy(*args))
+        return int(self.inner.copy_packed(*args))
 
 
 @pytest.mark.parametrize(

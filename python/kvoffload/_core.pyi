@@ -11,6 +11,8 @@ _KeyState: TypeAlias = Literal["absent", "storing", "ready"]
 _PoolEvent: TypeAlias = tuple[Literal["stored", "removed"], list[int], Literal["cpu"]]
 
 __all__ = [
+    "RUN_WORDS",
+    "TIER_ROW_WORDS",
     "CompletedJob",
     "CompletionError",
     "ConfigError",
@@ -37,11 +39,18 @@ __all__ = [
     "UnknownKeyError",
     "UnknownRequestError",
     "__version__",
+    "check_runs",
     "disk_inspect",
     "namespace_digest",
 ]
 
 __version__: str
+RUN_WORDS: int
+"""Words (``uint32``) per row of a packed runs buffer: job index, group, GPU start, CPU start,
+length."""
+TIER_ROW_WORDS: int
+"""Words (``uint64``) per row of packed tier jobs: job id, kind | medium << 8, group, key low,
+key high, CPU slot, place, generation."""
 
 @final
 class Copier:
@@ -58,8 +67,20 @@ class Copier:
         runs: list[tuple[int, int | None, list[int], list[int], list[int]]],
         threads: int = 1,
     ) -> int: ...
+    def copy_packed(
+        self,
+        store: bool,
+        runs: bytes,
+        start: int,
+        end: int,
+        threads: int = 1,
+        region: int | None = None,
+    ) -> int: ...
     def layout(self) -> list[tuple[int, int, int]]: ...
 
+def check_runs(
+    runs: bytes, jobs: int, loads: int, groups: list[tuple[int, int, int, int]]
+) -> list[tuple[int, int, int, int]]: ...
 def namespace_digest(
     *,
     model: str,
@@ -174,6 +195,8 @@ class StepPlan:
     def tier_jobs(
         self,
     ) -> list[tuple[int, str, str, int, list[int], list[int], list[int], list[int]]]: ...
+    @property
+    def runs(self) -> bytes: ...
 
 @final
 class CompletedJob:

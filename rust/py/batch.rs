@@ -10,9 +10,9 @@
 //! * Tokens: the computed tokens before the step plus the step's scheduled tokens, looked up in
 //!   the engine's own dict.
 //! * The plan: job ids, the load jobs' requests, the flush set and one little-endian `u32`
-//!   buffer of copy runs (`job index, group, gpu start, cpu start, length` per run; loads are
-//!   indexed first, then stores), instead of a Python object per job and a list per group;
-//!   the plan's tier jobs packed the same way, one row per chunk (`tier::encode_tier_jobs`).
+//!   buffer of copy runs ([`crate::runs`]: `job index, group, gpu start, cpu start, length`
+//!   per run; loads are indexed first, then stores), instead of a Python object per job and
+//!   a list per group; the plan's tier jobs packed the same way, one row per chunk (`tier::encode_tier_jobs`).
 //!
 //! The sizes the conversion needs are read under the core lock, the Python inputs converted
 //! with the lock released, and the step applied under it again (the module convention: never
@@ -26,10 +26,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::convert;
 use super::errors::StepInputError;
 use crate::ids::{BlockId, Key};
-use crate::scheduler::{PlannedJob, Scheduler as Core};
-
-/// Words per copy run in the runs buffer.
-pub const RUN_WORDS: usize = 5;
+use crate::scheduler::Scheduler as Core;
 
 /// A scheduled request's items: its id object (a dict key) and owned id.
 pub struct Scheduled<'py> {
@@ -150,68 +147,4 @@ pub fn append_groups(
         new_blocks.push((id, g as u32, blocks));
     }
     Ok(())
-}
-
-/// The runs of the plan's jobs (loads first, then stores), encoded as described in the module
-/// header: consecutive GPU blocks with consecutive CPU positions form one run.
-pub fn encode_runs<'a>(jobs: impl Iterator<Item = &'a PlannedJob>) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (k, job) in jobs.enumerate() {
-        for t in &job.transfers {
-            let n = t.gpu_blocks.len();
-            let mut i = 0;
-            while i < n {
-                let (g0, c0) = (t.gpu_blocks[i].0, t.cpu_blocks[i]);
-                let mut len = 1;
-                while i + len < n
-                    && t.gpu_blocks[i + len].0 == g0.wrapping_add(len as u32)
-                    && t.cpu_blocks[i + len] == c0.wrapping_add(len as u32)
-                {
-                    len += 1;
-                }
-                let row: [u32; RUN_WORDS] = [k as u32, t.group, g0, c0, len as u32];
-                for w in row {
-                    out.extend_from_slice(&w.to_le_bytes());
-                }
-                i += len;
-            }
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::ids::JobId;
-    use crate::jobs::JobKind;
-    use crate::scheduler::GroupTransfer;
-
-    fn words(b: &[u8]) -> Vec<u32> {
-        b.chunks(4)
-            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    }
-
-    #[test]
-    fn runs_coalesce_consecutive_blocks_and_slots_only() {
-        let job = |id, gpu: &[u32], cpu: &[u32]| PlannedJob {
-            id: JobId(id),
-            kind: JobKind::Store,
-            request: "r".into(),
-            transfers: vec![GroupTransfer {
-                group: 1,
-                gpu_blocks: gpu.iter().map(|b| BlockId(*b)).collect(),
-                cpu_blocks: cpu.to_vec(),
-                keys: Vec::new(),
-            }],
-        };
-        let jobs = [job(7, &[4, 5, 6, 9], &[10, 11, 13, 14]), job(8, &[1], &[0])];
-        let w = words(&encode_runs(jobs.iter()));
-        assert_eq!(
-            w,
-            vec![0, 1, 4, 10, 2, 0, 1, 6, 13, 1, 0, 1, 9, 14, 1, 1, 1, 1, 0, 1]
-        );
-        assert_eq!(w.len() % RUN_WORDS, 0);
-    }
 }

@@ -7,9 +7,11 @@
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use super::errors::{ConfigError, InvalidBlockError, KvOffloadError};
 use crate::copy::{self, CopyError, Direction, Group, Region, RowSpace, Runs, Span};
+use crate::runs::{self, GroupShape, RunsError};
 
 /// One region as given: `(gpu_buffer, gpu_offset, gpu_stride, cpu_buffer, cpu_offset,
 /// cpu_stride, row_bytes)`.
@@ -26,8 +28,64 @@ fn to_py(e: CopyError) -> PyErr {
         CopyError::RowsOutOfRange { .. } => InvalidBlockError::new_err(msg),
         CopyError::UnknownGroup { .. }
         | CopyError::UnknownRegion { .. }
-        | CopyError::Lengths { .. } => KvOffloadError::new_err(msg),
+        | CopyError::Lengths { .. }
+        | CopyError::Packed { .. } => KvOffloadError::new_err(msg),
     }
+}
+
+/// Out-of-range rows raise `InvalidBlockError`, every other bad buffer the data plane's
+/// `TransferError` (a Python class: looked up when raised).
+fn runs_error(py: Python<'_>, e: &RunsError) -> PyErr {
+    let msg = e.to_string();
+    if matches!(e, RunsError::OutOfRange { .. }) {
+        return InvalidBlockError::new_err(msg);
+    }
+    match py
+        .import("kvoffload.errors")
+        .and_then(|m| m.getattr("TransferError"))
+    {
+        Ok(cls) => PyErr::from_type(cls.cast_into().expect("TransferError is a class"), msg),
+        Err(err) => err,
+    }
+}
+
+fn direction(store: bool) -> Direction {
+    if store {
+        Direction::Store
+    } else {
+        Direction::Load
+    }
+}
+
+/// Checks a plan's packed `runs` ([`crate::runs`]) for `jobs` jobs, the first `loads` of them
+/// loads, against the registered groups `(gpu_rows, cpu_rows, bytes_per_block, regions)`;
+/// returns `(first row, end row, bytes, copies)` per job. Nothing is kept.
+#[pyfunction]
+#[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
+pub fn check_runs(
+    py: Python<'_>,
+    runs: &Bound<'_, PyBytes>,
+    jobs: usize,
+    loads: usize,
+    groups: Vec<(u32, u32, u64, u64)>,
+) -> PyResult<Vec<(usize, usize, u64, u64)>> {
+    let shapes: Vec<GroupShape> = groups
+        .into_iter()
+        .map(
+            |(gpu_rows, cpu_rows, bytes_per_block, regions)| GroupShape {
+                gpu_rows,
+                cpu_rows,
+                bytes_per_block,
+                regions,
+            },
+        )
+        .collect();
+    let out = runs::check(runs.as_bytes(), jobs, loads.min(jobs), &shapes)
+        .map_err(|e| runs_error(py, &e))?;
+    Ok(out
+        .into_iter()
+        .map(|j| (j.rows.start, j.rows.end, j.bytes, j.copies))
+        .collect())
 }
 
 /// Holds `buffers` (1-D, contiguous, writable `uint8`: a copier's KV tensors and CPU pool, or
@@ -122,13 +180,34 @@ impl Copier {
                 counts,
             })
             .collect();
-        let dir = if store {
-            Direction::Store
-        } else {
-            Direction::Load
-        };
+        let dir = direction(store);
         py.detach(|| self.inner.copy(dir, &runs, threads))
             .map_err(to_py)
+    }
+
+    /// Copies rows `start..end` of a packed runs buffer (GPU → CPU if `store`), for every
+    /// region of each row's group or only `region`, over up to `threads` threads, with the
+    /// GIL released; the rows are read in place. Every row is checked first: out of range,
+    /// nothing is copied. Returns the bytes copied.
+    #[pyo3(signature = (store, runs, start, end, threads = 1, region = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn copy_packed(
+        &self,
+        py: Python<'_>,
+        store: bool,
+        runs: &Bound<'_, PyBytes>,
+        start: usize,
+        end: usize,
+        threads: usize,
+        region: Option<usize>,
+    ) -> PyResult<usize> {
+        let buf = runs.as_bytes();
+        let dir = direction(store);
+        py.detach(|| {
+            self.inner
+                .copy_packed(dir, buf, start..end, region, threads)
+        })
+        .map_err(to_py)
     }
 
     /// Registered groups: `(gpu_rows, cpu_rows, regions)` each.

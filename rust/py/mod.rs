@@ -22,7 +22,7 @@ use pyo3::prelude::*;
 #[pymodule]
 mod _core {
     #[pymodule_export]
-    use super::copy::Copier;
+    use super::copy::{check_runs, Copier};
     #[pymodule_export]
     use super::errors::{
         CompletionError, ConfigError, DuplicateReportError, InvalidBlockError, InvalidKeyError,
@@ -44,6 +44,8 @@ mod _core {
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
-        m.add("__version__", env!("CARGO_PKG_VERSION"))
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        m.add("RUN_WORDS", crate::runs::RUN_WORDS)?;
+        m.add("TIER_ROW_WORDS", super::tier::TIER_ROW_WORDS)
     }
 }

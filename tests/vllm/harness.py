@@ -143,7 +143,7 @@ def job_blocks(plans: list[KvOffloadMetadata], job: int) -> int:
     """GPU blocks job ``job`` copies, over all groups."""
     for m in plans:
         if job in m.store_ids() or job in [j for j, _ in m.load_requests()]:
-            return sum(len(gpu) for _, gpu, _ in m.transfers(job))
+            return len(m.gpu_blocks(job))
     raise KeyError(job)
 
 

@@ -17,9 +17,10 @@ Each forward step writes the bytes of :mod:`kvoffload.sim.oracle` into real torc
 (:mod:`kvoffload.sim.kv`), so the correct content of every block is known. With offloading,
 the engine drives kvoffload through :class:`~kvoffload.sim.offload.Offload` in the order of
 DESIGN.md §3: per step, completions → admission (``lookup`` then ``allocate``) → ``schedule`` →
-workers (one :meth:`~kvoffload.transfer.TransferEngine.step` call with the plan, then the forward
-pass) → outputs. Every load is compared byte for byte with the oracle when it completes, before
-any forward pass reads it; so is every prefix-cache hit (a sanity check of the simulator itself).
+workers (one :meth:`~kvoffload.transfer.TransferEngine.step_packed` call with the plan, then the
+forward pass) → outputs. Every load is compared byte for byte with the oracle when it completes,
+before any forward pass reads it; so is every prefix-cache hit (a sanity check of the simulator
+itself).
 Without offloading (``offload=False``) the same engine is the baseline.
 
 Two switches break the fence on purpose, for mutation checks: ``fence="off"`` ignores the flush

@@ -197,8 +197,8 @@ class Offload:
             self._sc(self.sched.complete, job_id, 0, ok)
         return len(done)
 
-    def _track_store(self, job: Any) -> tuple[int, Transfers]:
-        """Records a plan's store job for verification; returns it as ``step`` takes it."""
+    def _track_store(self, job: Any) -> None:
+        """Records a plan's store job for verification."""
         transfers = [(int(g), list(gb), list(cb)) for g, gb, cb in job.transfers]
         self.store_ids.add(job.job_id)
         self.jobs[job.job_id] = ("store", job.request_id, transfers)
@@ -215,24 +215,25 @@ class Offload:
             (g, [where[g].get(b, -1) for b in gb], cb) for g, gb, cb in transfers
         ]
         self.inflight_ids.add(job.job_id)
-        return job.job_id, transfers
 
     def _workers(self, plan: Any) -> None:
-        """The workers' part of the step: one :meth:`TransferEngine.step` call with the plan
-        (it submits the previous step's stores, completes the flush set, submits the loads and
-        queues this step's stores for the next step)."""
-        stores = [self._track_store(job) for job in plan.stores]
-        loads = []
+        """The workers' part of the step: one :meth:`TransferEngine.step_packed` call with the
+        plan's packed runs (it submits the previous step's stores, completes the flush set,
+        submits the loads and queues this step's stores for the next step). The jobs'
+        transfers are kept only to verify their bytes."""
+        for job in plan.stores:
+            self._track_store(job)
         for job in plan.loads:
             transfers = [(int(g), list(gb), list(cb)) for g, gb, cb in job.transfers]
             self.jobs[job.job_id] = ("load", job.request_id, transfers)
             self.inflight_ids.add(job.job_id)
-            loads.append((job.job_id, transfers))
         self.result.flushed_jobs += len(plan.flush)
         flush = list(plan.flush) if self.cfg.fence != "off" else []
         self._tiers(plan)
         t = time.perf_counter()
-        self.xfer.step(stores, flush, loads)
+        self.xfer.step_packed(
+            [j.job_id for j in plan.loads], [j.job_id for j in plan.stores], flush, plan.runs
+        )
         if flush:
             self.result.flush_wait_seconds += time.perf_counter() - t
             self.result.flush_steps += 1

@@ -25,8 +25,9 @@ import numpy.typing as npt
 import torch
 
 from kvoffload._core import Copier
+from kvoffload.transfer.completions import _Completions
 from kvoffload.transfer.execute import _CANCELLED, _execute, _Runtime
-from kvoffload.transfer.jobs import _Completions, _Job
+from kvoffload.transfer.jobs import _Job
 from kvoffload.transfer.layout import _Group
 
 
@@ -57,7 +58,6 @@ def _lane_main(
             rt = None
             job.t_done = time.perf_counter()
             sink.push(job)
-            job.done.set()
 
 
 class _Lane:

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from kvoffload.transfer.completions import _Completions
 from kvoffload.transfer.execute import _execute, _Runtime
-from kvoffload.transfer.jobs import _Completions, _Job
+from kvoffload.transfer.jobs import _Job
 
 
 def _cuda_ok(err: object) -> bool:
@@ -97,5 +98,4 @@ def _submit_on_stream(
         with contextlib.suppress(Exception):  # the job's error is already recorded
             stream.synchronize()
         job.t_done = time.perf_counter()
-        job.done.set()
         sink.push(job)

@@ -20,11 +20,10 @@ the pool's registration exactly once, from :meth:`~TransferEngine.shutdown` or t
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import SupportsIndex
 
 import torch
@@ -32,25 +31,15 @@ import torch
 from kvoffload.errors import (
     ConfigError,
     EngineClosedError,
-    RegistrationError,
     TransferError,
     UnknownJobError,
 )
+from kvoffload.transfer.completions import _Completions
 from kvoffload.transfer.cpu import _build_copier, _Lane
 from kvoffload.transfer.cuda import _allocate_pool, _submit_on_stream
-from kvoffload.transfer.execute import _CANCELLED, _Hooks, _Runtime
-from kvoffload.transfer.jobs import (
-    JobKind,
-    Transfer,
-    TransferResult,
-    _Completions,
-    _id_list,
-    _IdRanges,
-    _index,
-    _Job,
-    _plan,
-    _plan_many,
-)
+from kvoffload.transfer.execute import _CANCELLED, _Runtime
+from kvoffload.transfer.ids import _id_list, _IdRanges, _index
+from kvoffload.transfer.jobs import JobKind, Transfer, TransferResult, _Job
 from kvoffload.transfer.layout import (
     GroupCaches,
     Layout,
@@ -59,56 +48,9 @@ from kvoffload.transfer.layout import (
     _parse_kv_caches,
     _pool_offsets,
 )
-
-
-class _Resources:
-    """What must be released exactly once: lanes, streams, the registration."""
-
-    def __init__(self) -> None:
-        self.lanes: dict[JobKind, _Lane] = {}
-        self.streams: dict[JobKind, torch.cuda.Stream] = {}
-        self.registered_ptr: int | None = None
-        self.released = False
-        self._lock = threading.Lock()
-
-    def release(self, *, cancel: bool, join: bool) -> None:
-        """Stop the lanes (joining them if ``join``), synchronise the streams, unregister the
-        pool. Idempotent.
-
-        The engine's finalizer passes ``join=False``: it may run on any thread, one of the lanes
-        included, during a garbage collection; a lane holds what it copies alive until its job
-        ends, so nothing needs to wait for it.
-        """
-        with self._lock:
-            if self.released:
-                return
-            self.released = True
-        for lane in self.lanes.values():
-            lane.stop(cancel=cancel)
-        if join:
-            for lane in self.lanes.values():
-                lane.join()
-        for stream in self.streams.values():
-            stream.synchronize()  # GPU copies cannot be cancelled; they must end before unpinning
-        if self.registered_ptr is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.registered_ptr)
-            self.registered_ptr = None
-
-
-def _size(x: object, name: str, *, minimum: int = 1) -> int:
-    """A size argument: an integer (not a bool) >= ``minimum``; raises ConfigError naming it."""
-    v = _index(x, name, ConfigError)
-    if v < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {v}")
-    return v
-
-
-def _memory_bytes() -> int | None:
-    """Physical memory of this machine, if the OS tells."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
+from kvoffload.transfer.options import _check_memory, _options, _pool_slots
+from kvoffload.transfer.plan import _plan, _plan_many, _plan_packed
+from kvoffload.transfer.resources import _Resources
 
 
 class TransferEngine:
@@ -168,68 +110,27 @@ class TransferEngine:
                 ``cpu_copy_threads`` or hook argument; a pool this machine cannot hold.
             RegistrationError: Unusable tensors; the message names group, layer and tensor.
         """
-        bpc = _size(blocks_per_chunk, "blocks_per_chunk")
-        if (num_slots is None) == (cpu_bytes is None):
-            raise ConfigError("give exactly one of num_slots and cpu_bytes")
-        if isinstance(kv_caches, (torch.Tensor, Mapping)) or not isinstance(kv_caches, Sequence):
-            raise RegistrationError(
-                "kv_caches must be a sequence of KV groups (e.g. [{'layer0': (k, v)}]), got "
-                f"{type(kv_caches).__name__}"
-            )
-        if len(kv_caches) == 0:
-            raise RegistrationError("kv_caches is empty: register at least one KV group")
-        parts = _size(
-            torch.get_num_threads() if cpu_copy_threads is None else cpu_copy_threads,
-            "cpu_copy_threads",
+        opts = _options(
+            kv_caches,
+            blocks_per_chunk=blocks_per_chunk,
+            num_slots=num_slots,
+            cpu_bytes=cpu_bytes,
+            layout=layout,
+            pin_memory=pin_memory,
+            cpu_copy_threads=cpu_copy_threads,
+            copy_delay_s=_copy_delay_s,
+            before_copy=_before_copy,
+            fault_injector=_fault_injector,
         )
-        if isinstance(layout, str):
-            layouts: list[object] = [layout] * len(kv_caches)
-        elif isinstance(layout, Sequence):
-            layouts = list(layout)
-        else:
-            raise ConfigError(f"layout must be a string or a sequence of them, got {layout!r}")
-        if len(layouts) != len(kv_caches):
-            raise ConfigError(f"{len(layouts)} layouts given for {len(kv_caches)} KV groups")
-        for lay in layouts:
-            if lay not in ("blocks_first", "kv_first"):
-                raise ConfigError(f"layout must be 'blocks_first' or 'kv_first', got {lay!r}")
-        if pin_memory is not None and not isinstance(pin_memory, bool):
-            raise ConfigError(f"pin_memory must be None, True or False, got {pin_memory!r}")
-        delay = _copy_delay_s
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)):
-            raise ConfigError(f"_copy_delay_s must be a number of seconds, got {delay!r}")
-        if not 0.0 <= delay <= 3600.0:  # also rejects nan and inf
-            raise ConfigError(f"_copy_delay_s must be in [0, 3600] seconds, got {delay!r}")
-        for name, hook in (("_before_copy", _before_copy), ("_fault_injector", _fault_injector)):
-            if hook is not None and not callable(hook):
-                raise ConfigError(f"{name} must be callable or None, got {hook!r}")
-
-        device, parsed = _parse_kv_caches(kv_caches, layouts)  # type: ignore[arg-type]
-
+        device, parsed = _parse_kv_caches(kv_caches, opts.layouts)
+        bpc = opts.blocks_per_chunk
         slot_bytes = [bpc * sum(r.size(1) for _, r in rows) for rows, _, _ in parsed]
-        if num_slots is not None:
-            slots = _size(num_slots, "num_slots")
-            what = f"num_slots={slots}"
-        else:
-            budget = _size(cpu_bytes, "cpu_bytes")
-            slots = budget // sum(slot_bytes)
-            what = f"cpu_bytes={budget}"
-            if slots < 1:
-                raise ConfigError(
-                    f"cpu_bytes={budget} is less than one slot in every group "
-                    f"({sum(slot_bytes)} bytes)"
-                )
-        pin = device.type == "cuda" if pin_memory is None else pin_memory
+        slots, what = _pool_slots(slot_bytes, num_slots, cpu_bytes)
+        pin = device.type == "cuda" if opts.pin_memory is None else opts.pin_memory
         if pin and not torch.cuda.is_available():
             raise ConfigError("pin_memory=True needs CUDA, which is not available")
-
         offsets, total = _pool_offsets(slot_bytes, slots)
-        memory = _memory_bytes()
-        if memory is not None and total > memory:
-            raise ConfigError(
-                f"{what}: the CPU pool would take {total} bytes, more than this machine's "
-                f"{memory} bytes of memory"
-            )
+        _check_memory(what, total)
         self._resources = _Resources()
         try:
             pool, pinned, self._resources.registered_ptr = _allocate_pool(total, pin)
@@ -242,13 +143,14 @@ class TransferEngine:
 
         self._device = device
         self._groups: tuple[_Group, ...] = tuple(groups)
+        self._shapes = [
+            (g.num_blocks, g.num_cpu_blocks, g.bytes_per_block, len(g.regions)) for g in groups
+        ]
         self._bpc = bpc
         self._num_slots = slots
         self._pool = pool
         self._pinned = pinned
-        self._runtime = _Runtime(
-            self._groups, copier, _Hooks(float(delay), _before_copy, _fault_injector), parts
-        )
+        self._runtime = _Runtime(self._groups, copier, opts.hooks, opts.parts)
         self._lock = threading.RLock()
         self._queued: dict[int, _Job] = {}
         self._inflight: dict[int, _Job] = {}
@@ -377,7 +279,41 @@ class TransferEngine:
         """
         new_stores = _plan_many(self._groups, stores, "store", "step stores")
         new_loads = _plan_many(self._groups, loads, "load", "step loads")
-        flush_ids = _id_list(flush, "step flush")
+        self._step(new_stores, _id_list(flush, "step flush"), new_loads)
+
+    def step_packed(
+        self,
+        load_jobs: Iterable[SupportsIndex],
+        store_jobs: Iterable[SupportsIndex],
+        flush: Iterable[SupportsIndex],
+        runs: bytes,
+    ) -> None:
+        """:meth:`step` for a plan as the core packs it: job ids and one buffer of runs.
+
+        The rows of ``runs`` (``StepPlan.runs``, or ``Scheduler.schedule_batch``'s) are checked
+        once, in the core, and read in place by the copies: no per-job or per-block list is
+        built. Same order and guarantees as :meth:`step`.
+
+        Args:
+            load_jobs: The plan's load job ids.
+            store_jobs: The plan's store job ids.
+            flush: Jobs that must complete before this step writes its blocks.
+            runs: Rows of five little-endian ``uint32`` (index of the job in
+                ``load_jobs + store_jobs``, group, first GPU block, first CPU position, length),
+                the rows of one job consecutive.
+
+        Raises:
+            TransferError: A malformed buffer or row (the message names the row), a job id
+                given twice or already in use.
+            InvalidBlockError: A row whose blocks or CPU positions are out of range (named).
+            UnknownJobError: A flushed id this engine never saw.
+            EngineClosedError: After shutdown.
+        """
+        new_loads, new_stores = _plan_packed(self._shapes, load_jobs, store_jobs, runs)
+        self._step(new_stores, _id_list(flush, "step flush"), new_loads)
+
+    def _step(self, new_stores: list[_Job], flush_ids: list[int], new_loads: list[_Job]) -> None:
+        """:meth:`step` with its jobs validated."""
         with self._lock:
             self._check_open()
             mine: set[int] = set()
@@ -414,7 +350,7 @@ class TransferEngine:
                         stream.wait_event(job.end_event)
         # 3. Complete the flush set (the host waits without the lock: polls go on meanwhile).
         if self._device.type != "cuda":
-            self._block(waiting, None)
+            self._sink.block(waiting, None)
         # 4. The other loads.
         rest = [job for job in new_loads if job.job_id not in flushed]
         with self._lock:
@@ -515,7 +451,7 @@ class TransferEngine:
             for jid in ids:
                 self._check_known(jid, "wait")
             jobs = self._flush(ids)
-        self._block(jobs, timeout)
+        self._sink.block(jobs, timeout)
 
     def fence(self, job_ids: Iterable[SupportsIndex]) -> None:
         """Order the current compute stream after the jobs, without blocking the host.
@@ -628,67 +564,6 @@ class TransferEngine:
     def _unfinished(self, ids: list[int]) -> list[_Job]:
         return [job for jid in ids if (job := self._inflight.get(jid)) is not None]
 
-    def _block(self, jobs: list[_Job], timeout: float | None) -> None:
-        """Wait on the host for ``jobs`` (without the lock)."""
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        for job in jobs:
-            if job.end_event is None:
-                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                if not job.done.wait(left):
-                    raise self._timeout_error(jobs)
-            elif deadline is None:
-                job.end_event.synchronize()
-                self._mark_cuda_done(job)
-            else:
-                while not job.end_event.query():
-                    if time.perf_counter() > deadline:
-                        raise self._timeout_error(jobs)
-                    time.sleep(1e-4)
-                self._mark_cuda_done(job)
-
-    def _mark_cuda_done(self, job: _Job) -> None:
-        if job.t_done is None:
-            job.t_done = time.perf_counter()
-
-    def _timeout_error(self, jobs: list[_Job]) -> TransferError:
-        running = [j.job_id for j in jobs if not self._is_done(j)]
-        return TransferError(f"wait timed out with jobs {running} still running")
-
-    def _is_done(self, job: _Job) -> bool:
-        if job.end_event is not None:
-            return bool(job.end_event.query())
-        return job.done.is_set()
-
     def _collect(self, *, drain: bool = False) -> list[TransferResult]:
-        """Remove finished jobs from the in-flight table and turn them into results. Lock held.
-
-        All or nothing: if anything interrupts it (an exception from a signal handler), every
-        job it took is put back, so a result is never lost.
-        """
-        finished = self._sink.drain()
-        taken: list[_Job] = []
-        try:
-            for job in self._inflight.values():
-                if job.end_event is not None and (drain or job.end_event.query()):
-                    self._mark_cuda_done(job)
-                    finished.append(job)
-            results = []
-            stats = dict(self._stats)
-            for job in finished:
-                if self._inflight.get(job.job_id) is not job:
-                    continue
-                result = job.result()
-                stats["copies"] += result.copies
-                stats["jobs_ok" if result.ok else "jobs_failed"] += 1
-                stats["bytes_stored" if job.kind == "store" else "bytes_loaded"] += result.bytes
-                results.append(result)
-                taken.append(job)
-            for job in taken:
-                del self._inflight[job.job_id]
-            self._stats = stats
-        except BaseException:
-            for job in taken:
-                self._inflight[job.job_id] = job
-            self._sink.push_back([j for j in finished if j.end_event is None])
-            raise
-        return results
+        """Results of the finished jobs, taken from the in-flight table. Lock held."""
+        return self._sink.collect(self._inflight, self._stats, drain=drain)

@@ -377,7 +377,7 @@ impl Scheduler {
             }
             core.schedule(&input).map_err(to_py)?
         };
-        let runs = batch::encode_runs(plan.loads.iter().chain(&plan.stores));
+        let runs = crate::runs::encode(plan.loads.iter().chain(&plan.stores));
         let tier_jobs = super::tier::encode_tier_jobs(&plan.tier_jobs);
         Ok((
             plan.loads.iter().map(|j| j.id.0).collect(),

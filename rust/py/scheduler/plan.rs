@@ -1,7 +1,7 @@
 //! The step plan's Python objects: [`TransferJob`], [`StepPlan`] and [`CompletedJob`].
 
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBytes, PyList};
 
 use crate::ids::BlockId;
 use crate::jobs::JobKind;
@@ -107,6 +107,21 @@ pub struct StepPlan {
 
 #[pymethods]
 impl StepPlan {
+    /// The copies of every job as one packed buffer of runs ([`crate::runs`]): rows of
+    /// little-endian `u32` (job index in `loads + stores`, group, first GPU block, first CPU
+    /// position, length), as `TransferEngine.step_packed` takes them. Built when asked.
+    #[getter]
+    fn runs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut jobs = Vec::new();
+        for list in [&self.loads, &self.stores] {
+            for item in list.bind(py).iter() {
+                jobs.push(item.cast_into::<TransferJob>()?.unbind());
+            }
+        }
+        let runs = crate::runs::encode(jobs.iter().map(|j| &j.get().inner));
+        Ok(PyBytes::new(py, &runs))
+    }
+
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "StepPlan(loads={}, stores={}, flush={})",

@@ -16,10 +16,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["TIER_COUNTERS", "KvOffloadMetadata", "KvOffloadStats", "KvOffloadWorkerMetadata"]
+from kvoffload._core import RUN_WORDS, TIER_ROW_WORDS
 
-_RUN_WORDS = 5  # job index, group, GPU start, CPU start, length
-_TIER_WORDS = 8  # job id, kind | medium << 8, group, key low, key high, CPU slot, place, gen
+__all__ = ["TIER_COUNTERS", "KvOffloadMetadata", "KvOffloadStats", "KvOffloadWorkerMetadata"]
 
 
 @dataclass
@@ -32,8 +31,9 @@ class KvOffloadMetadata(KVConnectorMetadata):
         store_jobs: Store job ids (they start at the next step).
         flush: Jobs that must complete before this step writes its blocks.
         runs: The jobs' copies as runs of consecutive GPU blocks and CPU positions: rows of
-            five little-endian ``uint32`` (index of the job in ``load_jobs + store_jobs``,
-            group, first GPU block, first CPU position, length).
+            ``RUN_WORDS`` (5) little-endian ``uint32`` (index of the job in
+            ``load_jobs + store_jobs``, group, first GPU block, first CPU position, length),
+            handed to :meth:`TransferEngine.step_packed` as they are.
         cancelled: Load jobs a cache reset cancelled: workers report them as failed.
         tier_jobs: Lower-tier jobs (write-behind, promotion) packed as the core returns them:
             rows of eight little-endian ``uint64`` per chunk (job id, kind ``| medium << 8``,
@@ -55,7 +55,7 @@ class KvOffloadMetadata(KVConnectorMetadata):
 
     def tier_rows(self) -> npt.NDArray[np.uint64]:
         """The tier jobs' rows, one per chunk (see ``tier_jobs``)."""
-        return np.frombuffer(self.tier_jobs, dtype="<u8").reshape(-1, _TIER_WORDS)
+        return np.frombuffer(self.tier_jobs, dtype="<u8").reshape(-1, TIER_ROW_WORDS)
 
     def tier_job_ids(self) -> list[int]:
         """Ids of the tier jobs, in plan order."""
@@ -73,42 +73,18 @@ class KvOffloadMetadata(KVConnectorMetadata):
         """Store job ids."""
         return list(self.store_jobs)
 
-    def run_rows(self) -> npt.NDArray[np.int64]:
-        """The runs, one row each: job index, group, GPU start, CPU start, length."""
-        return np.frombuffer(self.runs, dtype="<u4").reshape(-1, _RUN_WORDS).astype(np.int64)
-
-    def job_transfers(
-        self,
-    ) -> dict[int, list[tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]]]:
-        """Job id → ``(group, gpu_blocks, cpu_blocks)`` per group, expanded from the runs
-        (vectorised; one slice per job and group)."""
-        rows = self.run_rows()
-        if not len(rows):
-            return {}
-        lengths = rows[:, 4]
-        starts = np.cumsum(lengths) - lengths
-        idx = np.repeat(np.arange(len(rows)), lengths)
-        offset = np.arange(int(lengths.sum())) - starts[idx]
-        gpu = rows[idx, 2] + offset
-        cpu = rows[idx, 3] + offset
-        segment = rows[:, 0] * (1 << 32) + rows[:, 1]
-        first = np.flatnonzero(np.diff(segment)) + 1
+    def gpu_blocks(self, job: int) -> list[int]:
+        """The GPU blocks job ``job`` writes (a load) or reads (a store), in run order."""
         jobs = self.load_jobs + self.store_jobs
-        out: dict[int, list[tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]]] = {}
-        bounds = zip([0, *first.tolist()], [*first.tolist(), len(rows)], strict=True)
-        for r0, r1 in bounds:
-            b0, b1 = int(starts[r0]), int(starts[r1 - 1] + lengths[r1 - 1])
-            job = jobs[int(rows[r0, 0])]
-            out.setdefault(job, []).append((int(rows[r0, 1]), gpu[b0:b1], cpu[b0:b1]))
-        return out
-
-    def transfers(self, job: int) -> list[tuple[int, list[int], list[int]]]:
-        """``(group, gpu_blocks, cpu_blocks)`` per group of job ``job``, as lists."""
-        if job not in self.load_jobs and job not in self.store_jobs:
+        if job not in jobs:
             raise KeyError(job)
-        return [
-            (g, gpu.tolist(), cpu.tolist()) for g, gpu, cpu in self.job_transfers().get(job, [])
-        ]
+        rows = np.frombuffer(self.runs, dtype="<u4").reshape(-1, RUN_WORDS)
+        mine = rows[rows[:, 0] == jobs.index(job)].astype(np.int64)
+        if not len(mine):
+            return []
+        lengths = mine[:, 4]
+        firsts = np.repeat(mine[:, 2] - (np.cumsum(lengths) - lengths), lengths)
+        return (firsts + np.arange(int(lengths.sum()))).tolist()
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The connector's worker side: one :class:`~kvoffload.transfer.TransferEngine` per worker.
 
 In vLLM's call order: ``handle_preemptions`` (before the forward pass) runs the data plane's
-step for the plan (:meth:`TransferEngine.step`: submits the previous step's stores and every
+step for the plan (:meth:`TransferEngine.step_packed`, with the plan's packed runs as the core
+made them: submits the previous step's stores and every
 flushed job, completes the flush set -- a host wait on CPU, a compute-stream wait on CUDA --
 submits the loads and queues this step's stores, which start at the next step);
 ``start_load_kv`` and ``wait_for_save`` run that step if the plan had none yet (no forward
@@ -84,8 +85,8 @@ class WorkerSide:
         self.rank = rank  # reported with every job
         self.kv_cache_config = kv_cache_config
         self.xfer: TransferEngine | None = None
-        # Load job -> (request, its transfers): a failed load reports its GPU blocks.
-        self.load_req: dict[int, tuple[str, list[tuple[int, Any, Any]]]] = {}
+        # Load job -> (request, its plan): a failed load reports its GPU blocks.
+        self.load_req: dict[int, tuple[str, KvOffloadMetadata]] = {}
         self.before_done: KvOffloadMetadata | None = None
         self.meta = KvOffloadWorkerMetadata()
         self.invalid: set[int] = set()
@@ -184,26 +185,25 @@ class WorkerSide:
         return out
 
     def before_forward(self, meta: KvOffloadMetadata) -> None:
-        """The data plane's step for this plan, once per plan: one :meth:`TransferEngine.step`
-        submits the previous step's stores, completes the flush set (submitting a flushed
-        store of this same plan first), submits the loads and queues this step's stores."""
+        """The data plane's step for this plan, once per plan: one
+        :meth:`TransferEngine.step_packed` submits the previous step's stores, completes the
+        flush set (submitting a flushed store of this same plan first), submits the loads and
+        queues this step's stores."""
         if self.before_done is meta:
             return
         self.before_done = meta
         x = self.xfer
         assert x is not None
         self.cancelled.update(j for j in meta.cancelled if j in self.load_req)
-        transfers = meta.job_transfers()
-        loads = [(job, transfers.get(job, [])) for job in meta.load_jobs]
-        for (job, t), rid in zip(loads, meta.load_reqs, strict=True):
-            self.load_req[job] = (rid, t)
+        for job, rid in zip(meta.load_jobs, meta.load_reqs, strict=True):
+            self.load_req[job] = (rid, meta)
         if meta.tier_flush:
             # A reset freed the CPU slots of these tier jobs: nothing new may touch them first.
             for w in self.tiers:
                 wait = [j for j in meta.tier_flush if self.tier_inflight.get(j) is w]
                 if wait:
                     self._tier_done(w.wait(wait))
-        x.step([(job, transfers.get(job, [])) for job in meta.store_jobs], meta.flush, loads)
+        x.step_packed(meta.load_jobs, meta.store_jobs, meta.flush, meta.runs)
         if self.tiers and meta.tier_jobs:
             if meta.flush and x.device.type == "cuda":
                 # The flushed copies may still run on the copy stream (the step made the
@@ -233,14 +233,13 @@ class WorkerSide:
             if r.kind == "load":
                 m.bytes_loaded += r.bytes
                 m.load_seconds += r.seconds
-                rid, transfers = self.load_req.pop(r.job_id, ("", []))
+                rid, plan = self.load_req.pop(r.job_id, ("", None))
                 if rid:
                     out.finished_recving.add(rid)
                     if not ok:
                         out.failed_recving.add(rid)
-                        if self.report_blocks:
-                            for _, gpu, _ in transfers:
-                                self.invalid.update(gpu.tolist())
+                        if self.report_blocks and plan is not None:
+                            self.invalid.update(plan.gpu_blocks(r.job_id))
             else:
                 m.bytes_stored += r.bytes
                 m.store_seconds += r.seconds
