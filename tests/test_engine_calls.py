@@ -115,3 +115,16 @@ def test_complete_counts_applies_what_complete_many_applies() -> None:
     with pytest.raises(KvOffloadError):
         counts.complete_counts([job], worker=1)
     assert snapshot(counts) == before
+
+
+def test_num_pending_counts_the_pending_jobs() -> None:
+    s = core()
+    assert s.num_pending == 0
+    hs = hashes(7, 8)
+    for rid, blocks in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8])):
+        assert s.lookup_request(rid, 16, hs if rid == "a" else hashes(8, 4), 0) == 0
+        s.allocate(rid, [blocks], 0, 0)
+    s.schedule_batch(["a", "b"], [0, 0], added={"a": 16, "b": 16}, written=list(range(1, 9)))
+    assert s.num_pending == len(s.pending_jobs()) == 2
+    s.complete(s.pending_jobs()[0])
+    assert s.num_pending == len(s.pending_jobs()) == 1

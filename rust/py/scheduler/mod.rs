@@ -637,6 +637,12 @@ impl Scheduler {
             .collect()
     }
 
+    /// Number of pending jobs (without listing them).
+    #[getter]
+    fn num_pending(&self) -> usize {
+        self.lock().num_pending()
+    }
+
     /// Number of tracked requests.
     #[getter]
     fn num_requests(&self) -> usize {

@@ -102,7 +102,7 @@ class SchedulerSide:
 
     def has_pending(self) -> bool:
         """Whether some job is still pending in the core."""
-        return bool(self.sched.pending_jobs())
+        return self.sched.num_pending > 0
 
     def on_new_request(self, request: Request) -> None:
         t = time.perf_counter()
