@@ -273,8 +273,19 @@ fn reset_releases_tier_jobs_and_attach_is_checked() {
     let mut s = scheduler_on(&root);
     s.add_request("b", 17, keys()).unwrap();
     assert_eq!(s.lookup("b", 0).unwrap(), None);
+    let planned = s.schedule(&step(&[], &[], &[])).unwrap();
+    assert_eq!(planned.tier_jobs.len(), 1, "the promotion is handed out");
     let (flushed, _) = s.reset();
     assert_eq!(flushed.len(), 1);
+    // The next plan names the promotion apart from the copies, once.
+    let plan = s.schedule(&step(&[], &[], &[])).unwrap();
+    assert_eq!(plan.tier_flush, flushed);
+    assert!(plan.flush.is_empty());
+    assert!(s
+        .schedule(&step(&[], &[], &[]))
+        .unwrap()
+        .tier_flush
+        .is_empty());
     let st = s.tier_stats()[0];
     assert_eq!((st.pending, st.tier.reading), (0, 0));
     assert_eq!(

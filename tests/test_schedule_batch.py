@@ -146,7 +146,7 @@ class Twin:
             None,
             written + fresh,
         )
-        loads, load_reqs, stores, flush, runs, _tiers = self.b.schedule_batch(
+        loads, load_reqs, stores, flush, runs, _tiers, _tier_flush = self.b.schedule_batch(
             ids,
             before,
             added=added,
@@ -218,7 +218,7 @@ def test_tables_append_only_what_the_core_lacks() -> None:
     plan = s.schedule_batch(
         ["a"], [0], added={"a": 12}, tables=[("a", [[5, 6, 7]])], hashes=lists, written=[5, 6]
     )
-    loads, _, stores, _, runs, _ = plan
+    loads, _, stores, _, runs, _, _ = plan
     assert decode(runs, loads + stores) == {stores[0]: [(0, [5, 6, 7], [0, 1, 2])]}
     # The same whole table again: nothing is appended (a fourth position would be stored).
     lists["a"] = hs

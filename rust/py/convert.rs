@@ -230,6 +230,11 @@ pub fn keys(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Key>> {
 
 /// Extracts an integer argument; anything else raises `err` naming the value and its type.
 fn int_arg(obj: &Bound<'_, PyAny>, what: &str, err: fn(String) -> PyErr) -> PyResult<i128> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<i64>() {
+            return Ok(i128::from(v));
+        }
+    }
     if obj.is_instance_of::<PyBool>() {
         return Err(err(format!(
             "{what} must be an integer, got {}",
@@ -312,6 +317,12 @@ pub fn completion_error(e: Error, id: JobId, worker: i128, clamped: u32) -> PyEr
 /// every range), `None` for anything that is not an integer. Bools are not integers here;
 /// numpy integers and other `__index__` types are.
 pub fn int_value(obj: &Bound<'_, PyAny>) -> Option<Result<i128, ()>> {
+    // The fast path: a plain `int` (never a bool: that is a subclass) within 64 bits.
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<i64>() {
+            return Some(Ok(i128::from(v)));
+        }
+    }
     if obj.is_instance_of::<PyBool>() {
         return None;
     }

@@ -41,6 +41,11 @@ impl Scheduler {
         self.tracker.jobs().pending_ids().collect()
     }
 
+    /// How many jobs are pending.
+    pub fn num_pending(&self) -> usize {
+        self.tracker.jobs().len()
+    }
+
     /// Armed `(block, job)` pairs in the fence.
     pub fn armed_pairs(&self) -> usize {
         self.tracker.fence().armed_pairs()

@@ -3,7 +3,7 @@
 //! first asked, so deduplication never turns into a convoy; the answer is remembered for the
 //! `allocate` of the same step.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ids::Key;
 use crate::pool::KeyState;
 
@@ -36,6 +36,43 @@ impl Scheduler {
             self.stats.lookups_deferred += 1;
         }
         Ok(answer)
+    }
+
+    /// An engine's ask in one call (vLLM's `get_num_new_matched_tokens`): registers the request
+    /// with `prompt_len` and `hashes` if it is not tracked, else appends `hashes` (the ones
+    /// beyond the [`Self::num_hashes`] it holds); releases a running request the engine queued
+    /// again (it dropped the blocks of a failed load, as [`Self::preempt`]); then looks it up.
+    /// A `hit` that is not a multiple of every group's block size is refused
+    /// ([`Error::RequestState`] naming the request and the value) before anything changes.
+    pub fn lookup_request(
+        &mut self,
+        id: &str,
+        prompt_len: u32,
+        hashes: Vec<Key>,
+        hit: u32,
+    ) -> Result<Option<u32>> {
+        if let Some(g) = self.cfg.groups.iter().find(|g| hit % g.block_size != 0) {
+            return Err(Error::RequestState {
+                request: id.to_owned(),
+                reason: format!(
+                    "was looked up with a prefix hit of {hit} tokens, not a multiple of the \
+                     block size {}",
+                    g.block_size
+                ),
+            });
+        }
+        match self.index.get(id).copied() {
+            None => self.add_request(id, prompt_len, hashes)?,
+            Some(i) => {
+                if self.req(i).status == Status::Running {
+                    self.preempt(id)?;
+                } else {
+                    self.waiting(id, "only waiting requests are looked up")?;
+                }
+                self.req_mut(i).hashes.extend_from_slice(&hashes);
+            }
+        }
+        self.lookup(id, hit)
     }
 
     /// The lookup of a request taken out of the slab: remembers its first ask and the loads

@@ -149,6 +149,8 @@ pub struct Scheduler {
     retry: Vec<u32>,
     /// Jobs flushed by a reset, added to the next plan's flush set.
     reset_flush: Vec<JobId>,
+    /// Tier jobs flushed by a reset, the next plan's `tier_flush`.
+    reset_tier_flush: Vec<JobId>,
     /// Counters.
     stats: SchedulerStats,
     /// Per group, its lower tiers, nearest first (`tiers.rs`); empty when none is attached.
@@ -194,6 +196,7 @@ impl Scheduler {
             allocated: Vec::new(),
             retry: Vec::new(),
             reset_flush: Vec::new(),
+            reset_tier_flush: Vec::new(),
             stats: SchedulerStats::default(),
             tiers: Vec::new(),
             new_tier_jobs: Vec::new(),

@@ -42,6 +42,9 @@ pub struct StepPlan {
     pub flush: Vec<JobId>,
     /// Lower-tier jobs (write-behind, promotion) created since the previous plan.
     pub tier_jobs: Vec<super::TierJob>,
+    /// Tier jobs a reset flushed (handed to workers and not completed), sorted: workers wait
+    /// for them on their tier worker. They are not in `flush`.
+    pub tier_flush: Vec<JobId>,
 }
 
 /// One finished job, as seen by the engine.

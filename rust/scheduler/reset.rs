@@ -34,7 +34,18 @@ impl Scheduler {
             .collect();
         self.stats.flushes_reset += flushed.len() as u64;
         self.stats.resets += 1;
-        self.reset_flush.extend_from_slice(&flushed);
+        // Tier jobs leave the copy flush set for the plan's `tier_flush`: workers wait for them
+        // on their tier worker, not the data plane.
+        for j in &pending {
+            if unplanned.contains(&j.id) {
+                continue;
+            }
+            if j.payload.tier.is_some() {
+                self.reset_tier_flush.push(j.id);
+            } else {
+                self.reset_flush.push(j.id);
+            }
+        }
         for p in &mut self.pools {
             p.reset();
         }

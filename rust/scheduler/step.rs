@@ -59,6 +59,11 @@ impl Scheduler {
             stores,
             flush,
             tier_jobs: std::mem::take(&mut self.new_tier_jobs),
+            tier_flush: {
+                let mut t = std::mem::take(&mut self.reset_tier_flush);
+                t.sort_unstable();
+                t
+            },
         })
     }
 

@@ -40,6 +40,10 @@ impl Scheduler {
             return;
         }
         let wm = self.watermark(r);
+        if !self.below_watermark(r, wm) {
+            // Nothing to store (most running requests in most steps): no planning at all.
+            return;
+        }
         let bpc = self.cfg.blocks_per_chunk;
         let owner = r.owner;
         let mut transfers = Vec::new();
@@ -166,7 +170,11 @@ impl Scheduler {
     /// Whether request `i` has full chunks below its watermark that no store covers yet.
     pub(super) fn has_stores_to_plan(&self, i: u32) -> bool {
         let r = self.req(i);
-        let wm = self.watermark(r);
+        self.below_watermark(r, self.watermark(r))
+    }
+
+    /// Whether some group of `r` has a store cursor below the watermark `wm`.
+    fn below_watermark(&self, r: &super::requests::Request, wm: u32) -> bool {
         r.groups
             .iter()
             .enumerate()

@@ -240,7 +240,9 @@ def test_reset_with_a_promotion_in_flight(redis: RedisServer, async_sched: bool)
         s = h.conn.scheduler_side
         assert s is not None
         h.add("b", p)
-        h.step_until(lambda: bool(s.tier_pending), "a promotion handed to the worker")
+        h.step_until(
+            lambda: any(pl.tier_job_ids() for pl in h.plans), "a promotion handed to the worker"
+        )
         assert h.sched.reset_prefix_cache(reset_connector=True)
         h.step()
         plan = h.plans[-1]

@@ -46,6 +46,29 @@ impl Scheduler {
     fn lock(&self) -> MutexGuard<'_, Core> {
         super::sync::lock(&self.inner)
     }
+
+    /// One worker's report applied, all or nothing (see `complete_many`): the jobs completed.
+    fn report(
+        &self,
+        finished: &Bound<'_, PyAny>,
+        failed: Option<&Bound<'_, PyAny>>,
+        worker: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<crate::scheduler::CompletedJob>> {
+        // The rank is checked even for an empty report.
+        let (_, clamped, w) =
+            convert::completion(&0u8.into_pyobject(finished.py())?.into_any(), worker)?;
+        let mut reports = Vec::new();
+        for (ids, ok) in [(Some(finished), true), (failed, false)] {
+            let Some(ids) = ids else { continue };
+            for (id, clamped, _) in convert::report_ids(ids, worker)? {
+                reports.push((id, clamped, ok));
+            }
+        }
+        self.lock().complete_many(&reports).map_err(|e| match e {
+            Error::WorkerOutOfRange { job, .. } => convert::completion_error(e, job, w, clamped),
+            e => to_py(e),
+        })
+    }
 }
 
 #[pymethods]
@@ -216,8 +239,9 @@ impl Scheduler {
     /// tables, of which the blocks beyond the core's are appended; `hashes` maps ids to their
     /// whole, growing hash lists (read where the core lacks hashes). Appended blocks count as
     /// written; `written` adds the others (`None`: the conservative fence). Returns `(load job
-    /// ids, their request ids, store job ids, flush, runs, tier jobs)`, the tier jobs packed
-    /// for `TierWorker.submit_packed` (`tier::encode_tier_jobs`).
+    /// ids, their request ids, store job ids, flush, runs, tier jobs, tier flush)`, the tier
+    /// jobs packed for `TierWorker.submit_packed` (`tier::encode_tier_jobs`), the tier flush
+    /// the tier jobs a reset flushed (not in `flush`).
     #[pyo3(signature = (
         scheduled, computed, *, added = None, appended = None, tables = None, hashes = None,
         finished = None, aborted = None, preempted = None, written = None
@@ -243,6 +267,7 @@ impl Scheduler {
         Vec<u64>,
         Bound<'py, PyBytes>,
         Bound<'py, PyBytes>,
+        Vec<u64>,
     )> {
         let added = batch::dict_arg(added, "added")?;
         let hashes = batch::dict_arg(hashes, "hashes")?;
@@ -386,6 +411,7 @@ impl Scheduler {
             plan.flush.iter().map(|j| j.0).collect(),
             PyBytes::new(py, &runs),
             PyBytes::new(py, &tier_jobs),
+            plan.tier_flush.iter().map(|j| j.0).collect(),
         ))
     }
 
@@ -410,6 +436,26 @@ impl Scheduler {
             Some(_) if tail.is_empty() => Ok(()),
             Some(_) => self.lock().extend_hashes(id, &tail).map_err(to_py),
         }
+    }
+
+    /// An engine's ask in one call (vLLM's `get_num_new_matched_tokens`): [`Self::sync_request`]
+    /// (registers the request with `prompt_len`, or appends the hashes of `block_hashes`, its
+    /// whole hash list so far, beyond those the core holds), a running request is released as
+    /// by `preempt` (the engine queued it again), then [`Self::lookup`]. A `num_computed_tokens`
+    /// that is not a multiple of the block size raises `RequestStateError`, nothing changed.
+    fn lookup_request(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        prompt_len: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u32>> {
+        let id = convert::request_id(request_id, "request_id")?;
+        let n = request_tokens(prompt_len, "prompt_len")?;
+        let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
+        let held = self.lock().num_hashes(id).unwrap_or(0);
+        let tail = convert::engine_hashes_from(block_hashes, held, "block_hashes")?;
+        self.lock().lookup_request(id, n, tail, hit).map_err(to_py)
     }
 
     /// Bounds each CPU pool's event queue to `limit` keys; 0 records no events (for an engine
@@ -448,24 +494,22 @@ impl Scheduler {
         failed: Option<&Bound<'_, PyAny>>,
         worker: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<CompletedJob>> {
-        // The rank is checked even for an empty report.
-        let (_, clamped, w) =
-            convert::completion(&0u8.into_pyobject(finished.py())?.into_any(), worker)?;
-        let rank = (clamped, w);
-        let mut reports = Vec::new();
-        for (ids, ok) in [(Some(finished), true), (failed, false)] {
-            let Some(ids) = ids else { continue };
-            for (id, clamped, _) in convert::report_ids(ids, worker)? {
-                reports.push((id, clamped, ok));
-            }
-        }
-        let done = self.lock().complete_many(&reports).map_err(|e| match e {
-            Error::WorkerOutOfRange { job, .. } => {
-                convert::completion_error(e, job, rank.1, rank.0)
-            }
-            e => to_py(e),
-        })?;
+        let done = self.report(finished, failed, worker)?;
         Ok(done.into_iter().map(CompletedJob::from).collect())
+    }
+
+    /// [`Self::complete_many`] for a caller that needs no job objects: returns how many jobs
+    /// completed `(ok, failed)`.
+    #[pyo3(signature = (finished, failed = None, worker = None))]
+    fn complete_counts(
+        &self,
+        finished: &Bound<'_, PyAny>,
+        failed: Option<&Bound<'_, PyAny>>,
+        worker: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(usize, usize)> {
+        let done = self.report(finished, failed, worker)?;
+        let ok = done.iter().filter(|j| j.ok).count();
+        Ok((ok, done.len() - ok))
     }
 
     /// Forgets every pending job and empties the CPU tier. Returns `(flushed job ids,
@@ -601,6 +645,12 @@ impl Scheduler {
             .into_iter()
             .map(|j| j.0)
             .collect()
+    }
+
+    /// Number of pending jobs (without listing them).
+    #[getter]
+    fn num_pending(&self) -> usize {
+        self.lock().num_pending()
     }
 
     /// Number of tracked requests.

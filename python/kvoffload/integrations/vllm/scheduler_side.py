@@ -26,11 +26,10 @@
 **Lower tiers** (``disk_path`` or ``remote_url``): the core plans write-behind and promotion
 jobs itself (a lookup that finds chunks only below the CPU pool promotes them and answers
 ``None``, "ask later"); each plan ships them to the workers as one packed buffer, and they are
-completed from the workers' reports like copies. The adapter remembers which planned jobs are
-tier jobs until they complete, so that a reset can name them to the workers apart from the
-copies (``tier_flush``). Stats gain the tier's counters per interval (``disk_*`` /
-``remote_*``); events carry the medium (``CPU``, ``DISK``, ``REMOTE``), and with KV events off
-the tiers' events are drained and dropped every step.
+completed from the workers' reports like copies. After a reset the core's plan names the tier
+jobs in flight apart from the copies (``tier_flush``). Stats gain the tier's counters per
+interval (``disk_*`` / ``remote_*``); events carry the medium (``CPU``, ``DISK``, ``REMOTE``),
+and with KV events off the tiers' events are drained and dropped every step.
 
 Request state lives in the core; the adapter keeps vLLM's ``Request`` objects and their live
 hash lists (vLLM appends to them as tokens are generated; the core reads the hashes it lacks),
@@ -50,7 +49,6 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.request import RequestStatus
 
-from kvoffload._core import CompletedJob
 from kvoffload.errors import DuplicateReportError, KvOffloadError, UnknownJobError
 from kvoffload.integrations.vllm.messages import (
     TIER_COUNTERS,
@@ -95,20 +93,16 @@ class SchedulerSide:
         self.conservative = False
         self.cancelled: list[int] = []  # loads cancelled by a reset, for the next plan
         self.stats = KvOffloadStats()
-        # Lower tiers (disk, shared or both), if configured: the tier jobs handed to the
-        # workers and not completed yet (a reset's flush set names them to the workers apart
-        # from the copies), the tier jobs of a reset for the next plan, and the tier counters
-        # at the last stats interval.
+        # Lower tiers (disk, shared or both), if configured: the tier counters at the last
+        # stats interval.
         self.tiers = cfg.disk_path is not None or cfg.remote_url is not None
-        self.tier_pending: set[int] = set()
-        self.tier_flush: list[int] = []
         self.tier_seen: dict[str, int] = {}
         self.t = 0.0
         self.step_times: list[float] = []
 
     def has_pending(self) -> bool:
         """Whether some job is still pending in the core."""
-        return bool(self.sched.pending_jobs())
+        return self.sched.num_pending > 0
 
     def on_new_request(self, request: Request) -> None:
         t = time.perf_counter()
@@ -124,15 +118,15 @@ class SchedulerSide:
         t = time.perf_counter()
         rid = request.request_id
         try:
+            # One core call: registers the request or appends its new hashes, releases it if
+            # vLLM asks again for a request it admitted (it freed the blocks of a failed load
+            # under kv_load_failure_policy "recompute", nothing valid kept), and looks it up.
+            got = self.sched.lookup_request(
+                rid, max(1, request.num_prompt_tokens), request.block_hashes, num_computed_tokens
+            )
             if rid not in self.reqs:
-                self.on_new_request(request)
-            elif self.sched.status(rid) == "running":
-                # vLLM asks again for a request it admitted: it freed the blocks of a failed
-                # load (kv_load_failure_policy "recompute", nothing valid kept) and re-queued
-                # it. Release it in the core and start afresh.
-                self.sched.preempt(rid)
-            self.sched.sync_request(rid, 1, request.block_hashes)
-            got = self.sched.lookup(rid, num_computed_tokens)
+                self.reqs[rid] = request
+                self.hashes[rid] = request.block_hashes
             self.stats.data["lookups"] += 1
             self.hit[rid] = num_computed_tokens
             if got is None:
@@ -198,17 +192,19 @@ class SchedulerSide:
             if req is not None:
                 (aborted if req.status == RequestStatus.FINISHED_ABORTED else finished).append(rid)
         exact = self.exact_fence and not self.conservative
-        load_jobs, load_reqs, store_jobs, flush, runs, tier_jobs = self.sched.schedule_batch(
-            [nr.req_id for nr in new] + cached.req_ids,
-            [nr.num_computed_tokens for nr in new] + cached.num_computed_tokens,
-            added=so.num_scheduled_tokens,
-            appended=[None] * len(new) + appended if new else appended,
-            tables=tables,
-            hashes=self.hashes,
-            finished=finished,
-            aborted=aborted,
-            preempted=list(so.preempted_req_ids or ()),
-            written=self.written if exact else None,
+        load_jobs, load_reqs, store_jobs, flush, runs, tier_jobs, tier_flush = (
+            self.sched.schedule_batch(
+                [nr.req_id for nr in new] + cached.req_ids,
+                [nr.num_computed_tokens for nr in new] + cached.num_computed_tokens,
+                added=so.num_scheduled_tokens,
+                appended=[None] * len(new) + appended if new else appended,
+                tables=tables,
+                hashes=self.hashes,
+                finished=finished,
+                aborted=aborted,
+                preempted=list(so.preempted_req_ids or ()),
+                written=self.written if exact else None,
+            )
         )
         for rid in finished + aborted:
             del self.hashes[rid]
@@ -223,10 +219,11 @@ class SchedulerSide:
             runs=runs,
             cancelled=self.cancelled,
             tier_jobs=tier_jobs,
+            tier_flush=tier_flush,
         )
         self.cancelled = []
-        if self.tiers:
-            self._tier_step(meta)
+        if self.tiers and not self.kv_events:
+            self.sched.take_events()  # the tiers' event queues are not bounded: drain them
         d = self.stats.data
         d["load_jobs"] += len(load_jobs)
         d["store_jobs"] += len(store_jobs)
@@ -239,17 +236,6 @@ class SchedulerSide:
             del self.step_times[:50_000]
         self.t = 0.0
         return meta
-
-    def _tier_step(self, meta: KvOffloadMetadata) -> None:
-        """The plan's tier jobs are pending now; a reset's tier jobs leave the flush set for
-        ``tier_flush`` (workers wait for them on their tier worker, not the data plane)."""
-        self.tier_pending.update(meta.tier_job_ids())
-        if self.tier_flush:
-            tier = set(self.tier_flush)
-            meta.tier_flush, self.tier_flush = self.tier_flush, []
-            meta.flush = [j for j in meta.flush if j not in tier]
-        if not self.kv_events:
-            self.sched.take_events()  # the tiers' event queues are not bounded: drain them
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         t = time.perf_counter()
@@ -265,18 +251,18 @@ class SchedulerSide:
                 d[f"{medium}_bytes_read"] += read
             for rank, (done, failed) in meta.by_rank().items():
                 try:
-                    completed = self.sched.complete_many(done, failed, rank)
+                    n_ok, n_failed = self.sched.complete_counts(done, failed, rank)
                 except (UnknownJobError, DuplicateReportError):
-                    completed = self._complete_each(done, failed, rank)
-                for job in completed:
-                    d["jobs_completed" if job.ok else "jobs_failed"] += 1
-                    self.tier_pending.discard(job.job_id)
+                    n_ok, n_failed = self._complete_each(done, failed, rank)
+                d["jobs_completed"] += n_ok
+                d["jobs_failed"] += n_failed
         self.t += time.perf_counter() - t
 
-    def _complete_each(self, done: list[int], failed: list[int], rank: int) -> list[CompletedJob]:
+    def _complete_each(self, done: list[int], failed: list[int], rank: int) -> tuple[int, int]:
         """A report with a job vLLM delivered twice or this scheduler never made: the valid
-        ones are applied one by one, the others counted and ignored."""
-        out = []
+        ones are applied one by one, the others counted and ignored. Returns the jobs that
+        completed, ``(ok, failed)``."""
+        out = [0, 0]
         for jobs, ok in ((done, True), (failed, False)):
             for job in jobs:
                 try:
@@ -286,8 +272,8 @@ class SchedulerSide:
                     self.stats.data["reports_ignored"] += 1
                     continue
                 if c is not None:
-                    out.append(c)
-        return out
+                    out[0 if c.ok else 1] += 1
+        return out[0], out[1]
 
     def take_events(self) -> list[KVCacheEvent]:
         if not self.kv_events:
@@ -346,8 +332,6 @@ class SchedulerSide:
         # The flushed jobs join the next plan's flush set. The workers still run the cancelled
         # loads (they are in the flush set) but report them as failed: vLLM frees those
         # requests' blocks and asks for them again.
-        flushed, cancelled = self.sched.reset()
+        _, cancelled = self.sched.reset()
         self.cancelled.extend(job for _, job in cancelled)
-        self.tier_flush.extend(j for j in flushed if j in self.tier_pending)
-        self.tier_pending.clear()
         return True

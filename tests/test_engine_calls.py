@@ -1,0 +1,130 @@
+"""The core's one-call engine paths: ``lookup_request`` (vLLM's ``get_num_new_matched_tokens``
+in one call), against the same calls made one by one; bad input changes nothing."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvoffload._core import Scheduler
+from kvoffload.errors import InvalidKeyError, KvOffloadError, RequestStateError
+
+BS = 4
+
+
+def core(**kw: Any) -> Scheduler:
+    return Scheduler([(BS, None, 64)], num_gpu_blocks=64, cpu_chunks=32, **kw)
+
+
+def hashes(seed: int, n: int) -> list[bytes]:
+    return [random.Random(f"{seed}/{i}").randbytes(32) for i in range(n)]
+
+
+def snapshot(s: Scheduler) -> tuple[Any, ...]:
+    return (s.stats(), s.pending_jobs(), s.num_requests, s.armed_pairs)
+
+
+def stored(s: Scheduler, rid: str, hs: list[bytes], blocks: list[int]) -> None:
+    """Registers ``rid``, runs its prompt and completes the store of its chunks."""
+    assert s.lookup_request(rid, len(blocks) * BS, hs, 0) == 0
+    s.allocate(rid, [blocks], 0, 0)
+    s.schedule_batch([rid], [0], added={rid: len(blocks) * BS}, written=blocks)
+    for j in s.pending_jobs():
+        s.complete(j)
+
+
+def test_lookup_request_equals_sync_then_lookup() -> None:
+    hs = hashes(1, 4)
+    one, many = core(), core()
+    stored(one, "a", hs, [1, 2, 3, 4])
+    many.sync_request("a", 16, hs)
+    assert many.lookup("a", 0) == 0
+    many.allocate("a", [[1, 2, 3, 4]], 0, 0)
+    many.schedule_batch(["a"], [0], added={"a": 16}, written=[1, 2, 3, 4])
+    for j in many.pending_jobs():
+        many.complete(j)
+    # A second request with the same prefix: its first ask registers it and finds 3 chunks
+    # (the last prompt token is recomputed), the hashes given in two asks.
+    assert one.lookup_request("b", 17, hs[:2], 4) == 4
+    many.sync_request("b", 17, hs[:2])
+    assert many.lookup("b", 4) == 4
+    assert one.lookup_request("b", 17, hs, 4) == 12
+    many.sync_request("b", 17, hs)
+    assert many.lookup("b", 4) == 12
+    assert snapshot(one) == snapshot(many)
+    assert one.status("b") == "waiting"
+
+
+def test_lookup_request_releases_a_request_asked_again_while_running() -> None:
+    s = core()
+    hs = hashes(2, 4)
+    stored(s, "a", hs, [1, 2, 3, 4])
+    assert s.lookup_request("b", 17, hs, 0) == 16
+    job = s.allocate("b", [[5, 6, 7, 8, 9]], 0, 16)
+    assert job is not None
+    s.schedule_batch(["b"], [0], written=[5, 6, 7, 8])
+    assert s.status("b") == "running"
+    s.complete(job, ok=False)
+    # vLLM freed the blocks of the failed load and asks again: the core releases it first
+    # (the failed load's chunks were discarded: nothing to load).
+    assert s.lookup_request("b", 17, hs, 0) == 0
+    assert s.status("b") == "preempted"
+
+
+@pytest.mark.parametrize("hit", [1, 6, 15])
+def test_lookup_request_refuses_a_hit_off_the_block_grid(hit: int) -> None:
+    s = core()
+    hs = hashes(3, 4)
+    stored(s, "a", hs, [1, 2, 3, 4])
+    before = snapshot(s)
+    with pytest.raises(RequestStateError, match=rf'"b".* {hit} tokens.* block size {BS}'):
+        s.lookup_request("b", 17, hs, hit)
+    assert snapshot(s) == before
+    with pytest.raises(RequestStateError, match=rf'"a".* {hit} tokens'):
+        s.lookup_request("a", 17, hs, hit)
+    assert snapshot(s) == before
+
+
+def test_lookup_request_bad_input_changes_nothing() -> None:
+    s = core()
+    hs = hashes(4, 4)
+    stored(s, "a", hs, [1, 2, 3, 4])
+    before = snapshot(s)
+    with pytest.raises(InvalidKeyError, match=r"block_hashes\[1\]"):
+        s.lookup_request("b", 17, [hs[0], "x"], 0)
+    assert snapshot(s) == before
+
+
+def test_complete_counts_applies_what_complete_many_applies() -> None:
+    hs = hashes(6, 4)
+    counts, objects = core(num_workers=2), core(num_workers=2)
+    for s in (counts, objects):
+        assert s.lookup_request("a", 16, hs, 0) == 0
+        s.allocate("a", [[1, 2, 3, 4]], 0, 0)
+        s.schedule_batch(["a"], [0], added={"a": 16}, written=[1, 2, 3, 4])
+    (job,) = counts.pending_jobs()
+    assert counts.complete_counts([job], worker=0) == (0, 0)  # one worker of two
+    assert objects.complete_many([job], worker=0) == []
+    assert counts.complete_counts([], [job], worker=1) == (0, 1)
+    assert [(j.job_id, j.ok) for j in objects.complete_many([], [job], worker=1)] == [(job, False)]
+    assert snapshot(counts) == snapshot(objects)
+    # All or nothing: a second report from a worker raises and changes nothing.
+    before = snapshot(counts)
+    with pytest.raises(KvOffloadError):
+        counts.complete_counts([job], worker=1)
+    assert snapshot(counts) == before
+
+
+def test_num_pending_counts_the_pending_jobs() -> None:
+    s = core()
+    assert s.num_pending == 0
+    hs = hashes(7, 8)
+    for rid, blocks in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8])):
+        assert s.lookup_request(rid, 16, hs if rid == "a" else hashes(8, 4), 0) == 0
+        s.allocate(rid, [blocks], 0, 0)
+    s.schedule_batch(["a", "b"], [0, 0], added={"a": 16, "b": 16}, written=list(range(1, 9)))
+    assert s.num_pending == len(s.pending_jobs()) == 2
+    s.complete(s.pending_jobs()[0])
+    assert s.num_pending == len(s.pending_jobs()) == 1
