@@ -270,3 +270,73 @@ pub fn decode_tier_jobs(buf: &[u8], medium: &str) -> PyResult<Vec<WorkerJob>> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tier::remote_index::MEDIUM as REMOTE;
+
+    fn job(id: u64, kind: TierJobKind, medium: &'static str, keys: &[u128]) -> TierJob {
+        TierJob {
+            id: JobId(id),
+            kind,
+            medium,
+            group: 1,
+            keys: keys.iter().map(|&k| Key(k)).collect(),
+            cpu_slots: (0..keys.len() as u32).map(|s| s + 10).collect(),
+            locations: (0..keys.len() as u64)
+                .map(|p| Location {
+                    place: p + 100,
+                    generation: p + 7,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn packed_tier_jobs_round_trip_for_their_medium_only() {
+        let big = (u128::from(u64::MAX) << 64) | 5;
+        let jobs = [
+            job(3, TierJobKind::Write, DISK, &[1, big]),
+            job(4, TierJobKind::Promote, DISK, &[9]),
+        ];
+        let buf = encode_tier_jobs(&jobs);
+        assert_eq!(buf.len(), 3 * TIER_ROW_WORDS * 8);
+        let back = decode_tier_jobs(&buf, DISK).unwrap();
+        assert_eq!(back.len(), jobs.len());
+        for (b, j) in back.iter().zip(&jobs) {
+            assert_eq!((b.id, b.kind, b.group), (j.id, j.kind, j.group));
+            assert_eq!((&b.keys, &b.cpu_slots), (&j.keys, &j.cpu_slots));
+            assert_eq!(b.locations, j.locations);
+        }
+        assert!(decode_tier_jobs(&encode_tier_jobs(&[]), DISK)
+            .unwrap()
+            .is_empty());
+        // With both tiers, each worker takes its own medium's jobs from the plan's buffer.
+        let mixed = encode_tier_jobs(&[
+            job(5, TierJobKind::Write, DISK, &[1, 2]),
+            job(6, TierJobKind::Promote, REMOTE, &[3]),
+            job(7, TierJobKind::Write, REMOTE, &[4, 5]),
+        ]);
+        let ids = |m: &str| -> Vec<u64> {
+            let jobs = decode_tier_jobs(&mixed, m).unwrap();
+            jobs.iter().map(|j| j.id.0).collect()
+        };
+        assert_eq!((ids(DISK), ids(REMOTE)), (vec![5], vec![6, 7]));
+        assert!(decode_tier_jobs(&buf, REMOTE).unwrap().is_empty());
+        // An unknown medium or kind, a torn buffer, rows of one job split apart: refused.
+        let mut unknown = buf.clone();
+        unknown[8 + 1] = 2;
+        assert!(decode_tier_jobs(&unknown, DISK).is_err());
+        let mut kind = buf.clone();
+        kind[8] = 7;
+        assert!(decode_tier_jobs(&kind, DISK).is_err());
+        assert!(decode_tier_jobs(&buf[..buf.len() - 8], DISK).is_err());
+        let split = [
+            job(3, TierJobKind::Write, DISK, &[1]),
+            job(4, TierJobKind::Write, DISK, &[2]),
+            job(3, TierJobKind::Write, DISK, &[3]),
+        ];
+        assert!(decode_tier_jobs(&encode_tier_jobs(&split), DISK).is_err());
+    }
+}
