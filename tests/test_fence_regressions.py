@@ -50,6 +50,19 @@ def store_prefix(s: OffloadScheduler, rid: str, tables, hashes, tokens: int) -> 
     finish_all(s, plan.stores)
 
 
+def loading_b(s: OffloadScheduler) -> int:
+    """Request "b" loads the 8-token prefix "a" stored into blocks 5, 6 (block 7 computes);
+    the load's step is planned. Returns the load job."""
+    store_prefix(s, "a", [[1, 2]], [11, 12], 8)
+    s.add_request("b", 9, [11, 12])
+    n = s.lookup("b", 0)
+    assert n == 8
+    load = s.allocate("b", [[5, 6, 7]], 0, n)
+    assert load is not None
+    s.schedule(StepInput(written=[5, 6, 7]))
+    return load
+
+
 # 1 --------------------------------------------------------------------------------------------
 def test_reset_never_plans_a_load_it_cancelled():
     s = make()
@@ -187,11 +200,7 @@ def test_sliding_window_lookup_needs_only_the_rightmost_window():
 # 7 --------------------------------------------------------------------------------------------
 def test_an_aborted_loading_request_is_dropped_when_its_load_completes():
     s = make()
-    store_prefix(s, "a", [[1, 2]], [11, 12], 8)
-    s.add_request("b", 9, [11, 12])
-    n = s.lookup("b", 0)
-    load = s.allocate("b", [[5, 6, 7]], 0, n)
-    s.schedule(StepInput(written=[5, 6, 7]))
+    load = loading_b(s)
     s.schedule(StepInput(aborted=["b"], written=[]))
     assert s.status("b") == "aborted"
     done = s.complete(load)
@@ -237,11 +246,7 @@ def test_a_duplicated_worker_report_never_completes_a_store():
 # 10 -------------------------------------------------------------------------------------------
 def test_a_failed_loads_chunks_are_stored_again_once_recomputed():
     s = make()
-    store_prefix(s, "a", [[1, 2]], [11, 12], 8)
-    s.add_request("b", 9, [11, 12])
-    n = s.lookup("b", 0)
-    load = s.allocate("b", [[5, 6, 7]], 0, n)
-    s.schedule(StepInput(written=[5, 6, 7]))
+    load = loading_b(s)
     done = s.complete(load, ok=False)
     assert done.invalid_blocks == [5, 6]
     # The failed load's chunks were dropped from the CPU tier; b recomputes them.

@@ -65,9 +65,9 @@ import random
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 from kvoffload.errors import DuplicateReportError, KvOffloadError, UnknownRequestError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
@@ -298,7 +298,7 @@ class Fuzzer:
         return getattr(self.s, name)(*args, **kwargs)
 
     def snapshot(self) -> tuple[Any, ...]:
-        statuses = {}
+        statuses: dict[str, Any] = {}
         for rid in self.live + [r.id for r in self.done_reqs[-8:]]:
             try:
                 statuses[rid] = self.s.status(rid)
@@ -585,27 +585,19 @@ class Fuzzer:
         # F: schedule.
         self.point()
         written = self.written(forward)
-        if rng.random() < 0.3:
-            inp = StepInput(
-                request_ids=[a for a, _ in scheduled],
-                computed_tokens=[b for _, b in scheduled],
-                new_blocks=new_blocks,
-                resumed=resumed,
-                finished=finished,
-                aborted=aborted,
-                preempted=preempted,
-                written=written,
-            )
+        rest: dict[str, Any] = {
+            "new_blocks": new_blocks,
+            "resumed": resumed,
+            "finished": finished,
+            "aborted": aborted,
+            "preempted": preempted,
+            "written": written,
+        }
+        if rng.random() < 0.3:  # the two parallel sequences instead of pairs
+            ids, tokens = [a for a, _ in scheduled], [b for _, b in scheduled]
+            inp = StepInput(request_ids=ids, computed_tokens=tokens, **rest)
         else:
-            inp = StepInput(
-                scheduled=scheduled,
-                new_blocks=new_blocks,
-                resumed=resumed,
-                finished=finished,
-                aborted=aborted,
-                preempted=preempted,
-                written=written,
-            )
+            inp = StepInput(scheduled=scheduled, **rest)
         if self.irng.random() < 0.15:
             self.invalid_schedule(inp)
         for rid in finished + aborted + preempted:
@@ -787,7 +779,9 @@ class Fuzzer:
 
     # ------------------------------------------------------------------ plans
 
-    def check_plan(self, plan: Any, written: list[int] | None, was_released: dict) -> None:
+    def check_plan(
+        self, plan: Any, written: Sequence[int] | None, was_released: dict[str, Any]
+    ) -> None:
         t = self.t
         live_loads = [j for j in self.new_loads if not self.jobs[j].cancelled]
         got_loads = [j.job_id for j in plan.loads]
@@ -841,10 +835,11 @@ class Fuzzer:
         self.c["flush_steps"] += bool(flush)
         wset = set(self.alloc_since) if written is None else set(written)
         for jid in flush:
-            j = self.jobs.get(jid)
-            if j is None or not j.planned:
+            fj = self.jobs.get(jid)
+            if fj is None or not fj.planned:
                 self.violation("plan", f"flush set names job {jid}, never handed to a worker")
                 continue
+            j = fj
             if j.gen < self.gen:
                 if jid not in self.allowed_flush:
                     self.violation("plan", f"pre-reset job {jid} in a later plan's flush set")
@@ -1251,7 +1246,7 @@ class Fuzzer:
         if kind == 0:
             self.expect_error("lookup(unknown)", lambda: s.lookup(ghost, 0))
         elif kind == 1 and waiting:
-            bad = rng.choice(["4", -4, 2**40, None, 1.5])
+            bad: Any = rng.choice(["4", -4, 2**40, None, 1.5])  # wrong on purpose
             self.expect_error(f"lookup(hit={bad!r})", lambda: s.lookup(waiting.id, bad))
         elif kind == 2 and running:
             self.expect_error("lookup(running)", lambda: s.lookup(running.id, 0))
@@ -1273,7 +1268,7 @@ class Fuzzer:
             done = [j for j in self.jobs.values() if j.gen == self.gen and j.done]
             if done:
                 j = rng.choice(done)
-                w = rng.randrange(self.W)
+                w: Any = rng.randrange(self.W)  # below, wrong workers on purpose
                 self.expect_error("complete(done)", lambda: s.complete(j.id, worker=w))
         elif kind == 9 and pending:
             j = rng.choice(pending)
@@ -1298,14 +1293,15 @@ class Fuzzer:
             w = rng.randrange(self.W)
             good = [j.id for j in pending if w not in j.reported]
             if good:
-                j = rng.choice(good)
+                jid = rng.choice(good)
                 self.expect_error(
-                    "complete_many(twice)", lambda: s.complete_many([j], [j], worker=w)
+                    "complete_many(twice)", lambda: s.complete_many([jid], [jid], worker=w)
                 )
         elif kind == 13:
             r = self.pick(("waiting", "running", "loading"))
             if r:
-                self.expect_error("add_request(dup)", lambda: s.add_request(r.id, 5, []))
+                dup = r.id
+                self.expect_error("add_request(dup)", lambda: s.add_request(dup, 5, []))
             else:
                 self.expect_error("add_request(0)", lambda: s.add_request(ghost, 0, []))
         elif kind == 14:
@@ -1392,7 +1388,7 @@ class Fuzzer:
             args["scheduled"] = [*sched, (waiting[0], 4)]
             what = "scheduled a waiting request"
         elif kind == 7:
-            self.expect_error("schedule(not a StepInput)", lambda: self.s.schedule(sched))
+            self.expect_error("schedule(not a StepInput)", lambda: self.s.schedule(sched))  # type: ignore[arg-type]
             return
         elif kind == 8:
             args["scheduled"] = ()
@@ -1453,7 +1449,7 @@ class Fuzzer:
         self.contract(self.s.armed_pairs == 0, f"leak: {self.s.armed_pairs} armed pairs")
         self.contract(self.s.num_requests == 0, f"leak: {self.s.num_requests} requests")
         self.contract(st["loading_requests"] == 0, "leak: loading requests")
-        for p in st["pools"]:
+        for p in cast("list[dict[str, int]]", st["pools"]):
             self.contract(p["pinned"] == 0 and p["storing"] == 0, f"leak: pool {p}")
 
     def result(self) -> dict[str, Any]:

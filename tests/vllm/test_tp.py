@@ -83,16 +83,23 @@ def test_reload_after_prefix_cache_reset_loads_each_shard(harness: Harness) -> N
     h.assert_clean()
 
 
+def store_a(h: Harness, seed: int) -> list[int]:
+    """Request "a" runs a 100-token prompt to the end (its chunks are stored), then vLLM's
+    prefix cache is reset: the prompt can come back only by a load. Returns the prompt."""
+    p = prompt(seed, 100)
+    h.add("a", p)
+    h.run_until_done()
+    h.drain()
+    assert h.sched.reset_prefix_cache()
+    return p
+
+
 def test_load_completes_only_when_both_workers_reported(harness: Harness) -> None:
     h = harness
     s = h.conn.scheduler_side
     assert s is not None
     core = s.sched
-    p = prompt(22, 100)
-    h.add("a", p)
-    h.run_until_done()
-    h.drain()
-    assert h.sched.reset_prefix_cache()
+    p = store_a(h, 22)
     completed0 = core.stats()["jobs_completed"]
 
     h.gates[1].clear()  # worker 1 is slow: its copies wait
@@ -189,11 +196,7 @@ def test_load_failed_on_one_worker_fails_the_job(harness: Harness) -> None:
     s = h.conn.scheduler_side
     assert s is not None
     core = s.sched
-    p = prompt(24, 100)
-    h.add("a", p)
-    h.run_until_done()
-    h.drain()
-    assert h.sched.reset_prefix_cache()
+    p = store_a(h, 24)
     h.fail_load_ranks = {1}
     h.gates[1].clear()
     h.add("b", p)
