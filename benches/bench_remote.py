@@ -2,7 +2,7 @@
 
 Run::
 
-    .venv/bin/python benches/bench_remote.py            # table + JSON line
+    .venv/bin/python benches/bench_remote.py [--only throughput|pace|faults]  # tables + JSON
     .venv/bin/python -m pytest benches/bench_remote.py -q -s   # same, as a test with the goals
 
 A fresh ``redis-server`` (Debian's package) is started on 127.0.0.1 with a free port. Each
@@ -237,25 +237,46 @@ def test_bench_remote() -> None:
         assert out[f"{d}_ratio"] >= GOAL_RATIO, out
 
 
-if __name__ == "__main__":
-    report(run())
-    p = pace()
-    print(
-        f"scheduler step with the shared tier: healthy p50 {p['healthy_p50_us']:.0f} µs, "
-        f"p99 {p['healthy_p99_us']:.0f} µs; replies delayed past the deadline: "
-        f"p50 {p['slow_p50_us']:.0f} µs, p99 {p['slow_p99_us']:.0f} µs"
+def main(argv: list[str] | None = None) -> None:
+    """Runs the measurements ``--only`` names (default: all three)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--only",
+        choices=("throughput", "pace", "faults"),
+        action="append",
+        help="run only this measurement (repeatable; default: all)",
     )
-    print(json.dumps(p))
-    f = faults()
-    print(
-        "\nscheduler µs per engine step, one engine through server faults vs the same run without"
-    )
-    print(
-        f"{'phase':10} {'clean p50':>9} {'p99':>7} {'faults p50':>10} {'p99':>7} {'p99 ratio':>9}"
-    )
-    for name, row in f.items():
+    only = set(ap.parse_args(argv).only or ("throughput", "pace", "faults"))
+    if "throughput" in only:
+        report(run())
+    if "pace" in only:
+        p = pace()
         print(
-            f"{name:10} {row['clean_p50_us']:9.0f} {row['clean_p99_us']:7.0f} "
-            f"{row['faults_p50_us']:10.0f} {row['faults_p99_us']:7.0f} {row['p99_ratio']:9.2f}"
+            f"scheduler step with the shared tier: healthy p50 {p['healthy_p50_us']:.0f} µs, "
+            f"p99 {p['healthy_p99_us']:.0f} µs; replies delayed past the deadline: "
+            f"p50 {p['slow_p50_us']:.0f} µs, p99 {p['slow_p99_us']:.0f} µs"
         )
-    print(json.dumps(f))
+        print(json.dumps(p))
+    if "faults" in only:
+        f = faults()
+        print(
+            "\nscheduler µs per engine step, one engine through server faults vs the same run "
+            "without"
+        )
+        print(
+            f"{'phase':10} {'clean p50':>9} {'p99':>7} {'faults p50':>10} {'p99':>7} "
+            f"{'p99 ratio':>9}"
+        )
+        for name, row in f.items():
+            print(
+                f"{name:10} {row['clean_p50_us']:9.0f} {row['clean_p99_us']:7.0f} "
+                f"{row['faults_p50_us']:10.0f} {row['faults_p99_us']:7.0f} "
+                f"{row['p99_ratio']:9.2f}"
+            )
+        print(json.dumps(f))
+
+
+if __name__ == "__main__":
+    main()

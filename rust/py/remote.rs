@@ -17,7 +17,6 @@ use super::errors::{to_py, ConfigError, KvOffloadError};
 use super::tier::set_counters;
 use super::tier_worker::{RegionArg, TierWorker};
 use crate::ids::Key;
-use crate::tier::disk::engine_namespace;
 use crate::tier::io::RemoteGroup;
 use crate::tier::namespace::Namespace;
 use crate::tier::remote::{ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem};
@@ -162,23 +161,14 @@ impl RemoteWorker {
             &buffers,
             groups,
             blocks_per_chunk,
+            model,
             rank,
             world_size,
             threads,
-            |g, chunk, block_size| {
-                let ns = engine_namespace(
-                    model,
-                    chunk,
-                    block_size,
-                    blocks_per_chunk,
-                    rank,
-                    world_size,
-                    g,
-                )
-                .salted(cache_salt);
+            |ns, _| {
                 let remote = RemoteGroup {
                     client: Arc::clone(&client),
-                    namespace: ns.digest(),
+                    namespace: ns.salted(cache_salt).digest(),
                 };
                 Ok((None, Some(remote)))
             },

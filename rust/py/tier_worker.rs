@@ -25,6 +25,7 @@ use crate::copy::RowSpace;
 use crate::ids::JobId;
 use crate::tier::disk::{engine_namespace, inspect, SlabFile, SlabLayout, MEDIUM as DISK};
 use crate::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker as Io};
+use crate::tier::namespace::Namespace;
 
 /// One region as given: `(buffer, offset, stride, row_bytes)`.
 pub type RegionArg = (usize, usize, usize, usize);
@@ -60,8 +61,9 @@ pub struct TierWorker {
 
 impl TierWorker {
     /// Registers `buffers` and `groups` (`(cpu_rows, block_size, regions)` each) and starts the
-    /// threads; `open(group, chunk_bytes, block_size)` opens each group's tier. `what` names the
-    /// class in errors.
+    /// threads; `open(namespace, chunk_bytes)` opens each group's tier, given the group's
+    /// engine namespace on this rank (`model` names the weights: [`engine_namespace`]). `what`
+    /// names the class in errors.
     #[allow(clippy::too_many_arguments)]
     pub fn open(
         what: &str,
@@ -69,10 +71,11 @@ impl TierWorker {
         buffers: &[Bound<'_, PyAny>],
         groups: Vec<(usize, u32, Vec<RegionArg>)>,
         blocks_per_chunk: u32,
+        model: &str,
         rank: u32,
         world_size: u32,
         threads: usize,
-        mut open: impl FnMut(u32, u64, u32) -> PyResult<OpenGroup>,
+        mut open: impl FnMut(Namespace, u64) -> PyResult<OpenGroup>,
     ) -> PyResult<Self> {
         if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
             return Err(ConfigError::new_err(format!(
@@ -87,7 +90,16 @@ impl TierWorker {
                 .iter()
                 .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
                 .sum();
-            let (file, remote) = open(g as u32, chunk, block_size)?;
+            let ns = engine_namespace(
+                model,
+                chunk,
+                block_size,
+                blocks_per_chunk,
+                rank,
+                world_size,
+                g as u32,
+            );
+            let (file, remote) = open(ns, chunk)?;
             tgroups.push(TierGroup {
                 cpu_rows,
                 rows_per_chunk: blocks_per_chunk as usize,
@@ -214,19 +226,11 @@ impl DiskWorker {
             &buffers,
             groups,
             blocks_per_chunk,
+            model,
             rank,
             world_size,
             threads,
-            |g, chunk, block_size| {
-                let ns = engine_namespace(
-                    model,
-                    chunk,
-                    block_size,
-                    blocks_per_chunk,
-                    rank,
-                    world_size,
-                    g,
-                );
+            |ns, chunk| {
                 let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
                 let file = SlabFile::open(&path, &ns, layout, direct, sync).map_err(to_py)?;
                 Ok((Some(file), None))

@@ -16,10 +16,12 @@
 //! A slot being written behind is pinned in the CPU pool and a slot being promoted is
 //! reserved (not readable), so no other copy touches the bytes a tier job reads or writes.
 //!
-//! The I/O threads run at the lowest CPU priority (nice 19, [`lower_thread_priority`]): the
-//! checksums and copies of a write-behind must not take the CPU from the engine's Python
-//! thread on a small machine (issue 14's stall goal). [`TierWorker::low_priority_threads`]
-//! says how many got it (a sandbox may refuse).
+//! The I/O threads of a worker with a disk tier run at the lowest CPU priority (nice 19,
+//! [`lower_thread_priority`]): the checksums and copies of a write-behind must not take the
+//! CPU from the engine's Python thread on a small machine (issue 14's stall goal).
+//! [`TierWorker::low_priority_threads`] says how many got it (a sandbox may refuse). A worker
+//! of the shared tier alone keeps the engine's priority: its threads mostly wait on the
+//! network, and at nice 19 on a loaded machine they starved.
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc;
@@ -297,6 +299,10 @@ impl TierWorker {
                 r.space.offset = start;
             }
         }
+        // Disk I/O threads checksum and copy whole chunks: lowest priority. The shared tier's
+        // mostly wait on the network; lowered, they starved on a loaded machine (the server's
+        // recovery trials came too late for tests/test_remote_faults.py).
+        let lower = groups.iter().any(|g| g.file.is_some());
         let shared = Arc::new(Shared {
             groups,
             done: Mutex::new(Vec::new()),
@@ -311,7 +317,7 @@ impl TierWorker {
                 std::thread::Builder::new()
                     .name(format!("kvoffload-tier-{i}"))
                     .spawn(move || {
-                        if lower_thread_priority() {
+                        if lower && lower_thread_priority() {
                             shared.low_priority.fetch_add(1, Relaxed);
                         }
                         loop {
