@@ -2,9 +2,10 @@
 //!
 //! The data plane registers, once, every buffer it copies between (each KV tensor's storage and
 //! the CPU pool) and, per KV group, where each tensor's rows sit in those buffers. A job then
-//! names rows only by `(group, region, row)` indices: [`Copier::copy`] checks every run against
-//! the group's row counts before a byte moves (all or nothing) and turns the runs into raw
-//! pieces itself, so no caller can read or write outside registered memory. The GPU-side rows
+//! names rows only by `(group, region, row)` indices, as run lists or as rows of a plan's
+//! packed runs buffer read in place ([`crate::runs`], [`Copier::copy_packed`]): one checker
+//! tests every run against the group's row counts before a byte moves (all or nothing) and
+//! turns the runs into raw pieces itself, so no caller can read or write outside registered memory. The GPU-side rows
 //! of every region are checked at registration to be disjoint from the CPU-side rows, so a copy
 //! never overlaps its own source.
 //!
@@ -449,7 +450,10 @@ impl Copier {
             }
         });
         let pieces = self.row_pieces(dir, it)?;
-        Ok(self.copy_checked(&pieces, threads))
+        // SAFETY: the pieces were just made by this copier's `row_pieces`.
+        #[allow(unsafe_code)]
+        let copied = unsafe { copy_checked(&pieces, threads) };
+        Ok(copied)
     }
 
     /// Copies the rows of every run in direction `dir`, over up to `threads` threads. Returns
@@ -460,25 +464,29 @@ impl Copier {
     /// Nothing is copied then.
     pub fn copy(&self, dir: Direction, runs: &[Runs], threads: usize) -> Result<usize, CopyError> {
         let pieces = self.pieces(dir, runs)?;
-        Ok(self.copy_checked(&pieces, threads))
-    }
-
-    /// Copies pieces that [`Self::row_pieces`] returned.
-    fn copy_checked(&self, pieces: &[Piece], threads: usize) -> usize {
-        let threads = if threads > 1 && !disjoint_destinations(pieces) {
-            1 // the same bytes written twice: in order, never by two threads at once
-        } else {
-            threads
-        };
+        // SAFETY: the pieces were just made by this copier's `row_pieces`.
         #[allow(unsafe_code)]
-        // SAFETY: every piece lies inside registered spans (checked by `pieces` against extents
-        // checked by `new`), which the caller of `new` keeps allocated; a destination is always
-        // on the other side of its source, and the sides are disjoint (checked by `new`);
-        // pieces given to different threads write disjoint bytes (checked just above).
-        unsafe {
-            copy_pieces(pieces, threads)
-        }
+        let copied = unsafe { copy_checked(&pieces, threads) };
+        Ok(copied)
     }
+}
+
+/// Copies pieces that [`Copier::row_pieces`] returned.
+///
+/// # Safety
+/// `pieces` come from `row_pieces` of a live copier (so they lie inside its registered spans).
+#[allow(unsafe_code)]
+unsafe fn copy_checked(pieces: &[Piece], threads: usize) -> usize {
+    let threads = if threads > 1 && !disjoint_destinations(pieces) {
+        1 // the same bytes written twice: in order, never by two threads at once
+    } else {
+        threads
+    };
+    // SAFETY: every piece lies inside registered spans (checked by `row_pieces` against
+    // extents checked by `new`), which the caller of `new` keeps allocated; a destination is
+    // always on the other side of its source, and the sides are disjoint (checked by `new`);
+    // pieces given to different threads write disjoint bytes (checked just above).
+    unsafe { copy_pieces(pieces, threads) }
 }
 
 /// Appends `len` bytes from `src` to `dst` as pieces of at most [`PIECE`] bytes.

@@ -73,13 +73,17 @@ class KvOffloadMetadata(KVConnectorMetadata):
         """Store job ids."""
         return list(self.store_jobs)
 
+    def run_rows(self) -> npt.NDArray[np.int64]:
+        """The runs, one row each: job index, group, GPU start, CPU start, length."""
+        return np.frombuffer(self.runs, dtype="<u4").reshape(-1, RUN_WORDS).astype(np.int64)
+
     def gpu_blocks(self, job: int) -> list[int]:
         """The GPU blocks job ``job`` writes (a load) or reads (a store), in run order."""
         jobs = self.load_jobs + self.store_jobs
         if job not in jobs:
             raise KeyError(job)
-        rows = np.frombuffer(self.runs, dtype="<u4").reshape(-1, RUN_WORDS)
-        mine = rows[rows[:, 0] == jobs.index(job)].astype(np.int64)
+        rows = self.run_rows()
+        mine = rows[rows[:, 0] == jobs.index(job)]
         if not len(mine):
             return []
         lengths = mine[:, 4]
