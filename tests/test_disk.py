@@ -97,6 +97,32 @@ def test_restart_serves_the_same_bytes_from_disk(tmp_path: Path) -> None:
     worker.shutdown()
 
 
+def test_reset_names_an_in_flight_promotion_in_tier_flush(tmp_path: Path) -> None:
+    """A reset while a promotion is in flight: the facade's next plan names it in ``tier_flush``
+    (wait on the tier worker), not in ``flush`` (the data plane does not know tier jobs), and its
+    late report changes nothing."""
+    _fill(tmp_path)
+    sched = OffloadScheduler(_config(tmp_path))
+    _, worker = _engine(2)
+    disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    assert sched.lookup("b", num_computed_tokens=0) is None
+    plan = sched.schedule(StepInput(written=[]))
+    (promote,) = plan.tier_jobs
+    disk.submit(plan.tier_jobs)
+    reset = sched.reset()
+    assert reset.flushed == [promote[0]]
+    plan = sched.schedule(StepInput(written=[]))
+    assert (plan.flush, plan.tier_flush) == ([], [promote[0]])
+    assert sched.schedule(StepInput(written=[])).tier_flush == []
+    for job_id, ok in disk.wait([promote[0]], timeout=30):
+        assert sched.complete(job_id, ok=ok) is None
+    pool = sched.stats()["pools"][0]  # type: ignore[index]
+    assert (pool["used"], pool["storing"], pool["pinned"]) == (0, 0, 0)
+    assert sched.stats()["tiers"][0]["queue_depth"] == 0  # type: ignore[index]
+    worker.shutdown()
+
+
 def test_a_flipped_bit_is_a_miss_never_served(tmp_path: Path) -> None:
     _fill(tmp_path)
     (ns,) = disk_inspect(tmp_path)

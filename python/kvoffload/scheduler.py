@@ -259,8 +259,8 @@ class ResetResult:
     """What a reset left for the engine and workers.
 
     Attributes:
-        flushed: Job ids that were pending and handed to workers; the next plan's flush set
-            holds them.
+        flushed: Job ids that were pending and handed to workers; the next plan holds them:
+            copies in its ``flush``, tier jobs in its ``tier_flush``.
         cancelled_loads: ``(request_id, job_id)`` of loads that will never be reported: the
             engine must treat those requests' loaded tokens as not computed.
     """

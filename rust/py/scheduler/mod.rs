@@ -229,6 +229,7 @@ impl Scheduler {
                 plan.tier_jobs.into_iter().map(super::tier::tier_job_tuple),
             )?
             .unbind(),
+            tier_flush: plan.tier_flush.iter().map(|j| j.0).collect(),
         })
     }
 

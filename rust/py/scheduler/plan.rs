@@ -103,6 +103,10 @@ pub struct StepPlan {
     /// with kind `"write"` (write-behind) or `"promote"`; run them with a `DiskWorker`.
     #[pyo3(get)]
     pub(super) tier_jobs: Py<PyList>,
+    /// Tier jobs a reset flushed (handed to tier workers, not completed), sorted: wait for them
+    /// on their tier worker before this step writes. They are not in `flush`.
+    #[pyo3(get)]
+    pub(super) tier_flush: Vec<u64>,
 }
 
 #[pymethods]
