@@ -128,3 +128,35 @@ def test_num_pending_counts_the_pending_jobs() -> None:
     assert s.num_pending == len(s.pending_jobs()) == 2
     s.complete(s.pending_jobs()[0])
     assert s.num_pending == len(s.pending_jobs()) == 1
+
+
+class _CallsBackIn:
+    """A hash whose conversion (``__index__``) runs ``call`` once first: a caller's object (or
+    another thread) changing the request while the core converts the hash list unlocked."""
+
+    def __init__(self, value: int, call: Any) -> None:
+        self.value, self.call = value, call
+
+    def __index__(self) -> int:
+        call, self.call = self.call, None
+        if call is not None:
+            call()
+        return self.value
+
+
+@pytest.mark.parametrize("method", ["lookup_request", "sync_request"])
+def test_hashes_appended_while_converting_land_once(method: str) -> None:
+    """The hash list is converted from the count the core held; when that count changes during
+    the conversion, the tail is taken again from the new count, never appended twice."""
+    hs = [random.Random(f"h/{i}").getrandbits(63) for i in range(4)]
+    s = core()
+    # The CPU tier holds the first 3 chunks: a 4th hash appended twice would make the 4th block
+    # look up the 3rd chunk's key (a hit of 16 tokens, serving the wrong chunk).
+    stored(s, "a", [h.to_bytes(32, "big") for h in hs[:3]], [1, 2, 3])
+    s.sync_request("r", 17, hs[:2])
+    tail = [*hs[:3], _CallsBackIn(hs[3], lambda: s.extend_hashes("r", [hs[2]]))]
+    if method == "lookup_request":
+        assert s.lookup_request("r", 17, tail, 0) == 12
+    else:
+        s.sync_request("r", 17, tail)
+        assert s.lookup("r", 0) == 12

@@ -47,6 +47,27 @@ impl Scheduler {
         super::sync::lock(&self.inner)
     }
 
+    /// The hashes of `block_hashes` (a request's whole hash list) beyond those the core holds
+    /// for `id` (`None`: not tracked), and the lock under which that count still holds. The
+    /// conversion runs unlocked (it may call Python, which may call back in and change the
+    /// request); if the count changed meanwhile it is converted again, so the tail is never
+    /// appended at the wrong position.
+    fn hash_tail(
+        &self,
+        id: &str,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<(MutexGuard<'_, Core>, Option<usize>, Vec<crate::Key>)> {
+        loop {
+            let held = self.lock().num_hashes(id).ok();
+            let tail =
+                convert::engine_hashes_from(block_hashes, held.unwrap_or(0), "block_hashes")?;
+            let core = self.lock();
+            if core.num_hashes(id).ok() == held {
+                return Ok((core, held, tail));
+            }
+        }
+    }
+
     /// One worker's report applied, all or nothing (see `complete_many`): the jobs completed.
     fn report(
         &self,
@@ -427,15 +448,12 @@ impl Scheduler {
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let id = convert::request_id(request_id, "request_id")?;
-        let held = self.lock().num_hashes(id).ok();
-        let tail = convert::engine_hashes_from(block_hashes, held.unwrap_or(0), "block_hashes")?;
+        let n = request_tokens(prompt_len, "prompt_len")?;
+        let (mut core, held, tail) = self.hash_tail(id, block_hashes)?;
         match held {
-            None => {
-                let n = request_tokens(prompt_len, "prompt_len")?;
-                self.lock().add_request(id, n, tail).map_err(to_py)
-            }
+            None => core.add_request(id, n, tail).map_err(to_py),
             Some(_) if tail.is_empty() => Ok(()),
-            Some(_) => self.lock().extend_hashes(id, &tail).map_err(to_py),
+            Some(_) => core.extend_hashes(id, &tail).map_err(to_py),
         }
     }
 
@@ -454,9 +472,8 @@ impl Scheduler {
         let id = convert::request_id(request_id, "request_id")?;
         let n = request_tokens(prompt_len, "prompt_len")?;
         let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
-        let held = self.lock().num_hashes(id).unwrap_or(0);
-        let tail = convert::engine_hashes_from(block_hashes, held, "block_hashes")?;
-        self.lock().lookup_request(id, n, tail, hit).map_err(to_py)
+        let (mut core, _, tail) = self.hash_tail(id, block_hashes)?;
+        core.lookup_request(id, n, tail, hit).map_err(to_py)
     }
 
     /// Bounds each CPU pool's event queue to `limit` keys; 0 records no events (for an engine
