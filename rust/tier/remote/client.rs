@@ -11,6 +11,7 @@ use redis::Value;
 use super::pack::{slice_pieces, Packed};
 use super::{
     parts, value_key, ReadItem, ReadOutcome, RemoteConfig, RemoteStats, WriteItem, BATCH_BYTES,
+    WRITE_BATCH_BYTES,
 };
 use crate::error::{Error, Result};
 use crate::ids::Key;
@@ -242,12 +243,12 @@ impl RemoteClient {
             .collect()
     }
 
-    /// Groups item indices into sub-batches of about [`BATCH_BYTES`].
-    fn batches(lens: impl Iterator<Item = usize>) -> Vec<Vec<usize>> {
+    /// Groups item indices into sub-batches of about `limit` bytes.
+    fn batches(lens: impl Iterator<Item = usize>, limit: usize) -> Vec<Vec<usize>> {
         let mut out: Vec<Vec<usize>> = Vec::new();
         let mut bytes = 0;
         for (i, len) in lens.enumerate() {
-            if out.is_empty() || bytes + len > BATCH_BYTES && !out.last().expect("one").is_empty() {
+            if out.is_empty() || bytes + len > limit && !out.last().expect("one").is_empty() {
                 out.push(Vec::new());
                 bytes = 0;
             }
@@ -271,7 +272,7 @@ impl RemoteClient {
             .iter()
             .map(|it| it.data.iter().map(|p| p.len()).sum())
             .collect();
-        let batches = Self::batches(lens.iter().copied());
+        let batches = Self::batches(lens.iter().copied(), WRITE_BATCH_BYTES);
         let done = self.run_batches(&batches, |batch| {
             let mut commands = Vec::with_capacity(batch.len());
             let mut headers = Vec::with_capacity(batch.len());
@@ -392,7 +393,7 @@ impl RemoteClient {
             return vec![ReadOutcome::Failed; items.len()];
         }
         let lens: Vec<usize> = items.iter().map(ReadItem::len).collect();
-        let batches = Self::batches(lens.iter().copied());
+        let batches = Self::batches(lens.iter().copied(), BATCH_BYTES);
         // Each batch is one pipeline on one connection; its replies land in its items.
         let slots: Vec<Mutex<Option<&mut ReadItem<'_>>>> =
             items.iter_mut().map(|it| Mutex::new(Some(it))).collect();
@@ -589,5 +590,18 @@ mod tests {
         let mut c = RemoteConfig::new("redis://127.0.0.1:1");
         c.connections = 0;
         assert!(err(c).contains("remote_connections"));
+    }
+
+    #[test]
+    fn large_writes_go_alone_small_ones_share_a_pipeline() {
+        let two_mib = [2 << 20; 4];
+        let alone = RemoteClient::batches(two_mib.iter().copied(), WRITE_BATCH_BYTES);
+        assert_eq!(alone, vec![vec![0], vec![1], vec![2], vec![3]]);
+        let shared = RemoteClient::batches(two_mib.iter().copied(), BATCH_BYTES);
+        assert_eq!(shared, vec![vec![0, 1, 2, 3]]);
+        let small = RemoteClient::batches([64 << 10; 32].into_iter(), WRITE_BATCH_BYTES);
+        assert_eq!(small, vec![(0..16).collect::<Vec<_>>(), (16..32).collect()]);
+        let mixed = RemoteClient::batches([4096, 2 << 20, 4096].into_iter(), WRITE_BATCH_BYTES);
+        assert_eq!(mixed, vec![vec![0], vec![1], vec![2]]);
     }
 }

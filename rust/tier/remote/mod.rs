@@ -14,10 +14,10 @@
 //!   per-request `cache_salt`): `kvo:<namespace>:<key>[:<part>]`. Tenants and layouts never
 //!   share a key, and every header is checked against the reader's namespace too.
 //! - **Pipelined batches**: a call's chunks are packed into sub-batches of about
-//!   [`BATCH_BYTES`], each one pipeline (one write of all its commands, then all replies) on a
-//!   connection from the pool; sub-batches run in parallel on up to
-//!   [`RemoteConfig::connections`] threads. Existence checks of any number of keys are one
-//!   pipeline: one round trip.
+//!   [`BATCH_BYTES`] for reads and [`WRITE_BATCH_BYTES`] for writes, each one pipeline (one
+//!   write of all its commands, then all replies) on a connection from the pool; sub-batches
+//!   run in parallel on up to [`RemoteConfig::connections`] threads. Existence checks of any
+//!   number of keys are one pipeline: one round trip.
 //! - **Deadlines**: every pipeline has [`RemoteConfig::deadline`]; a reply later than that fails
 //!   the operation (socket timeouts bound the wait) and its connection is dropped.
 //! - **Probation**: after [`RemoteConfig::probation_after`] consecutive failed or late
@@ -49,6 +49,15 @@ use crate::ids::Key;
 pub const MAX_PARTS: usize = 16;
 /// Target bytes of one pipelined sub-batch (one operation, one deadline).
 pub const BATCH_BYTES: usize = 8 << 20;
+/// Target bytes of one pipelined sub-batch of writes: a chunk of this size or more is written
+/// alone, smaller ones share a pipeline.
+///
+/// Why smaller than [`BATCH_BYTES`]: the server (one thread, the bottleneck of a write) takes a
+/// large value (≥ 32 KiB) without copying it only when nothing after it on that connection has
+/// been read yet; in a pipeline of several such `SET`s it reads past each value and copies it
+/// again. Measured with 2 MiB chunks: the server's `memcpy` fell from 15% to 6% of its CPU
+/// (perf), the round trip per chunk is hidden by the parallel connections.
+pub const WRITE_BATCH_BYTES: usize = 1 << 20;
 
 /// How to reach the server and how patient to be.
 #[derive(Clone, Debug, PartialEq, Eq)]
