@@ -988,6 +988,17 @@ impl Model {
         }
     }
 
+    /// Recency only: present keys move to the back of the list they are in, last key first.
+    fn refresh(&mut self, keys: &[u128]) {
+        for &k in keys.iter().rev() {
+            if without(&mut self.t1, k) {
+                self.t1.push(k);
+            } else if without(&mut self.t2, k) {
+                self.t2.push(k);
+            }
+        }
+    }
+
     fn reset(&mut self) {
         let mut ready: Vec<u128> = self
             .states
@@ -1035,6 +1046,8 @@ enum Op {
     Load(Vec<u128>),
     Unload(Vec<u128>),
     Touch(Vec<u128>),
+    /// `refresh_hinted` with arbitrary slot hints (right, stale, out of range or none).
+    Refresh(Vec<u128>, Vec<u32>),
     /// What a scheduler does on admission: look up, touch, store the rest, complete.
     Access(Vec<u128>),
     Reset,
@@ -1051,6 +1064,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => keys().prop_map(Op::Load),
         2 => keys().prop_map(Op::Unload),
         3 => keys().prop_map(Op::Touch),
+        3 => (keys(), prop::collection::vec(prop_oneof![0u32..8, Just(u32::MAX)], 0..6))
+            .prop_map(|(k, h)| Op::Refresh(k, h)),
         4 => keys().prop_map(Op::Access),
         1 => Just(Op::Reset),
     ]
@@ -1149,6 +1164,11 @@ fn run_ops(cap: u32, policy: PolicyKind, threshold: u32, ops: &[Op]) -> Result<(
             Op::Touch(k) => {
                 p.touch(&ks(k));
                 m.touch(k);
+            }
+            Op::Refresh(k, hints) => {
+                let hints: Vec<SlotId> = hints.iter().copied().map(SlotId).collect();
+                p.refresh_hinted(&ks(k), &hints);
+                m.refresh(k);
             }
             Op::Access(k) => {
                 let mut states = vec![];

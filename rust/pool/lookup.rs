@@ -93,4 +93,24 @@ impl Pool {
             }
         }
     }
+
+    /// [`Pool::refresh`] with a slot hint per key (`hints[i]` for `keys[i]`; missing or
+    /// [`SlotId::NONE`] hints are fine): a hint whose slot holds that key ready is used as is,
+    /// without probing the index; any other key is looked up as `refresh` does. Same effect as
+    /// `refresh(keys)`: a ready entry's slot is the one the index maps its key to.
+    pub fn refresh_hinted(&mut self, keys: &[Key], hints: &[SlotId]) {
+        for (i, &key) in keys.iter().enumerate().rev() {
+            let hinted = hints.get(i).copied().filter(|&s| self.holds_ready(s, key));
+            if let Some(slot) = hinted.or_else(|| self.index.get(&key).copied()) {
+                self.policy.touch(slot, false);
+            }
+        }
+    }
+
+    /// Whether `slot` holds `key`, ready (then the index maps `key` to `slot`: held slots are
+    /// only ever storing).
+    fn holds_ready(&self, slot: SlotId, key: Key) -> bool {
+        let s = slot.0 as usize;
+        matches!(self.entries.get(s), Some(Entry::Ready(_))) && self.keys[s] == key
+    }
 }
