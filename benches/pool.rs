@@ -9,13 +9,17 @@
 //!   chosen by the policy, their slots reused as one sorted set of runs) followed by
 //!   `complete_store` (one `stored` event). Events are drained every iteration.
 //! - `touch_512/<policy>`: `touch` of a 512-key prefix (recency update, ARC promotion).
+//! - `refresh_512/<policy>` and `refresh_hinted_512/<policy>`: the recency refresh of a dropped
+//!   request's 512 chunks, by key (one index probe each) and with each chunk's slot as a hint
+//!   (the scheduler's drop path). Each call takes the next of 64 scattered prefixes, so the
+//!   index is mostly out of cache, as in a running engine.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvoffload::policy::PolicyKind;
 use kvoffload::pool::{Pool, PoolConfig};
-use kvoffload::Key;
+use kvoffload::{Key, SlotId};
 
 const SLOTS: u32 = 1 << 20;
 const POLICIES: [PolicyKind; 2] = [PolicyKind::Lru, PolicyKind::Arc];
@@ -61,6 +65,36 @@ fn bench_pool(c: &mut Criterion) {
         g.throughput(Throughput::Elements(512));
         g.bench_function(BenchmarkId::from_parameter(policy), |b| {
             b.iter(|| pool.touch(black_box(&prefix)));
+        });
+        g.finish();
+
+        let prefixes: Vec<Vec<Key>> = (0..64u64)
+            .map(|p| {
+                (0..512u64)
+                    .map(|i| key((i * 2039 + p * 131) % u64::from(SLOTS)))
+                    .collect()
+            })
+            .collect();
+        let hints: Vec<Vec<SlotId>> = (prefixes.iter())
+            .map(|keys| keys.iter().map(|&k| pool.slot(k).unwrap()).collect())
+            .collect();
+        let mut g = c.benchmark_group("refresh_512");
+        g.throughput(Throughput::Elements(512));
+        let mut n = 0;
+        g.bench_function(BenchmarkId::from_parameter(policy), |b| {
+            b.iter(|| {
+                n = (n + 1) % prefixes.len();
+                pool.refresh(black_box(&prefixes[n]));
+            });
+        });
+        g.finish();
+        let mut g = c.benchmark_group("refresh_hinted_512");
+        g.throughput(Throughput::Elements(512));
+        g.bench_function(BenchmarkId::from_parameter(policy), |b| {
+            b.iter(|| {
+                n = (n + 1) % prefixes.len();
+                pool.refresh_hinted(black_box(&prefixes[n]), black_box(&hints[n]));
+            });
         });
         g.finish();
 

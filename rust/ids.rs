@@ -24,6 +24,11 @@ pub struct SlotId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Key(pub u128);
 
+impl SlotId {
+    /// No slot: a hint that says nothing (never a real slot, capacities stay below 2^28).
+    pub const NONE: SlotId = SlotId(u32::MAX);
+}
+
 impl BlockId {
     /// The scheduler's null block: a dropped position, or the engine's own null block. Never a
     /// real block (`num_gpu_blocks` is at most `2**24 - 1`).

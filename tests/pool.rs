@@ -988,6 +988,17 @@ impl Model {
         }
     }
 
+    /// Recency only: present keys move to the back of the list they are in, last key first.
+    fn refresh(&mut self, keys: &[u128]) {
+        for &k in keys.iter().rev() {
+            if without(&mut self.t1, k) {
+                self.t1.push(k);
+            } else if without(&mut self.t2, k) {
+                self.t2.push(k);
+            }
+        }
+    }
+
     fn reset(&mut self) {
         let mut ready: Vec<u128> = self
             .states
@@ -1031,10 +1042,12 @@ impl Model {
 enum Op {
     Lookup(Vec<u128>),
     Store(Vec<u128>),
-    Complete(Vec<u128>, bool),
+    Complete(Vec<u128>, bool, Vec<u32>),
     Load(Vec<u128>),
-    Unload(Vec<u128>),
+    Unload(Vec<u128>, Vec<u32>),
     Touch(Vec<u128>),
+    /// `refresh_hinted` with arbitrary slot hints (right, stale, out of range or none).
+    Refresh(Vec<u128>, Vec<u32>),
     /// What a scheduler does on admission: look up, touch, store the rest, complete.
     Access(Vec<u128>),
     Reset,
@@ -1044,13 +1057,17 @@ const UNIVERSE: u128 = 10;
 
 fn op() -> impl Strategy<Value = Op> {
     let keys = || prop::collection::vec(0..UNIVERSE, 0..5);
+    // Slot hints: right, stale, out of range or none (the pool must check them).
+    let hints = || prop::collection::vec(prop_oneof![0u32..8, Just(u32::MAX)], 0..6);
     prop_oneof![
         3 => keys().prop_map(Op::Lookup),
         4 => keys().prop_map(Op::Store),
-        4 => (keys(), prop::bool::weighted(0.8)).prop_map(|(k, ok)| Op::Complete(k, ok)),
+        4 => (keys(), prop::bool::weighted(0.8), hints())
+            .prop_map(|(k, ok, h)| Op::Complete(k, ok, h)),
         2 => keys().prop_map(Op::Load),
-        2 => keys().prop_map(Op::Unload),
+        2 => (keys(), hints()).prop_map(|(k, h)| Op::Unload(k, h)),
         3 => keys().prop_map(Op::Touch),
+        3 => (keys(), hints()).prop_map(|(k, h)| Op::Refresh(k, h)),
         4 => keys().prop_map(Op::Access),
         1 => Just(Op::Reset),
     ]
@@ -1138,17 +1155,27 @@ fn run_ops(cap: u32, policy: PolicyKind, threshold: u32, ops: &[Op]) -> Result<(
                     (got, want) => prop_assert!(false, "pool {:?} model {:?}", got, want),
                 }
             }
-            Op::Complete(k, ok) => {
-                prop_assert_eq!(p.complete_store(&ks(k), *ok), m.complete_store(k, *ok));
+            Op::Complete(k, ok, hints) => {
+                let hints: Vec<SlotId> = hints.iter().copied().map(SlotId).collect();
+                let got = p.complete_store_hinted(&ks(k), *ok, &hints);
+                prop_assert_eq!(got, m.complete_store(k, *ok));
             }
             Op::Load(k) => {
                 let got = p.prepare_load(&ks(k)).map(|slots| slots.len());
                 prop_assert_eq!(got, m.prepare_load(k).map(|()| k.len()));
             }
-            Op::Unload(k) => prop_assert_eq!(p.complete_load(&ks(k)), m.complete_load(k)),
+            Op::Unload(k, hints) => {
+                let hints: Vec<SlotId> = hints.iter().copied().map(SlotId).collect();
+                prop_assert_eq!(p.complete_load_hinted(&ks(k), &hints), m.complete_load(k));
+            }
             Op::Touch(k) => {
                 p.touch(&ks(k));
                 m.touch(k);
+            }
+            Op::Refresh(k, hints) => {
+                let hints: Vec<SlotId> = hints.iter().copied().map(SlotId).collect();
+                p.refresh_hinted(&ks(k), &hints);
+                m.refresh(k);
             }
             Op::Access(k) => {
                 let mut states = vec![];
@@ -1238,4 +1265,28 @@ fn refresh_is_recency_without_a_use() {
     fill(&mut p, &[10]);
     assert_eq!(p.state(Key(2)), KeyState::Absent);
     assert_eq!(p.state(Key(1)), KeyState::Ready { pins: 0 });
+}
+
+/// A held slot is a storing entry outside the index: a hint naming it must not complete, unpin
+/// or refresh the key's new store in another slot.
+#[test]
+fn hints_never_reach_a_held_slot() {
+    for policy in POLICIES {
+        let mut p = pool(4, policy);
+        let first = p.prepare_store(&ks(&[1, 2])).unwrap();
+        let held = p.hold(&ks(&[1])).unwrap();
+        assert_eq!(held, vec![first.slots[0]]);
+        let again = p.prepare_store(&ks(&[1])).unwrap();
+        assert_ne!(again.slots[0], held[0]);
+        p.complete_store_hinted(&ks(&[1, 2]), true, &[held[0], first.slots[1]])
+            .unwrap();
+        assert_eq!(p.state(Key(1)), KeyState::Ready { pins: 0 });
+        assert_eq!(p.slot(Key(1)), Some(again.slots[0]));
+        p.prepare_load(&ks(&[1])).unwrap();
+        p.complete_load_hinted(&ks(&[1]), &held).unwrap();
+        assert_eq!(p.state(Key(1)), KeyState::Ready { pins: 0 });
+        p.check_consistency().unwrap();
+        p.release_held(&held).unwrap();
+        p.check_consistency().unwrap();
+    }
 }

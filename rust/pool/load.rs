@@ -36,8 +36,8 @@ impl Pool {
         }
     }
 
-    fn unpin(&mut self, key: Key) -> Result<()> {
-        let &slot = self.index.get(&key).ok_or(Error::UnknownKey(key))?;
+    fn unpin(&mut self, key: Key, hint: Option<SlotId>) -> Result<()> {
+        let slot = self.hinted_slot(key, hint).ok_or(Error::UnknownKey(key))?;
         match &mut self.entries[slot.0 as usize] {
             Entry::Ready(p) if *p > 0 => {
                 *p -= 1;
@@ -53,8 +53,15 @@ impl Pool {
     /// Unpins every key (once per occurrence). Every key must be pinned, else
     /// [`Error::UnknownKey`] or [`Error::KeyNotPinned`] and nothing changes.
     pub fn complete_load(&mut self, keys: &[Key]) -> Result<()> {
+        self.complete_load_hinted(keys, &[])
+    }
+
+    /// [`Pool::complete_load`] with a slot hint per key (`hints[i]` for `keys[i]`, as
+    /// [`Pool::prepare_load`] gave them; missing or wrong hints are fine, see
+    /// [`Pool::hinted_slot`]): same effect, fewer index probes.
+    pub fn complete_load_hinted(&mut self, keys: &[Key], hints: &[SlotId]) -> Result<()> {
         for (i, &key) in keys.iter().enumerate() {
-            if let Err(e) = self.unpin(key) {
+            if let Err(e) = self.unpin(key, hints.get(i).copied()) {
                 for k in &keys[..i] {
                     let slot = self.index[k];
                     self.pin(slot);

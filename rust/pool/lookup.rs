@@ -93,4 +93,34 @@ impl Pool {
             }
         }
     }
+
+    /// [`Pool::refresh`] with a slot hint per key (`hints[i]` for `keys[i]`; missing or
+    /// [`SlotId::NONE`] hints are fine): see [`Pool::hinted_slot`]. Same effect as
+    /// `refresh(keys)`, fewer index probes.
+    pub fn refresh_hinted(&mut self, keys: &[Key], hints: &[SlotId]) {
+        for (i, &key) in keys.iter().enumerate().rev() {
+            if let Some(slot) = self.hinted_slot(key, hints.get(i).copied()) {
+                self.policy.touch(slot, false);
+            }
+        }
+    }
+
+    /// The slot of `key` (as [`Pool::slot`]), trying `hint` first: a hinted slot that holds
+    /// `key` ready, or storing while no slot is held, is the one the index maps `key` to
+    /// (held slots are storing entries outside the index), so it is used without probing
+    /// the index; any other hint falls back to the probe.
+    pub(super) fn hinted_slot(&self, key: Key, hint: Option<SlotId>) -> Option<SlotId> {
+        if let Some(slot) = hint {
+            let s = slot.0 as usize;
+            let sure = match self.entries.get(s) {
+                Some(Entry::Ready(_)) => true,
+                Some(Entry::Storing) => self.held == 0,
+                Some(Entry::Free) | None => false,
+            };
+            if sure && self.keys[s] == key {
+                return Some(slot);
+            }
+        }
+        self.index.get(&key).copied()
+    }
 }

@@ -143,10 +143,22 @@ impl Pool {
     /// left as they are (a late failure cannot unpublish them). Every key must be present,
     /// else [`Error::UnknownKey`] and nothing changes.
     pub fn complete_store(&mut self, keys: &[Key], ok: bool) -> Result<()> {
+        self.complete_store_hinted(keys, ok, &[])
+    }
+
+    /// [`Pool::complete_store`] with a slot hint per key (`hints[i]` for `keys[i]`, as
+    /// `StorePlan::slots` gave them; missing or wrong hints are fine, see
+    /// [`Pool::hinted_slot`]): same effect, fewer index probes.
+    pub fn complete_store_hinted(
+        &mut self,
+        keys: &[Key],
+        ok: bool,
+        hints: &[SlotId],
+    ) -> Result<()> {
         let mut slots = std::mem::take(&mut self.scratch);
         slots.clear();
-        for &key in keys {
-            let Some(&slot) = self.index.get(&key) else {
+        for (i, &key) in keys.iter().enumerate() {
+            let Some(slot) = self.hinted_slot(key, hints.get(i).copied()) else {
                 self.scratch = slots;
                 return Err(Error::UnknownKey(key));
             };

@@ -60,7 +60,9 @@ impl Scheduler {
             JobKind::Store => {
                 for t in &j.payload.transfers {
                     // The pool holds exactly these keys as storing: cannot fail.
-                    let done = self.pools[t.group as usize].complete_store(&t.keys, ok);
+                    let hints = t.slot_hints(self.cfg.blocks_per_chunk);
+                    let pool = &mut self.pools[t.group as usize];
+                    let done = pool.complete_store_hinted(&t.keys, ok, &hints);
                     debug_assert!(done.is_ok(), "{done:?}");
                     if ok {
                         self.write_behind(t.group as usize, &t.keys, false);
@@ -70,8 +72,9 @@ impl Scheduler {
             }
             JobKind::Load => {
                 for t in &j.payload.transfers {
+                    let hints = t.slot_hints(self.cfg.blocks_per_chunk);
                     let pool = &mut self.pools[t.group as usize];
-                    let done = pool.complete_load(&t.keys);
+                    let done = pool.complete_load_hinted(&t.keys, &hints);
                     debug_assert!(done.is_ok(), "{done:?}");
                     if !ok {
                         // A failed load leaves its chunks suspect: drop them (unless another

@@ -203,6 +203,7 @@ impl Scheduler {
                 keys: Vec::new(),
             };
             let mut kidx = Vec::new();
+            let mut chunks = Vec::new();
             let mut last_chunk = u32::MAX;
             for pos in first_pos..end / bs {
                 let b = t[pos as usize];
@@ -214,6 +215,7 @@ impl Scheduler {
                     last_chunk = c;
                     tr.keys
                         .push(self.key(self.req(i), g, c).expect("looked-up key"));
+                    chunks.push(c);
                 }
                 kidx.push(tr.keys.len() - 1);
                 tr.gpu_blocks.push(b);
@@ -226,6 +228,10 @@ impl Scheduler {
                 Ok(slots) => {
                     for (cpu, k) in tr.cpu_blocks.iter_mut().zip(kidx) {
                         *cpu += slots[k].0 * bpc;
+                    }
+                    let rg = &mut self.req_mut(i).groups[g];
+                    for (&c, &slot) in chunks.iter().zip(&slots) {
+                        rg.hint(c, slot);
                     }
                     out.push(tr);
                 }

@@ -3,8 +3,9 @@
 //! computed tokens, status and per-group block tables with their store cursors; it is dropped
 //! once it finished and nothing is pending for it.
 
+use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, JobId, Key, OwnerId};
+use crate::ids::{BlockId, JobId, Key, OwnerId, SlotId};
 
 use super::lookup::LookupResult;
 use super::Scheduler;
@@ -43,6 +44,21 @@ pub(super) struct ReqGroup {
     pub(super) blocks: Vec<BlockId>,
     /// Chunks handled (stored, skipped, hit or loaded): the next chunk to consider.
     pub(super) cursor: u32,
+    /// The pool slot each chunk was stored into or loaded from, by chunk index
+    /// ([`SlotId::NONE`] where unknown): only a hint, checked against the pool before use, so
+    /// the drop's recency refresh skips the pool's index (`Pool::refresh_hinted`).
+    pub(super) slots: Vec<SlotId>,
+}
+
+impl ReqGroup {
+    /// Remembers that chunk `c` sits in `slot`.
+    pub(super) fn hint(&mut self, c: u32, slot: SlotId) {
+        let c = c as usize;
+        if self.slots.len() <= c {
+            self.slots.resize(c + 1, SlotId::NONE);
+        }
+        self.slots[c] = slot;
+    }
 }
 
 /// A tracked request.
@@ -131,6 +147,7 @@ impl Scheduler {
             ReqGroup {
                 blocks: Vec::new(),
                 cursor: 0,
+                slots: Vec::new(),
             };
             self.cfg.groups.len()
         ];
@@ -170,8 +187,13 @@ impl Scheduler {
 
     /// The key of chunk `chunk` of group `g`, if the request has its hash yet.
     pub(super) fn key(&self, r: &Request, g: usize, chunk: u32) -> Option<Key> {
-        let end = (u64::from(chunk) + 1) * u64::from(self.cfg.chunk_tokens(g));
-        let h = (end / u64::from(self.cfg.hash_block_size)) as usize;
+        Self::chunk_key(&self.cfg, r, g, chunk)
+    }
+
+    /// [`Scheduler::key`] borrowing only the configuration.
+    fn chunk_key(cfg: &SchedulerConfig, r: &Request, g: usize, chunk: u32) -> Option<Key> {
+        let end = (u64::from(chunk) + 1) * u64::from(cfg.chunk_tokens(g));
+        let h = (end / u64::from(cfg.hash_block_size)) as usize;
         r.hashes.get(h.checked_sub(1)?).copied()
     }
 
@@ -218,12 +240,21 @@ impl Scheduler {
     /// its first chunks (stored first, touched only by lookups) would be the oldest and
     /// evicted first, cutting the whole prefix under pressure.
     fn refresh_stored(&mut self, i: u32) {
-        let r = self.req(i);
-        let keys: Vec<Vec<Key>> = (r.groups.iter().enumerate())
-            .map(|(g, rg)| (0..rg.cursor).filter_map(|c| self.key(r, g, c)).collect())
-            .collect();
-        for (pool, keys) in self.pools.iter_mut().zip(&keys) {
-            pool.refresh(keys);
+        let r = self.reqs[i as usize]
+            .as_ref()
+            .expect("indexed request exists");
+        let mut keys = Vec::new();
+        let mut hints = Vec::new();
+        for (g, (rg, pool)) in r.groups.iter().zip(self.pools.iter_mut()).enumerate() {
+            keys.clear();
+            hints.clear();
+            for c in 0..rg.cursor {
+                if let Some(key) = Self::chunk_key(&self.cfg, r, g, c) {
+                    keys.push(key);
+                    hints.push(rg.slots.get(c as usize).copied().unwrap_or(SlotId::NONE));
+                }
+            }
+            pool.refresh_hinted(&keys, &hints);
         }
     }
 

@@ -100,16 +100,22 @@ impl Scheduler {
                 keys: plan.keys.clone(),
             };
             let mut j = 0;
+            let mut hints = Vec::with_capacity(plan.keys.len());
             for (k, c) in keys.iter().zip(&chunks) {
                 if plan.keys.get(j) != Some(k) {
                     continue;
                 }
                 let slot = plan.slots[j].0;
                 j += 1;
+                hints.push((*c, plan.slots[j - 1]));
                 for off in 0..bpc {
                     tr.gpu_blocks.push(rg.blocks[(c * bpc + off) as usize]);
                     tr.cpu_blocks.push(slot * bpc + off);
                 }
+            }
+            let rg = &mut self.req_mut(i).groups[g];
+            for (c, slot) in hints {
+                rg.hint(c, slot);
             }
             if tr.gpu_blocks.is_empty() {
                 continue;
