@@ -160,3 +160,19 @@ def test_hashes_appended_while_converting_land_once(method: str) -> None:
     else:
         s.sync_request("r", 17, tail)
         assert s.lookup("r", 0) == 12
+
+
+def test_schedule_batch_converts_again_when_the_request_changed_meanwhile() -> None:
+    """``schedule_batch`` reads the engine's hash list from the count the core held; a hash whose
+    conversion extends the request meanwhile makes it convert again, so the stores go under the
+    right keys and another request finds every chunk."""
+    hs = [random.Random(f"b/{i}").getrandbits(63) for i in range(4)]
+    s = core()
+    s.sync_request("r", 16, hs[:2])
+    assert s.lookup("r", 0) == 0
+    s.allocate("r", [[1, 2, 3, 4]], 0, 0)
+    lists = [*hs[:3], _CallsBackIn(hs[3], lambda: s.extend_hashes("r", [hs[2]]))]
+    s.schedule_batch(["r"], [0], added={"r": 16}, hashes={"r": lists}, written=[1, 2, 3, 4])
+    for j in s.pending_jobs():
+        s.complete(j)
+    assert s.lookup_request("c", 17, hs, 0) == 16

@@ -15,6 +15,7 @@ mod config;
 mod input;
 mod plan;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
@@ -39,12 +40,17 @@ use crate::scheduler::{Scheduler as Core, StepInput};
 #[pyclass(frozen, module = "kvoffload._core")]
 pub struct Scheduler {
     inner: Mutex<Core>,
+    /// How many times the lock was taken (bumped under it): a call that converts its input
+    /// between two locks sees whether anyone else had the core meanwhile.
+    locks: AtomicU64,
 }
 
 impl Scheduler {
     /// The core lock, waited for with the GIL released; never held while calling Python.
     fn lock(&self) -> MutexGuard<'_, Core> {
-        super::sync::lock(&self.inner)
+        let core = super::sync::lock(&self.inner);
+        self.locks.fetch_add(1, Ordering::Relaxed);
+        core
     }
 
     /// The hashes of `block_hashes` (a request's whole hash list) beyond those the core holds
@@ -52,7 +58,7 @@ impl Scheduler {
     /// conversion runs unlocked (it may call Python, which may call back in and change the
     /// request); if the count changed meanwhile it is converted again, so the tail is never
     /// appended at the wrong position.
-    fn hash_tail(
+    fn tail_under_lock(
         &self,
         id: &str,
         block_hashes: &Bound<'_, PyAny>,
@@ -107,6 +113,7 @@ impl Scheduler {
     fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         Ok(Self {
             inner: Mutex::new(Core::new(resolve(args, kwargs)?).map_err(to_py)?),
+            locks: AtomicU64::new(0),
         })
     }
 
@@ -291,6 +298,10 @@ impl Scheduler {
         Bound<'py, PyBytes>,
         Vec<u64>,
     )> {
+        let given = (
+            scheduled, computed, added, appended, tables, hashes, finished, aborted, preempted,
+            written,
+        );
         let added = batch::dict_arg(added, "added")?;
         let hashes = batch::dict_arg(hashes, "hashes")?;
         let sched = convert::items(
@@ -349,7 +360,11 @@ impl Scheduler {
         };
         let released: Vec<&str> = finished.iter().chain(&aborted).map(|id| &**id).collect();
         let table_ids: Vec<&str> = whole.iter().map(|(_, name, _)| &**name).collect();
-        let sizes = batch::sizes(&self.lock(), &sched, &released, &table_ids);
+        let (sizes, seen) = {
+            let core = self.lock();
+            let sizes = batch::sizes(&core, &sched, &released, &table_ids);
+            (sizes, self.locks.load(Ordering::Relaxed))
+        };
 
         let mut hash_tails = Vec::new();
         if let Some(lists) = hashes {
@@ -419,6 +434,29 @@ impl Scheduler {
         };
         let plan = {
             let mut core = self.lock();
+            if self.locks.load(Ordering::Relaxed) != seen + 1 {
+                // The input was converted unlocked against `sizes`, and someone had the core
+                // meanwhile (Python called back in during the conversion, or another thread):
+                // the hash tails and table appends may start at the wrong place. Nothing is
+                // applied yet; convert again.
+                drop(core);
+                let (
+                    scheduled,
+                    computed,
+                    added,
+                    appended,
+                    tables,
+                    hashes,
+                    finished,
+                    aborted,
+                    preempted,
+                    written,
+                ) = given;
+                return self.schedule_batch(
+                    py, scheduled, computed, added, appended, tables, hashes, finished, aborted,
+                    preempted, written,
+                );
+            }
             for (id, tail) in &hash_tails {
                 core.extend_hashes(id, tail).map_err(to_py)?;
             }
@@ -449,7 +487,7 @@ impl Scheduler {
     ) -> PyResult<()> {
         let id = convert::request_id(request_id, "request_id")?;
         let n = request_tokens(prompt_len, "prompt_len")?;
-        let (mut core, held, tail) = self.hash_tail(id, block_hashes)?;
+        let (mut core, held, tail) = self.tail_under_lock(id, block_hashes)?;
         match held {
             None => core.add_request(id, n, tail).map_err(to_py),
             Some(_) if tail.is_empty() => Ok(()),
@@ -472,7 +510,7 @@ impl Scheduler {
         let id = convert::request_id(request_id, "request_id")?;
         let n = request_tokens(prompt_len, "prompt_len")?;
         let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
-        let (mut core, _, tail) = self.hash_tail(id, block_hashes)?;
+        let (mut core, _, tail) = self.tail_under_lock(id, block_hashes)?;
         core.lookup_request(id, n, tail, hit).map_err(to_py)
     }
 
