@@ -270,9 +270,44 @@ pub fn completion(
     Ok((id, clamped, worker))
 }
 
+/// The arguments of a `complete(job, worker, ok)` call, converted.
+pub struct Report {
+    /// The job reported.
+    pub job: JobId,
+    /// The reporting worker's rank, clamped to `u32` (see [`completion`]).
+    pub worker: u32,
+    /// Whether the worker's part succeeded.
+    pub ok: bool,
+    /// The rank as given, for messages.
+    given: i128,
+}
+
+impl Report {
+    /// Converts the arguments (`worker` defaults to 0, `ok` to `True`).
+    pub fn new(
+        job: &Bound<'_, PyAny>,
+        worker: Option<&Bound<'_, PyAny>>,
+        ok: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let (job, worker, given) = completion(job, worker)?;
+        let ok = ok_flag(ok)?;
+        Ok(Self {
+            job,
+            worker,
+            ok,
+            given,
+        })
+    }
+
+    /// The core's error for this report, naming the rank the caller passed.
+    pub fn error(&self, e: Error) -> PyErr {
+        completion_error(e, self.job, self.given, self.worker)
+    }
+}
+
 /// The `ok` flag of a completion report: a `bool` (default `True`); anything else raises
 /// `CompletionError` naming the value.
-pub fn ok_flag(ok: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+fn ok_flag(ok: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
     match ok {
         None => Ok(true),
         Some(o) => o.cast::<PyBool>().map(PyBoolMethods::is_true).map_err(|_| {

@@ -4,7 +4,6 @@
 //! Python inputs into owned Rust values before taking the lock, and maps [`crate::Error`] to
 //! the exceptions of `kvoffload.errors`.
 
-mod batch;
 mod convert;
 mod copy;
 mod errors;

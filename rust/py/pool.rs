@@ -8,7 +8,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{IntoPyDict, PyDict};
 
 use super::convert;
 use super::convert::Arg;
@@ -255,10 +255,7 @@ impl CpuPool {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // Read under the lock, built after it (see `super::sync`).
         let s = self.lock().stats();
-        let d = PyDict::new(py);
-        for (k, v) in pool_counters(&s) {
-            d.set_item(k, v)?;
-        }
+        let d = pool_counters(&s).into_py_dict(py)?;
         if let Some(t) = s.target {
             d.set_item("target", t)?;
         }

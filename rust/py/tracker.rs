@@ -4,7 +4,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{IntoPyDict, PyDict};
 
 use super::convert;
 use super::errors::to_py;
@@ -115,12 +115,11 @@ impl JobTracker {
         worker: Option<&Bound<'_, PyAny>>,
         ok: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<&'static str> {
-        let (id, clamped, worker) = convert::completion(job, worker)?;
-        let ok = convert::ok_flag(ok)?;
+        let r = convert::Report::new(job, worker, ok)?;
         let outcome = self
             .lock()
-            .complete(id, clamped, ok)
-            .map_err(|e| convert::completion_error(e, id, worker, clamped))?;
+            .complete(r.job, r.worker, r.ok)
+            .map_err(|e| r.error(e))?;
         Ok(match outcome {
             Completion::Pending { .. } => "pending",
             Completion::Done(j) if j.failed => "failed",
@@ -201,11 +200,7 @@ impl JobTracker {
                 ("released_owners", t.released_len() as u64),
             ]
         };
-        let d = PyDict::new(py);
-        for (k, v) in counters {
-            d.set_item(k, v)?;
-        }
-        Ok(d)
+        counters.into_py_dict(py)
     }
 
     fn __repr__(&self) -> String {

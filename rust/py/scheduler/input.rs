@@ -60,8 +60,6 @@ pub(super) fn scheduled_input(
     scheduled: &Bound<'_, PyAny>,
     computed: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Vec<PyBackedStr>, Vec<u32>)> {
-    let step_tokens =
-        |obj: &Bound<'_, PyAny>, what: &str| convert::tokens(obj, what, StepInputError::new_err);
     match computed.filter(|c| !c.is_none()) {
         None => {
             let pairs = convert::items(
@@ -79,7 +77,7 @@ pub(super) fn scheduled_input(
                 ids.push(convert::request_id_owned(id, || {
                     format!("scheduled[{i}][0]")
                 })?);
-                tokens.push(step_tokens(&n, &format!("scheduled[{i}][1]"))?);
+                tokens.push(step_tokens(&n, || format!("scheduled[{i}][1]"))?);
             }
             Ok((ids, tokens))
         }
@@ -89,10 +87,18 @@ pub(super) fn scheduled_input(
             let tokens = counts
                 .iter()
                 .enumerate()
-                .map(|(i, c)| step_tokens(c, &format!("computed[{i}]")))
+                .map(|(i, c)| step_tokens(c, || format!("computed[{i}]")))
                 .collect::<PyResult<Vec<_>>>()?;
             Ok((ids, tokens))
         }
+    }
+}
+
+/// A token count of the step (`StepInputError` naming `what()`, formatted only for an error).
+pub(super) fn step_tokens(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<u32> {
+    match convert::int_value(obj) {
+        Some(Ok(v)) if (0..=i128::from(u32::MAX)).contains(&v) => Ok(v as u32),
+        _ => convert::tokens(obj, &what(), StepInputError::new_err),
     }
 }
 

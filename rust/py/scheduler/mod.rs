@@ -11,29 +11,25 @@
 //! The plan objects are in `plan`, the input conversion in `input`, the constructor's
 //! signature in `config`.
 
+mod batch;
 mod config;
 mod input;
 mod plan;
+mod stats;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PyTuple};
 
 use self::config::resolve;
-use self::input::{
-    block_lists, computed_counts, fields, id_list, new_blocks_input, request_tokens,
-    scheduled_input,
-};
+use self::input::{block_lists, id_list, new_blocks_input, request_tokens, scheduled_input};
 use self::plan::job_obj;
 pub use self::plan::{CompletedJob, StepPlan, TransferJob};
-use super::batch;
 use super::convert;
 use super::errors::to_py;
-use super::errors::StepInputError;
 use crate::error::Error;
-use crate::pool::PoolEventKind;
 use crate::scheduler::{Scheduler as Core, StepInput};
 
 /// The scheduler core: request tracking, lookups, loads, store planning and the fence.
@@ -298,170 +294,19 @@ impl Scheduler {
         Bound<'py, PyBytes>,
         Vec<u64>,
     )> {
-        let given = (
-            scheduled, computed, added, appended, tables, hashes, finished, aborted, preempted,
-            written,
-        );
-        let added = batch::dict_arg(added, "added")?;
-        let hashes = batch::dict_arg(hashes, "hashes")?;
-        let sched = convert::items(
+        let args = batch::Args {
             scheduled,
-            "scheduled",
-            "a sequence of request ids (str)",
-            StepInputError::new_err,
-        )?
-        .into_iter()
-        .enumerate()
-        .map(|(i, obj)| {
-            let id = convert::request_id_owned(obj.clone(), || format!("scheduled[{i}]"))?;
-            Ok(batch::Scheduled { obj, id })
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-        let counts = computed_counts(computed, sched.len())?;
-        let mut tokens = Vec::with_capacity(sched.len());
-        for (i, (c, s)) in counts.iter().zip(&sched).enumerate() {
-            let mut n = match convert::int_value(c) {
-                Some(Ok(v)) if (0..=i128::from(u32::MAX)).contains(&v) => v as u32,
-                _ => convert::tokens(c, &format!("computed[{i}]"), StepInputError::new_err)?,
-            };
-            if let Some(more) = added.map(|a| a.get_item(&s.obj)).transpose()?.flatten() {
-                let what = || format!("added[{:?}]", &*s.id);
-                let more = match convert::int_value(&more) {
-                    Some(Ok(v)) if (0..=i128::from(u32::MAX)).contains(&v) => v as u32,
-                    _ => convert::tokens(&more, &what(), StepInputError::new_err)?,
-                };
-                n = n.checked_add(more).ok_or_else(|| {
-                    StepInputError::new_err(format!("computed[{i}] + {} overflows 2**32", what()))
-                })?;
-            }
-            tokens.push(n);
-        }
-        let finished = id_list(finished, "finished")?;
-        let aborted = id_list(aborted, "aborted")?;
-        let preempted = id_list(preempted, "preempted")?;
-        let whole = match tables {
-            Some(t) if !t.is_none() => convert::items(
-                t,
-                "tables",
-                "a sequence of (request_id, block tables) pairs",
-                StepInputError::new_err,
-            )?
-            .iter()
-            .enumerate()
-            .map(|(i, pair)| {
-                let what = format!("tables[{i}]");
-                let f = fields(pair, 2, &what, "(request_id, block tables) pair")?;
-                let [id, lists] = <[_; 2]>::try_from(f).expect("two fields");
-                let name = convert::request_id_owned(id.clone(), || format!("{what}[0]"))?;
-                Ok((id, name, batch::group_lists(&lists, &format!("{what}[1]"))?))
-            })
-            .collect::<PyResult<Vec<_>>>()?,
-            _ => Vec::new(),
-        };
-        let released: Vec<&str> = finished.iter().chain(&aborted).map(|id| &**id).collect();
-        let table_ids: Vec<&str> = whole.iter().map(|(_, name, _)| &**name).collect();
-        let (sizes, seen) = {
-            let core = self.lock();
-            let sizes = batch::sizes(&core, &sched, &released, &table_ids);
-            (sizes, self.locks.load(Ordering::Relaxed))
-        };
-
-        let mut hash_tails = Vec::new();
-        if let Some(lists) = hashes {
-            for (k, (s, held)) in sched.iter().zip(&sizes.hashes).enumerate() {
-                let Some(held) = *held else { continue };
-                if (tokens[k] / sizes.hash_block_size) as usize <= held {
-                    continue;
-                }
-                if let Some(tail) = batch::hash_tail(lists, &s.obj, held)? {
-                    hash_tails.push((s.id.to_string(), tail));
-                }
-            }
-            for (id, held) in released.iter().zip(&sizes.released_hashes) {
-                let Some(held) = *held else { continue };
-                let key = PyString::new(py, id);
-                if let Some(tail) = batch::hash_tail(lists, key.as_any(), held)? {
-                    hash_tails.push(((*id).to_owned(), tail));
-                }
-            }
-        }
-        let mut new_blocks = Vec::new();
-        let mut fresh = Vec::new();
-        if let Some(app) = appended.filter(|a| !a.is_none()) {
-            let items = convert::items(
-                app,
-                "appended",
-                "a sequence of per-group block lists (or None), one per scheduled request",
-                StepInputError::new_err,
-            )?;
-            if items.len() != sched.len() {
-                return Err(StepInputError::new_err(format!(
-                    "step input: {} scheduled request ids but {} appended block lists",
-                    sched.len(),
-                    items.len()
-                )));
-            }
-            for (k, (item, s)) in items.iter().zip(&sched).enumerate() {
-                if item.is_none() {
-                    continue;
-                }
-                let what = format!("appended[{k}]");
-                let lists = batch::group_lists(item, &what)?;
-                batch::append_groups(&s.obj, &lists, &[], &what, &mut new_blocks, &mut fresh)?;
-            }
-        }
-        for (k, ((id, _, lists), held)) in whole.iter().zip(&sizes.tables).enumerate() {
-            let what = format!("tables[{k}][1]");
-            batch::append_groups(id, lists, held, &what, &mut new_blocks, &mut fresh)?;
-        }
-        let written = match written {
-            Some(w) if !w.is_none() => {
-                let mut w = convert::blocks(w, "written")?;
-                w.append(&mut fresh);
-                Some(w)
-            }
-            _ => None,
-        };
-        let input = StepInput {
-            scheduled: sched.into_iter().map(|s| s.id).collect(),
-            computed: tokens,
-            new_blocks,
-            resumed: Vec::new(),
+            computed,
+            added,
+            appended,
+            tables,
+            hashes,
             finished,
             aborted,
             preempted,
             written,
         };
-        let plan = {
-            let mut core = self.lock();
-            if self.locks.load(Ordering::Relaxed) != seen + 1 {
-                // The input was converted unlocked against `sizes`, and someone had the core
-                // meanwhile (Python called back in during the conversion, or another thread):
-                // the hash tails and table appends may start at the wrong place. Nothing is
-                // applied yet; convert again.
-                drop(core);
-                let (
-                    scheduled,
-                    computed,
-                    added,
-                    appended,
-                    tables,
-                    hashes,
-                    finished,
-                    aborted,
-                    preempted,
-                    written,
-                ) = given;
-                return self.schedule_batch(
-                    py, scheduled, computed, added, appended, tables, hashes, finished, aborted,
-                    preempted, written,
-                );
-            }
-            for (id, tail) in &hash_tails {
-                core.extend_hashes(id, tail).map_err(to_py)?;
-            }
-            core.schedule(&input).map_err(to_py)?
-        };
+        let plan = self.batch_step(py, &args)?;
         let runs = crate::runs::encode(plan.loads.iter().chain(&plan.stores));
         let tier_jobs = super::tier::encode_tier_jobs(&plan.tier_jobs);
         Ok((
@@ -532,12 +377,11 @@ impl Scheduler {
         worker: Option<&Bound<'_, PyAny>>,
         ok: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<CompletedJob>> {
-        let (id, clamped, worker) = convert::completion(job, worker)?;
-        let ok = convert::ok_flag(ok)?;
+        let r = convert::Report::new(job, worker, ok)?;
         Ok(self
             .lock()
-            .complete(id, clamped, ok)
-            .map_err(|e| convert::completion_error(e, id, worker, clamped))?
+            .complete(r.job, r.worker, r.ok)
+            .map_err(|e| r.error(e))?
             .map(CompletedJob::from))
     }
 
@@ -581,32 +425,7 @@ impl Scheduler {
     /// Drains pool and tier events: `(kind, group, keys, medium)` with kind `"stored"` /
     /// `"removed"` and medium `"cpu"` or a tier's (`"disk"`).
     fn take_events(&self) -> Vec<(&'static str, u32, Vec<u128>, &'static str)> {
-        let mut core = self.lock();
-        let name = |k: PoolEventKind| match k {
-            PoolEventKind::Stored => "stored",
-            PoolEventKind::Removed => "removed",
-        };
-        let mut out: Vec<_> = core
-            .take_events()
-            .into_iter()
-            .map(|e| {
-                (
-                    name(e.kind),
-                    e.group,
-                    e.keys.iter().map(|k| k.0).collect(),
-                    "cpu",
-                )
-            })
-            .collect();
-        out.extend(core.take_tier_events().into_iter().map(|(g, e)| {
-            (
-                name(e.kind),
-                g,
-                e.keys.iter().map(|k| k.0).collect(),
-                e.medium,
-            )
-        }));
-        out
+        stats::take_events(&mut self.lock())
     }
 
     /// Attaches a disk tier under `path` to every group (`disk_bytes` per group and worker),
@@ -731,57 +550,13 @@ impl Scheduler {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // A snapshot under the lock; the dicts are built after it is released (building them
         // may run the garbage collector, whose finalizers may call back in).
-        let (counters, pools) = {
-            let core = self.lock();
-            let st = core.stats();
-            let (jobs, fence) = core.tracker_stats();
-            let counters: [(&str, u64); 27] = [
-                ("steps", st.steps),
-                ("lookups", st.lookups),
-                ("lookups_deferred", st.lookups_deferred),
-                ("lookup_hit_tokens", st.lookup_hit_tokens),
-                ("max_lookup_wait_steps", st.max_lookup_wait_steps),
-                ("store_jobs", st.store_jobs),
-                ("store_chunks", st.store_chunks),
-                ("store_bytes", st.store_bytes),
-                ("load_jobs", st.load_jobs),
-                ("load_blocks", st.load_blocks),
-                ("load_tokens", st.load_tokens),
-                ("load_bytes", st.load_bytes),
-                ("flushes_necessary", st.flushes_necessary),
-                ("flushes_conservative", st.flushes_conservative),
-                ("flushes_reset", st.flushes_reset),
-                ("store_no_room", st.store_no_room),
-                ("chunks_dropped", st.chunks_dropped),
-                ("failed_stores", st.failed_stores),
-                ("failed_loads", st.failed_loads),
-                ("resets", st.resets),
-                ("jobs_completed", jobs.completed),
-                ("late_reports", jobs.late_reports),
-                ("fence_checks", fence.checks),
-                ("pending_jobs", core.pending_jobs().len() as u64),
-                ("armed_pairs", core.armed_pairs() as u64),
-                ("requests", core.num_requests() as u64),
-                ("loading_requests", u64::from(core.loading_requests())),
-            ];
-            let pools: Vec<_> = (0..core.config().groups.len())
-                .map(|g| core.pool(g).expect("group pool").stats())
-                .collect();
-            (counters, pools)
-        };
-        let d = PyDict::new(py);
-        for (k, v) in counters {
-            d.set_item(k, v)?;
-        }
-        let list = PyList::empty(py);
-        for p in &pools {
-            let pd = PyDict::new(py);
-            for (k, v) in super::pool::pool_counters(p) {
-                pd.set_item(k, v)?;
-            }
-            list.append(pd)?;
-        }
-        d.set_item("pools", list)?;
+        let (counters, pools) = stats::snapshot(&self.lock());
+        let d = counters.into_py_dict(py)?;
+        let pools = pools
+            .iter()
+            .map(|p| super::pool::pool_counters(p).into_py_dict(py))
+            .collect::<PyResult<Vec<_>>>()?;
+        d.set_item("pools", pools)?;
         Ok(d)
     }
 }
