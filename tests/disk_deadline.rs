@@ -8,24 +8,21 @@ use std::path::{Path, PathBuf};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use kvoffload::copy::{RowSpace, Span};
 use kvoffload::scheduler::{DiskWatch, Scheduler, StepPlan, TierJobKind};
-use kvoffload::tier::disk::{engine_namespace, SlabFile, SlabLayout, BLOCK};
+use kvoffload::tier::disk::{SlabFile, SlabLayout, BLOCK};
 use kvoffload::tier::fault::ReadFault;
-use kvoffload::tier::io::{CpuRegion, TierGroup, TierWorker, WorkerJob};
+use kvoffload::tier::io::WorkerJob;
 use kvoffload::{BlockId, JobId, Key};
 
 mod tier_support;
-use tier_support::{config, oracle, step, CHUNK, CPU_CHUNKS};
+use tier_support::{config, namespace, oracle, step, CpuTier, CHUNK};
 
 const DISK_BYTES: u64 = 64 * (BLOCK + 2 * BLOCK);
 
 /// One engine: its scheduler, its CPU pool bytes and a real tier worker over them.
 struct Engine {
     s: Scheduler,
-    /// Declared (so dropped) before `cpu`: its threads stop before the bytes go.
-    worker: TierWorker,
-    cpu: Box<[u8]>,
+    tier: CpuTier,
     /// Tier jobs submitted and not reported yet.
     inflight: Vec<JobId>,
     /// Every `(key, slot)` a store job wrote, in order.
@@ -38,43 +35,15 @@ impl Engine {
     fn new(root: &Path, watch: DiskWatch) -> Self {
         let mut s = Scheduler::new(config()).unwrap();
         s.attach_disk_with(root, DISK_BYTES, "m", watch).unwrap();
-        let mut cpu = vec![0u8; CPU_CHUNKS as usize * CHUNK].into_boxed_slice();
-        let span = Span {
-            base: cpu.as_mut_ptr() as usize,
-            len: cpu.len(),
-        };
         let layout = SlabLayout::new(CHUNK as u64, DISK_BYTES).unwrap();
-        let ns = engine_namespace("m", CHUNK as u64, 4, 1, 0, 1, 0);
-        let group = TierGroup {
-            cpu_rows: CPU_CHUNKS as usize,
-            rows_per_chunk: 1,
-            regions: vec![CpuRegion {
-                space: RowSpace {
-                    buffer: 0,
-                    offset: 0,
-                    stride: CHUNK,
-                },
-                row_bytes: CHUNK,
-            }],
-            file: Some(SlabFile::open(root, &ns, layout, false, false).unwrap()),
-            remote: None,
-        };
-        #[allow(unsafe_code)]
-        // SAFETY: `cpu` is boxed (it never moves) and lives in the same struct as the worker,
-        // which is dropped (its threads joined) before it.
-        let worker = unsafe { TierWorker::new(&[span], vec![group], 2) }.unwrap();
+        let file = SlabFile::open(root, &namespace(), layout, false, false).unwrap();
         Engine {
             s,
-            worker,
-            cpu,
+            tier: CpuTier::new(Some(file), None),
             inflight: Vec::new(),
             stored: Vec::new(),
             hung: Vec::new(),
         }
-    }
-
-    fn slot(&self, s: u32) -> &[u8] {
-        &self.cpu[s as usize * CHUNK..(s as usize + 1) * CHUNK]
     }
 
     /// Runs a plan: stores write the oracle's bytes, loads check them, tier jobs go to the
@@ -83,8 +52,7 @@ impl Engine {
         for job in &plan.stores {
             for t in &job.transfers {
                 for (k, slot) in t.keys.iter().zip(&t.cpu_blocks) {
-                    let at = *slot as usize * CHUNK;
-                    self.cpu[at..at + CHUNK].copy_from_slice(&oracle(*k));
+                    self.tier.store(*k, *slot);
                     self.stored.push((*k, *slot));
                 }
             }
@@ -94,7 +62,7 @@ impl Engine {
             for t in &job.transfers {
                 for (k, slot) in t.keys.iter().zip(&t.cpu_blocks) {
                     assert!(
-                        self.slot(*slot) == oracle(*k),
+                        self.tier.slot(*slot) == oracle(*k),
                         "key {k}: wrong bytes loaded"
                     );
                 }
@@ -103,13 +71,13 @@ impl Engine {
         }
         let jobs: Vec<WorkerJob> = plan.tier_jobs.iter().map(WorkerJob::from).collect();
         self.inflight.extend(jobs.iter().map(|j| j.id));
-        self.worker.submit(jobs);
+        self.tier.worker.submit(jobs);
         self.pump(wait);
     }
 
     /// Reports the tier jobs that finish within `wait`.
     fn pump(&mut self, wait: Duration) {
-        for (id, ok) in self.worker.wait(&self.inflight, wait) {
+        for (id, ok) in self.tier.worker.wait(&self.inflight, wait) {
             self.inflight.retain(|j| *j != id);
             assert_eq!(self.s.complete(id, 0, ok).unwrap(), None);
         }
@@ -167,7 +135,7 @@ impl Engine {
         for (k, s) in latest {
             if matches!(pool.state(k), kvoffload::pool::KeyState::Ready { .. }) {
                 assert!(
-                    self.slot(s) == oracle(k),
+                    self.tier.slot(s) == oracle(k),
                     "key {k} in slot {s}: wrong bytes"
                 );
             }
@@ -234,8 +202,8 @@ fn a_hung_promotion_expires_its_slots_stay_held_and_a_late_success_serves_nothin
     let held = hung_promotion(&mut e, &fault, "b", &a);
     // Both I/O threads lowered their CPU priority (the hung one before its first job).
     if cfg!(target_os = "linux") {
-        assert_eq!(e.worker.low_priority_threads().1, 2);
-        assert!(e.worker.low_priority_threads().0 >= 1);
+        assert_eq!(e.tier.worker.low_priority_threads().1, 2);
+        assert!(e.tier.worker.low_priority_threads().0 >= 1);
     }
     // A second request waits for the promotion in flight.
     e.s.add_request("b2", 17, a.clone()).unwrap();

@@ -8,15 +8,13 @@ use std::sync::Arc;
 use std::thread::sleep;
 use std::time::Duration;
 
-use kvoffload::copy::{RowSpace, Span};
 use kvoffload::scheduler::{Scheduler, StepPlan};
-use kvoffload::tier::disk::engine_namespace;
-use kvoffload::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker, WorkerJob};
+use kvoffload::tier::io::{RemoteGroup, WorkerJob};
 use kvoffload::tier::remote::{RemoteClient, RemoteConfig};
 use kvoffload::{BlockId, Key};
 
 mod tier_support;
-use tier_support::{config, oracle, step, Server, CHUNK, CPU_CHUNKS};
+use tier_support::{config, namespace, oracle, step, CpuTier, Server};
 
 fn keys() -> Vec<Key> {
     (1..=4).map(|i| Key(0xAB00 + i)).collect()
@@ -25,9 +23,7 @@ fn keys() -> Vec<Key> {
 /// One engine: its scheduler, its CPU pool bytes and a real tier worker over them.
 struct Engine {
     s: Scheduler,
-    /// Declared (so dropped) before `cpu`: its threads stop before the bytes go.
-    worker: TierWorker,
-    cpu: Box<[u8]>,
+    tier: CpuTier,
     client: Arc<RemoteClient>,
 }
 
@@ -46,44 +42,15 @@ impl Engine {
             Duration::from_millis(50),
         )
         .unwrap();
-        let mut cpu = vec![0u8; CPU_CHUNKS as usize * CHUNK].into_boxed_slice();
-        let span = Span {
-            base: cpu.as_mut_ptr() as usize,
-            len: cpu.len(),
+        let remote = RemoteGroup {
+            client: Arc::clone(&client),
+            namespace: namespace().salted(salt).digest(),
         };
-        let group = TierGroup {
-            cpu_rows: CPU_CHUNKS as usize,
-            rows_per_chunk: 1,
-            regions: vec![CpuRegion {
-                space: RowSpace {
-                    buffer: 0,
-                    offset: 0,
-                    stride: CHUNK,
-                },
-                row_bytes: CHUNK,
-            }],
-            file: None,
-            remote: Some(RemoteGroup {
-                client: Arc::clone(&client),
-                namespace: engine_namespace("m", CHUNK as u64, 4, 1, 0, 1, 0)
-                    .salted(salt)
-                    .digest(),
-            }),
-        };
-        #[allow(unsafe_code)]
-        // SAFETY: `cpu` is boxed (it never moves) and lives in the same struct as the worker,
-        // which is dropped (its threads joined) before it.
-        let worker = unsafe { TierWorker::new(&[span], vec![group], 2) }.unwrap();
         Engine {
             s,
-            worker,
-            cpu,
+            tier: CpuTier::new(None, Some(remote)),
             client,
         }
-    }
-
-    fn slot(&self, s: u32) -> &[u8] {
-        &self.cpu[s as usize * CHUNK..(s as usize + 1) * CHUNK]
     }
 
     /// Runs a plan's stores (the oracle's bytes, as a GPU copy would write them) and tier jobs
@@ -92,16 +59,15 @@ impl Engine {
         for job in &plan.stores {
             for t in &job.transfers {
                 for (k, slot) in t.keys.iter().zip(&t.cpu_blocks) {
-                    let at = *slot as usize * CHUNK;
-                    self.cpu[at..at + CHUNK].copy_from_slice(&oracle(*k));
+                    self.tier.store(*k, *slot);
                 }
             }
             self.s.complete(job.id, 0, true).unwrap();
         }
         let jobs: Vec<WorkerJob> = plan.tier_jobs.iter().map(WorkerJob::from).collect();
         let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
-        self.worker.submit(jobs);
-        let done = self.worker.wait(&ids, Duration::from_secs(20));
+        self.tier.worker.submit(jobs);
+        let done = self.tier.worker.wait(&ids, Duration::from_secs(20));
         assert_eq!(done.len(), ids.len());
         let mut seen = Vec::new();
         for j in &plan.tier_jobs {
@@ -177,7 +143,7 @@ fn engine_b_promotes_and_loads_engine_a_chunks_byte_exact() {
     assert_eq!(t.keys, keys());
     for (k, slot) in t.keys.iter().zip(&t.cpu_blocks) {
         assert!(
-            b.slot(*slot) == oracle(*k),
+            b.tier.slot(*slot) == oracle(*k),
             "key {k}: promoted bytes differ"
         );
     }

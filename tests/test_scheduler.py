@@ -58,6 +58,18 @@ def test_store_after_a_chunk_fills_and_not_before():
     assert [t[1] for t in plan.stores[0].transfers] == [[2]]
 
 
+def test_a_jobs_transfers_and_keys_are_built_once():
+    s = make(window=8)
+    admit(s, "a", [[1, 2, 3], [5, 6, 7]], prompt=12)
+    (job,) = s.schedule(StepInput(scheduled=[("a", 8)])).stores
+    transfers, keys = job.transfers, job.keys
+    assert transfers == [(0, [1, 2], [0, 1]), (1, [5, 6], [0, 1])]
+    assert keys == [(0, [1000, 1001]), (1, [1000, 1001])]
+    # Later reads hand out the same lists: nothing is converted again.
+    assert job.transfers is transfers
+    assert job.keys is keys
+
+
 def test_finish_time_store_of_last_full_chunk_then_dropped():
     s = make(cpu_chunks=1)
     admit(s, "a", [[1, 2, 3]], prompt=12)

@@ -1,5 +1,6 @@
 //! What the tier integration tests share: a real `redis-server` on loopback, a one-group
-//! scheduler configuration, step inputs, and the byte oracle of chunks. Included by each test
+//! scheduler configuration, step inputs, the byte oracle of chunks, and a CPU pool with a real
+//! tier worker over it. Included by each test
 //! crate with `mod tier_support;`, which may use only some of it.
 #![allow(dead_code)]
 
@@ -10,8 +11,12 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
+use kvoffload::copy::{RowSpace, Span};
 use kvoffload::policy::PolicyKind;
 use kvoffload::scheduler::StepInput;
+use kvoffload::tier::disk::{engine_namespace, SlabFile};
+use kvoffload::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker};
+use kvoffload::tier::namespace::Namespace;
 use kvoffload::{BlockId, Key};
 
 /// A `redis-server` on 127.0.0.1, a free port and a temporary directory; no persistence,
@@ -160,5 +165,59 @@ pub fn step(
         aborted: Vec::new(),
         preempted: Vec::new(),
         written: Some(written.iter().copied().map(BlockId).collect()),
+    }
+}
+
+/// The engine namespace of model `"m"` for [`config`]'s group (rank 0 of 1).
+pub fn namespace() -> Namespace {
+    engine_namespace("m", CHUNK as u64, 4, 1, 0, 1, 0)
+}
+
+/// A CPU pool of [`CPU_CHUNKS`] chunks of [`CHUNK`] bytes, one row per chunk, and a real
+/// [`TierWorker`] (two threads) that copies between it and the group's tiers.
+pub struct CpuTier {
+    /// Declared (so dropped) before `cpu`: its threads stop before the bytes go.
+    pub worker: TierWorker,
+    pub cpu: Box<[u8]>,
+}
+
+impl CpuTier {
+    /// The pool and its worker over the disk `file` and/or the `remote` tier.
+    pub fn new(file: Option<SlabFile>, remote: Option<RemoteGroup>) -> Self {
+        let mut cpu = vec![0u8; CPU_CHUNKS as usize * CHUNK].into_boxed_slice();
+        let span = Span {
+            base: cpu.as_mut_ptr() as usize,
+            len: cpu.len(),
+        };
+        let group = TierGroup {
+            cpu_rows: CPU_CHUNKS as usize,
+            rows_per_chunk: 1,
+            regions: vec![CpuRegion {
+                space: RowSpace {
+                    buffer: 0,
+                    offset: 0,
+                    stride: CHUNK,
+                },
+                row_bytes: CHUNK,
+            }],
+            file,
+            remote,
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: `cpu` is boxed (it never moves) and lives in the same struct as the worker,
+        // which is dropped (its threads joined) before it.
+        let worker = unsafe { TierWorker::new(&[span], vec![group], 2) }.unwrap();
+        Self { worker, cpu }
+    }
+
+    /// The bytes of CPU slot `s`.
+    pub fn slot(&self, s: u32) -> &[u8] {
+        &self.cpu[s as usize * CHUNK..(s as usize + 1) * CHUNK]
+    }
+
+    /// Writes the [`oracle`] bytes of `key` into slot `s`, as a GPU store copy would.
+    pub fn store(&mut self, key: Key, s: u32) {
+        let at = s as usize * CHUNK;
+        self.cpu[at..at + CHUNK].copy_from_slice(&oracle(key));
     }
 }

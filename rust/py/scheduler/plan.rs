@@ -1,6 +1,7 @@
 //! The step plan's Python objects: [`TransferJob`], [`StepPlan`] and [`CompletedJob`].
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList};
 
 use crate::ids::BlockId;
@@ -27,6 +28,9 @@ pub struct TransferJob {
     #[pyo3(get)]
     request_id: String,
     inner: PlannedJob,
+    /// `transfers` and `keys`, each built on its first read (a job never changes).
+    transfers: PyOnceLock<Py<PyList>>,
+    keys: PyOnceLock<Py<PyList>>,
 }
 
 #[pymethods]
@@ -35,23 +39,29 @@ impl TransferJob {
     /// group's CPU region (`slot * blocks_per_chunk + offset`).
     #[getter]
     fn transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .inner
-            .transfers
-            .iter()
-            .map(|t| (t.group, t.gpu_blocks.clone(), t.cpu_blocks.clone()));
-        PyList::new(py, items)
+        let list = self.transfers.get_or_try_init(py, || {
+            let items = self.inner.transfers.iter().map(|t| {
+                let gpu = PyList::new(py, t.gpu_blocks.iter().copied())?;
+                let cpu = PyList::new(py, t.cpu_blocks.iter().copied())?;
+                Ok::<_, PyErr>((t.group, gpu, cpu))
+            });
+            PyList::new(py, items.collect::<PyResult<Vec<_>>>()?).map(Bound::unbind)
+        })?;
+        Ok(list.bind(py).clone())
     }
 
     /// Chunk keys per group: `(group, keys)`.
     #[getter]
     fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .inner
-            .transfers
-            .iter()
-            .map(|t| (t.group, t.keys.iter().map(|k| k.0).collect::<Vec<u128>>()));
-        PyList::new(py, items)
+        let list = self.keys.get_or_try_init(py, || {
+            let items = self
+                .inner
+                .transfers
+                .iter()
+                .map(|t| (t.group, t.keys.iter().map(|k| k.0).collect::<Vec<u128>>()));
+            PyList::new(py, items).map(Bound::unbind)
+        })?;
+        Ok(list.bind(py).clone())
     }
 
     /// Number of GPU blocks copied.
@@ -83,6 +93,8 @@ pub(super) fn job_obj(py: Python<'_>, j: PlannedJob) -> PyResult<Py<TransferJob>
             kind: kind_name(j.kind),
             request_id: j.request.clone(),
             inner: j,
+            transfers: PyOnceLock::new(),
+            keys: PyOnceLock::new(),
         },
     )
 }
