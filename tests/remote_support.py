@@ -4,7 +4,9 @@
   addresses) with a free port, a temporary directory, no persistence and ``maxmemory`` with
   ``allkeys-lru``; it can be killed, restarted on the same port, flushed and inspected.
 - :class:`DelayProxy` is a loopback TCP proxy that holds every reply from the server for a
-  settable delay, so a client's deadline passes (the "slow server" fault).
+  settable delay, so a client's deadline passes (the "slow server" fault);
+  :class:`ProxyProcess` runs one in a process of its own, for measurements of the process
+  that uses it (its threads then take neither the GIL nor that process's CPU time).
 - :class:`NetnsHosts` creates simulated hosts: one network namespace each, joined to this
   namespace by a veth pair with addresses it chose itself, and removes them all afterwards.
 
@@ -19,6 +21,7 @@ import select
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -231,9 +234,9 @@ class DelayProxy:
                 if not data:
                     break
                 if delayed and self.delay > 0:
-                    due = time.monotonic() + self.delay
-                    while not self._stop.is_set() and time.monotonic() < due:
-                        time.sleep(min(0.01, max(0.0, due - time.monotonic())))
+                    # One wake-up per reply (not a polling loop): a measured engine shares the
+                    # machine's cores with this proxy.
+                    self._stop.wait(self.delay)
                 dst.sendall(data)
         except OSError:
             pass
@@ -251,6 +254,68 @@ class DelayProxy:
         with self._lock:
             for s in self._socks:
                 s.close()
+
+
+class ProxyProcess:
+    """A :class:`DelayProxy` in a child process (``python -m tests.remote_support proxy PORT``):
+    the same ``port``, ``url``, settable ``delay`` (applied when the setter returns) and
+    :meth:`close`."""
+
+    def __init__(self, target_port: int, delay: float = 0.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.remote_support", "proxy", str(target_port)],
+            cwd=Path(__file__).resolve().parents[1],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
+        self.port = int(self._stdout.readline())
+        self._delay = 0.0
+        self.delay = delay
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT`` of the proxy."""
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def delay(self) -> float:
+        """Seconds each reply is held."""
+        return self._delay
+
+    @delay.setter
+    def delay(self, seconds: float) -> None:
+        self._stdin.write(f"{seconds}\n")
+        self._stdin.flush()
+        if self._stdout.readline().strip() != "ok":
+            raise RuntimeError(f"proxy process refused delay {seconds}")
+        self._delay = seconds
+
+    def close(self) -> None:
+        """Stops the proxy (every connection ends) and waits for its process."""
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stdout.close()
+
+
+def _serve_proxy(target_port: int) -> None:
+    """The child of :class:`ProxyProcess`: prints its port, then takes one delay per line."""
+    proxy = DelayProxy(target_port)
+    try:
+        print(proxy.port, flush=True)
+        for line in sys.stdin:
+            proxy.delay = float(line)
+            print("ok", flush=True)
+    finally:
+        proxy.close()
 
 
 class NetnsHosts:
@@ -340,3 +405,7 @@ def delay_proxy(redis: RedisServer) -> Iterator[DelayProxy]:
         yield proxy
     finally:
         proxy.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["proxy"]:
+    _serve_proxy(int(sys.argv[2]))
