@@ -33,6 +33,15 @@ import pytest
 REDIS_SERVER = "redis-server"
 
 
+def _reap(proc: subprocess.Popen[str] | subprocess.Popen[bytes], timeout: float) -> None:
+    """Waits ``timeout`` seconds for ``proc`` to exit, then kills it."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -133,11 +142,7 @@ class RedisServer:
         """Stop the server if it runs."""
         if self.proc is not None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            _reap(self.proc, 5)
             self.proc = None
 
     def restart(self) -> None:
@@ -298,11 +303,7 @@ class ProxyProcess:
         """Stops the proxy (every connection ends) and waits for its process."""
         with contextlib.suppress(OSError):
             self._stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _reap(self.proc, 10)
         self._stdout.close()
 
 
