@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import re
 import select
 import shutil
 import socket
@@ -322,15 +324,19 @@ def _serve_proxy(target_port: int) -> None:
 class NetnsHosts:
     """``count`` simulated hosts: network namespaces joined to this one by veth pairs.
 
-    Host ``i`` is namespace ``kvo<pid>h<i>`` with address ``10.213.<i>.2/24`` on its veth end;
-    this namespace's end has ``10.213.<i>.1`` (:meth:`gateway`), where a server can listen.
-    Every name and address is created here and removed by :meth:`close`.
+    Host ``i`` is namespace ``kvo<pid>h<i>`` with address ``10.<n>.<i>.2/24`` on its veth end;
+    this namespace's end has ``10.<n>.<i>.1`` (:meth:`gateway`), where a server can listen.
+    ``n`` is picked among the ``10.n.*`` networks no interface uses yet, so test runs on one
+    machine at the same time do not route each other's replies (with one fixed network, a
+    concurrent run's links took this run's replies and its writes failed). Every name and
+    address is created here and removed by :meth:`close`.
     """
 
     def __init__(self, count: int) -> None:
         if os.geteuid() != 0:
             raise RuntimeError("network-namespace test hosts need root (ip netns)")
         self.prefix = f"kvo{os.getpid() % 100000}h"
+        self.net = self._free_net()
         self.names: list[str] = []
         self._links: list[str] = []
         try:
@@ -339,6 +345,22 @@ class NetnsHosts:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _free_net() -> int:
+        """A second octet ``n`` such that no interface has a ``10.n.*`` address."""
+        shown = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+        taken = {int(n) for n in re.findall(r"inet 10\.(\d+)\.", shown)}
+        free = [n for n in range(64, 250) if n not in taken]
+        if not free:
+            raise RuntimeError("no free 10.n.0.0/16 network for test hosts")
+        return random.choice(free)
 
     @staticmethod
     def _ip(*args: str) -> None:
@@ -357,15 +379,13 @@ class NetnsHosts:
         self._ip("-n", ns, "link", "set", inner, "up")
         self._ip("-n", ns, "link", "set", "lo", "up")
 
-    @staticmethod
-    def gateway(i: int) -> str:
+    def gateway(self, i: int) -> str:
         """This namespace's address on host ``i``'s link."""
-        return f"10.213.{i}.1"
+        return f"10.{self.net}.{i}.1"
 
-    @staticmethod
-    def address(i: int) -> str:
+    def address(self, i: int) -> str:
         """Host ``i``'s own address."""
-        return f"10.213.{i}.2"
+        return f"10.{self.net}.{i}.2"
 
     def exec_prefix(self, i: int) -> list[str]:
         """Argument prefix that runs a command inside host ``i``."""
