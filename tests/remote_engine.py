@@ -20,7 +20,7 @@ from kvoffload._core import RemoteWorker
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.transfer import TransferEngine
 from kvoffload.transfer.remote import open_remote_worker
-from tests.remote_support import DelayProxy, RedisServer
+from tests.remote_support import DelayProxy, ProxyProcess, RedisServer
 
 BLOCK = 16
 HASHES = [0xA1, 0xA2, 0xA3]
@@ -142,7 +142,7 @@ class FaultRun:
     """
 
     server: RedisServer
-    proxy: DelayProxy
+    proxy: DelayProxy | ProxyProcess
     phase_steps: int = 100
     pace_s: float = 0.002
     deadline_ms: float = 200.0

@@ -4,7 +4,9 @@
   addresses) with a free port, a temporary directory, no persistence and ``maxmemory`` with
   ``allkeys-lru``; it can be killed, restarted on the same port, flushed and inspected.
 - :class:`DelayProxy` is a loopback TCP proxy that holds every reply from the server for a
-  settable delay, so a client's deadline passes (the "slow server" fault).
+  settable delay, so a client's deadline passes (the "slow server" fault);
+  :class:`ProxyProcess` runs one in a process of its own, for measurements of the process
+  that uses it (its threads then take neither the GIL nor that process's CPU time).
 - :class:`NetnsHosts` creates simulated hosts: one network namespace each, joined to this
   namespace by a veth pair with addresses it chose itself, and removes them all afterwards.
 
@@ -15,10 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import re
 import select
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +33,15 @@ from pathlib import Path
 import pytest
 
 REDIS_SERVER = "redis-server"
+
+
+def _reap(proc: subprocess.Popen[str] | subprocess.Popen[bytes], timeout: float) -> None:
+    """Waits ``timeout`` seconds for ``proc`` to exit, then kills it."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def free_port() -> int:
@@ -130,11 +144,7 @@ class RedisServer:
         """Stop the server if it runs."""
         if self.proc is not None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            _reap(self.proc, 5)
             self.proc = None
 
     def restart(self) -> None:
@@ -231,9 +241,9 @@ class DelayProxy:
                 if not data:
                     break
                 if delayed and self.delay > 0:
-                    due = time.monotonic() + self.delay
-                    while not self._stop.is_set() and time.monotonic() < due:
-                        time.sleep(min(0.01, max(0.0, due - time.monotonic())))
+                    # One wake-up per reply (not a polling loop): a measured engine shares the
+                    # machine's cores with this proxy.
+                    self._stop.wait(self.delay)
                 dst.sendall(data)
         except OSError:
             pass
@@ -253,18 +263,80 @@ class DelayProxy:
                 s.close()
 
 
+class ProxyProcess:
+    """A :class:`DelayProxy` in a child process (``python -m tests.remote_support proxy PORT``):
+    the same ``port``, ``url``, settable ``delay`` (applied when the setter returns) and
+    :meth:`close`."""
+
+    def __init__(self, target_port: int, delay: float = 0.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.remote_support", "proxy", str(target_port)],
+            cwd=Path(__file__).resolve().parents[1],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
+        self.port = int(self._stdout.readline())
+        self._delay = 0.0
+        self.delay = delay
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT`` of the proxy."""
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def delay(self) -> float:
+        """Seconds each reply is held."""
+        return self._delay
+
+    @delay.setter
+    def delay(self, seconds: float) -> None:
+        self._stdin.write(f"{seconds}\n")
+        self._stdin.flush()
+        if self._stdout.readline().strip() != "ok":
+            raise RuntimeError(f"proxy process refused delay {seconds}")
+        self._delay = seconds
+
+    def close(self) -> None:
+        """Stops the proxy (every connection ends) and waits for its process."""
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        _reap(self.proc, 10)
+        self._stdout.close()
+
+
+def _serve_proxy(target_port: int) -> None:
+    """The child of :class:`ProxyProcess`: prints its port, then takes one delay per line."""
+    proxy = DelayProxy(target_port)
+    try:
+        print(proxy.port, flush=True)
+        for line in sys.stdin:
+            proxy.delay = float(line)
+            print("ok", flush=True)
+    finally:
+        proxy.close()
+
+
 class NetnsHosts:
     """``count`` simulated hosts: network namespaces joined to this one by veth pairs.
 
-    Host ``i`` is namespace ``kvo<pid>h<i>`` with address ``10.213.<i>.2/24`` on its veth end;
-    this namespace's end has ``10.213.<i>.1`` (:meth:`gateway`), where a server can listen.
-    Every name and address is created here and removed by :meth:`close`.
+    Host ``i`` is namespace ``kvo<pid>h<i>`` with address ``10.<n>.<i>.2/24`` on its veth end;
+    this namespace's end has ``10.<n>.<i>.1`` (:meth:`gateway`), where a server can listen.
+    ``n`` is picked among the ``10.n.*`` networks no interface uses yet, so test runs on one
+    machine at the same time do not route each other's replies (with one fixed network, a
+    concurrent run's links took this run's replies and its writes failed). Every name and
+    address is created here and removed by :meth:`close`.
     """
 
     def __init__(self, count: int) -> None:
         if os.geteuid() != 0:
             raise RuntimeError("network-namespace test hosts need root (ip netns)")
         self.prefix = f"kvo{os.getpid() % 100000}h"
+        self.net = self._free_net()
         self.names: list[str] = []
         self._links: list[str] = []
         try:
@@ -273,6 +345,22 @@ class NetnsHosts:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _free_net() -> int:
+        """A second octet ``n`` such that no interface has a ``10.n.*`` address."""
+        shown = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+        taken = {int(n) for n in re.findall(r"inet 10\.(\d+)\.", shown)}
+        free = [n for n in range(64, 250) if n not in taken]
+        if not free:
+            raise RuntimeError("no free 10.n.0.0/16 network for test hosts")
+        return random.choice(free)
 
     @staticmethod
     def _ip(*args: str) -> None:
@@ -291,15 +379,13 @@ class NetnsHosts:
         self._ip("-n", ns, "link", "set", inner, "up")
         self._ip("-n", ns, "link", "set", "lo", "up")
 
-    @staticmethod
-    def gateway(i: int) -> str:
+    def gateway(self, i: int) -> str:
         """This namespace's address on host ``i``'s link."""
-        return f"10.213.{i}.1"
+        return f"10.{self.net}.{i}.1"
 
-    @staticmethod
-    def address(i: int) -> str:
+    def address(self, i: int) -> str:
         """Host ``i``'s own address."""
-        return f"10.213.{i}.2"
+        return f"10.{self.net}.{i}.2"
 
     def exec_prefix(self, i: int) -> list[str]:
         """Argument prefix that runs a command inside host ``i``."""
@@ -340,3 +426,7 @@ def delay_proxy(redis: RedisServer) -> Iterator[DelayProxy]:
         yield proxy
     finally:
         proxy.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["proxy"]:
+    _serve_proxy(int(sys.argv[2]))

@@ -7,7 +7,14 @@ import subprocess
 
 import pytest
 
-from tests.remote_support import DelayProxy, NetnsHosts, RedisServer, redis_server, resp
+from tests.remote_support import (
+    DelayProxy,
+    NetnsHosts,
+    ProxyProcess,
+    RedisServer,
+    redis_server,
+    resp,
+)
 
 
 def ask(port: int, *args: str, timeout: float = 5.0) -> bytes:
@@ -45,8 +52,11 @@ def test_maxmemory_evicts_instead_of_refusing() -> None:
         c.close()
 
 
-def test_delay_proxy_holds_replies(redis: RedisServer) -> None:
-    proxy = DelayProxy(redis.port)
+@pytest.mark.parametrize("kind", [DelayProxy, ProxyProcess])
+def test_delay_proxy_holds_replies(
+    redis: RedisServer, kind: type[DelayProxy | ProxyProcess]
+) -> None:
+    proxy = kind(redis.port)
     try:
         assert ask(proxy.port, "PING") == b"+PONG\r\n"
         proxy.delay = 0.5
@@ -56,6 +66,10 @@ def test_delay_proxy_holds_replies(redis: RedisServer) -> None:
         assert ask(proxy.port, "PING") == b"+PONG\r\n"
     finally:
         proxy.close()
+    with pytest.raises(ConnectionRefusedError):
+        ask(proxy.port, "PING", timeout=1)
+    if isinstance(proxy, ProxyProcess):
+        assert proxy.proc.returncode == 0
 
 
 def test_netns_hosts_reach_a_server_on_their_gateway_and_are_removed() -> None:

@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 
 use redis::Value;
 
-use super::pack::{slice_pieces, Packed};
+use super::bulk::{self, BulkConn};
+use super::pack::{slice_pieces, Packed, Split};
 use super::{
     parts, value_key, ReadItem, ReadOutcome, RemoteConfig, RemoteStats, WriteItem, BATCH_BYTES,
     WRITE_BATCH_BYTES,
 };
 use crate::error::{Error, Result};
 use crate::ids::Key;
-use crate::tier::bulk::{self, BulkConn};
 use crate::tier::header::{checksum, ChunkHeader, HEADER_LEN};
 use crate::tier::health::{Health, Transition};
 
@@ -273,67 +273,39 @@ impl RemoteClient {
             .map(|it| it.data.iter().map(|p| p.len()).sum())
             .collect();
         let batches = Self::batches(lens.iter().copied(), WRITE_BATCH_BYTES);
-        let done = self.run_batches(&batches, |batch| {
-            let mut commands = Vec::with_capacity(batch.len());
-            let mut headers = Vec::with_capacity(batch.len());
-            for &i in batch {
-                let it = &items[i];
-                let len = lens[i];
-                headers.push(
-                    ChunkHeader {
-                        group: it.group,
-                        namespace,
-                        key: it.key,
-                        length: len as u64,
-                        generation: self.generation.fetch_add(1, Relaxed) + 1,
-                        checksum: checksum(it.data.iter().copied()),
-                    }
-                    .encode(),
-                );
-            }
-            let names: Vec<Vec<Vec<u8>>> = batch
-                .iter()
-                .map(|&i| {
-                    let (count, _) = parts(lens[i], self.cfg.part_bytes);
-                    (0..count)
-                        .map(|p| value_key(namespace, items[i].key, p))
-                        .collect()
-                })
-                .collect();
+        // One sub-batch as commands: per item, its parts last to first, so part 0 (the header)
+        // is published after all the data.
+        let pack = |batch: &Vec<usize>| {
             let mut packed = Packed::default();
-            for (b, &i) in batch.iter().enumerate() {
-                let it = &items[i];
-                let len = lens[i];
+            for &i in batch {
+                let (it, len) = (&items[i], lens[i]);
+                let header = ChunkHeader {
+                    group: it.group,
+                    namespace,
+                    key: it.key,
+                    length: len as u64,
+                    generation: self.generation.fetch_add(1, Relaxed) + 1,
+                    checksum: checksum(it.data.iter().copied()),
+                }
+                .encode();
                 let (count, size) = parts(len, self.cfg.part_bytes);
-                // Last part first: part 0 (the header) is published after all the data.
                 for part in (0..count).rev() {
-                    let mut value =
-                        slice_pieces(&it.data, part * size, ((part + 1) * size).min(len));
-                    if part == 0 {
-                        value.insert(0, &headers[b][..]);
-                    }
-                    packed.command(&[&[b"SET"], &[&names[b][part]], &value]);
+                    let value = slice_pieces(&it.data, part * size, ((part + 1) * size).min(len));
+                    let prefix: &[u8] = if part == 0 { &header } else { &[] };
+                    let name = value_key(namespace, it.key, part);
+                    packed.command(&[b"SET", &name], Some((prefix, &value)));
                 }
-                commands.push(count);
             }
-            match self.pipeline(packed) {
-                Ok(replies) => {
-                    let mut at = 0;
-                    commands
-                        .iter()
-                        .map(|&n| {
-                            let ok = replies[at..at + n].iter().all(|v| matches!(v, Value::Okay));
-                            at += n;
-                            ok
-                        })
-                        .collect::<Vec<bool>>()
-                }
-                Err(_) => vec![false; batch.len()],
-            }
-        });
+            packed.finish_split()
+        };
+        let done = self.send_batches(&batches, pack);
         let mut out = vec![false; items.len()];
-        for (batch, oks) in batches.iter().zip(done) {
-            for (&i, ok) in batch.iter().zip(oks) {
+        for (batch, replies) in batches.iter().zip(done) {
+            let mut at = replies.iter();
+            for &i in batch {
+                // All parts acknowledged (a failed operation has no replies).
+                let n = parts(lens[i], self.cfg.part_bytes).0;
+                let ok = at.by_ref().take(n).filter(|&&r| r).count() == n;
                 out[i] = ok;
                 if ok {
                     add(&self.counters.writes, 1);
@@ -344,6 +316,78 @@ impl RemoteClient {
             }
         }
         out
+    }
+
+    /// Sends `batches` (each packed by `pack` into its lead, tail and command count, see
+    /// [`Packed::finish_split`]) on up to `connections` threads, each batch one operation
+    /// with its deadline; per batch, each command's status (empty when the operation failed).
+    ///
+    /// A thread keeps its connection from batch to batch and sends the next batch's lead after
+    /// the current batch's tail; the next tail goes once the current replies are in, so the
+    /// server has likely read that lead alone and takes the large value that follows without
+    /// a copy. The next batch is packed (its checksums computed) while the server reads the
+    /// current tail.
+    fn send_batches<'a, B: Sync>(
+        &self,
+        batches: &[B],
+        pack: impl Fn(&B) -> Split<'a> + Sync,
+    ) -> Vec<Vec<bool>> {
+        let next = AtomicUsize::new(0);
+        let take = || {
+            let i = next.fetch_add(1, Relaxed);
+            batches.get(i).map(|b| (i, pack(b)))
+        };
+        let out: Mutex<Vec<Vec<bool>>> = Mutex::new(vec![Vec::new(); batches.len()]);
+        let stream = || {
+            let mut con = self.idle_bulk.lock().expect("pool lock").pop();
+            let mut lead_sent = false;
+            let mut cur = take();
+            while let Some((
+                i,
+                Split {
+                    lead,
+                    tail,
+                    commands,
+                },
+            )) = cur
+            {
+                let mut following = None;
+                let result = self.bulk_op_on(&mut con, |c| {
+                    if !lead_sent {
+                        c.send_all(&lead.iter().map(|s| &**s).collect::<Vec<_>>())?;
+                    }
+                    c.send_all(&tail.iter().map(|s| &**s).collect::<Vec<_>>())?;
+                    // Packed (checksums) while the server reads the tail.
+                    if let Some((_, next)) = following.insert(take()) {
+                        c.send_all(&next.lead.iter().map(|s| &**s).collect::<Vec<_>>())?;
+                    }
+                    (0..commands)
+                        .map(|_| c.status())
+                        .collect::<std::io::Result<Vec<_>>>()
+                });
+                let following = following.unwrap_or_else(take);
+                // A failed operation dropped the connection, and the next lead with it.
+                lead_sent = con.is_some() && following.is_some();
+                if let Ok(replies) = result {
+                    out.lock().expect("results lock")[i] = replies;
+                }
+                cur = following;
+            }
+            if let Some(c) = con {
+                self.idle_bulk.lock().expect("pool lock").push(c);
+            }
+        };
+        let threads = self.cfg.connections.min(batches.len());
+        if threads <= 1 {
+            stream();
+        } else {
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(stream);
+                }
+            });
+        }
+        out.into_inner().expect("results lock")
     }
 
     /// Whether each of `keys` exists in namespace `namespace`; one round trip. `None` when
@@ -369,7 +413,7 @@ impl RemoteClient {
             .collect();
         let mut packed = Packed::default();
         for name in &names {
-            packed.command(&[&[b"EXISTS"], &[name]]);
+            packed.command(&[b"EXISTS", name], None);
         }
         let replies = self.pipeline(packed).ok()?;
         let mut found = vec![true; keys.len()];
@@ -440,47 +484,63 @@ impl RemoteClient {
         out
     }
 
-    /// Runs one read-path operation on a pooled [`BulkConn`] within the deadline, recording
-    /// the outcome in the tier's health.
+    /// Runs one operation on a pooled [`BulkConn`] within the deadline, recording the outcome
+    /// in the tier's health.
     fn bulk_op<R>(
         &self,
         op: impl FnOnce(&mut BulkConn) -> std::io::Result<R>,
     ) -> std::result::Result<R, OpError> {
+        let mut con = self.idle_bulk.lock().expect("pool lock").pop();
+        let result = self.bulk_op_on(&mut con, op);
+        if let Some(c) = con {
+            self.idle_bulk.lock().expect("pool lock").push(c);
+        }
+        result
+    }
+
+    /// Runs one operation on `con` (connected first when `None`) within the deadline,
+    /// recording the outcome in the tier's health; a failed or late operation leaves `con`
+    /// `None` (the connection is dropped: replies may still be on their way).
+    fn bulk_op_on<R>(
+        &self,
+        con: &mut Option<BulkConn>,
+        op: impl FnOnce(&mut BulkConn) -> std::io::Result<R>,
+    ) -> std::result::Result<R, OpError> {
         let start = Instant::now();
         let deadline = self.cfg.deadline;
-        let late = |e: &std::io::Error| {
-            matches!(
+        let classify = |e: std::io::Error| {
+            if matches!(
                 e.kind(),
                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            )
-        };
-        let classify = |e: std::io::Error| {
-            if late(&e) {
+            ) {
                 OpError::Late
             } else {
                 OpError::Redis
             }
         };
         let result = (|| {
-            let pooled = self.idle_bulk.lock().expect("pool lock").pop();
-            let mut con = match pooled {
+            let c = match con {
                 Some(c) => c,
-                None => BulkConn::connect(self.client.get_connection_info(), deadline)
-                    .map_err(classify)?,
+                None => con.insert(
+                    BulkConn::connect(self.client.get_connection_info(), deadline)
+                        .map_err(classify)?,
+                ),
             };
             let left = deadline
                 .checked_sub(start.elapsed())
                 .filter(|d| !d.is_zero())
                 .ok_or(OpError::Late)?;
-            con.set_timeout(left).map_err(classify)?;
+            c.set_timeout(left).map_err(classify)?;
             add(&self.counters.round_trips, 1);
-            let out = op(&mut con).map_err(classify)?;
+            let out = op(c).map_err(classify)?;
             if start.elapsed() > deadline {
                 return Err(OpError::Late);
             }
-            self.idle_bulk.lock().expect("pool lock").push(con);
             Ok(out)
         })();
+        if result.is_err() {
+            *con = None;
+        }
         self.record(result.as_ref().map(|_| ()));
         result
     }

@@ -24,18 +24,25 @@
 //!   operations the tier is on probation for [`RemoteConfig::probation`]: writes are dropped and
 //!   counted, lookups and reads answer "miss" without I/O. The first operation after that is a
 //!   trial: success ends the probation (a *recovery*, counted), failure starts another.
-//! - **Read path**: `GET` replies of chunk values are read by the `tier::bulk` reader straight into
-//!   the destination (the crate's parser costs four times the CPU per byte); every other command
-//!   and reply goes through the crate.
+//! - **Chunk values on the wire**: `SET`s of chunk values and `GET` replies go through the small
+//!   `bulk` connection: a write is one `writev` of the framing and the caller's memory (no
+//!   copy), a reply is read straight into the destination (the crate's parser costs four times
+//!   the CPU per byte). Each write thread sends the next pipeline's *lead* (its framing up to
+//!   its last large value) after the current pipeline and the rest of it once the current
+//!   replies are in, so the server takes each large value without copying it (see
+//!   `pack::Packed::finish_split`). Existence checks and connection settings go through the
+//!   crate.
 //! - **Verification**: every read checks the header (magic, version, namespace, key, group,
 //!   length) and the data's checksum; any mismatch is a miss, counted, and the caller must not
 //!   serve the bytes.
 
 //!
 //! Files: this one the configuration, counters, items and keys; `pack.rs` how a pipeline's
-//! commands are laid out (large pieces sent from the caller's memory); `client.rs` the client
+//! commands are laid out (data pieces sent from the caller's memory, the lead split off);
+//! `bulk.rs` the connection that sends and receives chunk values; `client.rs` the client
 //! (connection pool, deadlines, probation, write / exists / read).
 
+mod bulk;
 mod client;
 mod pack;
 
@@ -53,10 +60,12 @@ pub const BATCH_BYTES: usize = 8 << 20;
 /// alone, smaller ones share a pipeline.
 ///
 /// Why smaller than [`BATCH_BYTES`]: the server (one thread, the bottleneck of a write) takes a
-/// large value (≥ 32 KiB) without copying it only when nothing after it on that connection has
-/// been read yet; in a pipeline of several such `SET`s it reads past each value and copies it
-/// again. Measured with 2 MiB chunks: the server's `memcpy` fell from 15% to 6% of its CPU
-/// (perf), the round trip per chunk is hidden by the parallel connections.
+/// large value (≥ 32 KiB) without copying it only when its read buffer starts with that value
+/// and holds nothing after it; in a pipeline of several such `SET`s it reads past each value
+/// and copies it again. Measured with 2 MiB chunks: the server's `memcpy` fell from 15% to 6%
+/// of its CPU (perf), the round trip per chunk is hidden by the parallel connections. The rest
+/// of that copy came from the command's framing read together with the value's first bytes:
+/// the client now sends that framing ahead (see `pack::Packed::finish_split`).
 pub const WRITE_BATCH_BYTES: usize = 1 << 20;
 
 /// How to reach the server and how patient to be.

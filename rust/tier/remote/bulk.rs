@@ -1,5 +1,5 @@
-//! The shared tier's read path for chunk values: `GET` replies read straight into the
-//! destination memory.
+//! The shared tier's connections for chunk values: `SET`s sent straight from the source memory
+//! in one vectored write, `GET` replies read straight into the destination memory.
 //!
 //! The `redis` crate's synchronous parser reads a reply in 8 KiB steps (each zeroed first) and
 //! copies every value into a fresh `Vec` that the caller copies again; measured on this
@@ -7,10 +7,11 @@
 //! chunk read is the one operation whose size matters, so its replies get this small reader:
 //! a connection to the address and with the handshake (AUTH, SELECT) the crate parsed from the
 //! URL, commands packed as usual, and each bulk reply read with one `read_exact` per
-//! destination piece (one kernel copy, no user-space copy). Everything else (writes, existence
-//! checks, connection setup errors) goes through the crate.
+//! destination piece (one kernel copy, no user-space copy). Writes are sent with one `writev`
+//! of the pieces (the protocol's framing and the caller's memory) and their `+OK` replies read
+//! as lines. Existence checks go through the crate.
 
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 #[cfg(unix)]
 use std::os::unix::net::UnixStream;
@@ -62,6 +63,14 @@ impl Write for Stream {
             Stream::Tcp(s) => s.write(buf),
             #[cfg(unix)]
             Stream::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write_vectored(bufs),
+            #[cfg(unix)]
+            Stream::Unix(s) => s.write_vectored(bufs),
         }
     }
 
@@ -156,6 +165,39 @@ impl BulkConn {
     /// Sends `bytes`.
     pub(crate) fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.stream.write_all(bytes)
+    }
+
+    /// Sends the concatenation of `pieces` with as few `writev` calls as the socket takes.
+    pub(crate) fn send_all(&mut self, pieces: &[&[u8]]) -> io::Result<()> {
+        // At most IOV_MAX (1024) slices per call.
+        for group in pieces.chunks(1024) {
+            let mut slices: Vec<IoSlice<'_>> = group.iter().map(|p| IoSlice::new(p)).collect();
+            let mut rest = &mut slices[..];
+            IoSlice::advance_slices(&mut rest, 0); // drops leading empty pieces
+            while !rest.is_empty() {
+                match self.stream.write_vectored(rest) {
+                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                    Ok(n) => IoSlice::advance_slices(&mut rest, n),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next reply as a status: `Ok(true)` for `+OK`, `Ok(false)` for a server error (the
+    /// connection stays usable); any other reply is a protocol error.
+    pub(crate) fn status(&mut self) -> io::Result<bool> {
+        let line = self.line()?;
+        match line.first() {
+            _ if line == b"+OK" => Ok(true),
+            Some(b'-') => Ok(false),
+            _ => Err(protocol(format!(
+                "unexpected reply: {}",
+                String::from_utf8_lossy(&line[..line.len().min(200)])
+            ))),
+        }
     }
 
     /// Reads one CRLF-terminated line (without the CRLF).
