@@ -27,6 +27,7 @@
 //! read), [`TierEvent`] (events with the tier's medium) and [`TierStats`].
 
 mod bulk;
+mod counters;
 pub mod disk;
 pub mod events;
 #[cfg(feature = "fault-injection")]
