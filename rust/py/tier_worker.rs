@@ -257,20 +257,9 @@ impl DiskWorker {
                     d.set_item("direct", f.direct())?;
                     d.set_item("slots", f.layout().slots)?;
                     d.set_item("chunk_bytes", f.layout().chunk_bytes)?;
-                    set_counters!(
-                        d,
-                        s,
-                        bytes_written,
-                        bytes_read,
-                        chunks_written,
-                        chunks_read,
-                        read_failures,
-                        write_failures,
-                        direct_pieces,
-                        buffered_pieces,
-                        write_ns,
-                        read_ns
-                    );
+                    for (k, v) in s.named() {
+                        d.set_item(k, v)?;
+                    }
                 }
                 out.push(d);
             }

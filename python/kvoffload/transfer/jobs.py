@@ -54,51 +54,26 @@ class TransferResult:
     error: str | None
 
 
+@dataclass(slots=True, eq=False)
 class _Job:
     """A validated job: its rows of a packed runs buffer, plus progress written by whoever
     executes it."""
 
-    __slots__ = (
-        "bytes",
-        "copies",
-        "end",
-        "end_event",
-        "error",
-        "finished",
-        "job_id",
-        "kind",
-        "planned_bytes",
-        "planned_copies",
-        "runs",
-        "start",
-        "t_done",
-        "t_submit",
-    )
-
-    def __init__(
-        self,
-        job_id: int,
-        kind: JobKind,
-        runs: bytes,
-        start: int,
-        end: int,
-        planned_bytes: int,
-        planned_copies: int,
-    ) -> None:
-        self.job_id = job_id
-        self.kind: JobKind = kind
-        self.runs = runs
-        self.start = start
-        self.end = end
-        self.planned_bytes = planned_bytes
-        self.planned_copies = planned_copies
-        self.bytes = 0
-        self.copies = 0
-        self.error: str | None = None
-        self.t_submit = 0.0
-        self.t_done: float | None = None
-        self.finished = False  # set by _Completions.push (CPU lanes, failed CUDA enqueues)
-        self.end_event: torch.cuda.Event | None = None
+    job_id: int
+    kind: JobKind
+    runs: bytes
+    start: int
+    end: int
+    planned_bytes: int
+    planned_copies: int
+    bytes: int = 0
+    copies: int = 0
+    error: str | None = None
+    t_submit: float = 0.0
+    t_done: float | None = None
+    finished: bool = False
+    """Set by ``_Completions.push`` (CPU lanes, failed CUDA enqueues)."""
+    end_event: torch.cuda.Event | None = None
 
     def rows(self) -> list[list[int]]:
         """The job's runs: ``[job index, group, gpu start, cpu start, length]`` each."""

@@ -100,24 +100,19 @@ pub(super) fn job_obj(py: Python<'_>, j: PlannedJob) -> PyResult<Py<TransferJob>
 }
 
 /// What the workers must do this step.
-#[pyclass(frozen, module = "kvoffload._core")]
+#[pyclass(frozen, get_all, module = "kvoffload._core")]
 pub struct StepPlan {
     /// Load jobs created since the previous plan.
-    #[pyo3(get)]
     pub(super) loads: Py<PyList>,
     /// Store jobs of this step (submit them at the start of the next step).
-    #[pyo3(get)]
     pub(super) stores: Py<PyList>,
     /// Jobs that must complete before this step writes its blocks.
-    #[pyo3(get)]
     pub(super) flush: Py<PyList>,
     /// Lower-tier jobs: `(job_id, kind, medium, group, keys, cpu_slots, places, generations)`
     /// with kind `"write"` (write-behind) or `"promote"`; run them with a `DiskWorker`.
-    #[pyo3(get)]
     pub(super) tier_jobs: Py<PyList>,
     /// Tier jobs a reset flushed (handed to tier workers, not completed), sorted: wait for them
     /// on their tier worker before this step writes. They are not in `flush`.
-    #[pyo3(get)]
     pub(super) tier_flush: Vec<u64>,
 }
 
@@ -152,22 +147,17 @@ impl StepPlan {
 }
 
 /// A job whose last worker reported.
-#[pyclass(frozen, module = "kvoffload._core")]
+#[pyclass(frozen, get_all, module = "kvoffload._core")]
 pub struct CompletedJob {
     /// Job id.
-    #[pyo3(get)]
     job_id: u64,
     /// `"store"` or `"load"`.
-    #[pyo3(get)]
     kind: &'static str,
     /// The request it belongs to.
-    #[pyo3(get)]
     request_id: String,
     /// Whether every worker succeeded.
-    #[pyo3(get)]
     ok: bool,
     /// For a failed load: GPU blocks whose content is invalid (recompute them).
-    #[pyo3(get)]
     invalid_blocks: Vec<BlockId>,
 }
 

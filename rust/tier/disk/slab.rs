@@ -5,12 +5,13 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::{SlabLayout, BLOCK, LAYOUT_FILE, QUARANTINE, SLAB_FILE};
 use crate::error::{Error, Result};
 use crate::ids::Key;
+use crate::tier::counters::atomic_counters;
 use crate::tier::header::{checksum, ChunkHeader, HeaderError, HEADER_LEN};
 use crate::tier::namespace::Namespace;
 use crate::tier::Location;
@@ -66,54 +67,32 @@ impl ReadError {
     }
 }
 
-/// Cumulative I/O counters of a [`SlabFile`] (thread-safe).
-#[derive(Debug, Default)]
-pub struct IoStats {
-    /// Data bytes written.
-    pub bytes_written: AtomicU64,
-    /// Data bytes read.
-    pub bytes_read: AtomicU64,
-    /// Chunks written (data and header).
-    pub chunks_written: AtomicU64,
-    /// Chunks read and verified.
-    pub chunks_read: AtomicU64,
-    /// Reads refused (header, mismatch, checksum, I/O).
-    pub read_failures: AtomicU64,
-    /// Writes failed.
-    pub write_failures: AtomicU64,
-    /// Data pieces moved with `O_DIRECT`.
-    pub direct_pieces: AtomicU64,
-    /// Data pieces moved through the page cache.
-    pub buffered_pieces: AtomicU64,
-    /// Nanoseconds spent in writes (batches) and reads.
-    pub write_ns: AtomicU64,
-    /// Nanoseconds spent in reads.
-    pub read_ns: AtomicU64,
-}
-
-/// A plain copy of [`IoStats`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct IoSnapshot {
-    /// See [`IoStats::bytes_written`].
-    pub bytes_written: u64,
-    /// See [`IoStats::bytes_read`].
-    pub bytes_read: u64,
-    /// See [`IoStats::chunks_written`].
-    pub chunks_written: u64,
-    /// See [`IoStats::chunks_read`].
-    pub chunks_read: u64,
-    /// See [`IoStats::read_failures`].
-    pub read_failures: u64,
-    /// See [`IoStats::write_failures`].
-    pub write_failures: u64,
-    /// See [`IoStats::direct_pieces`].
-    pub direct_pieces: u64,
-    /// See [`IoStats::buffered_pieces`].
-    pub buffered_pieces: u64,
-    /// See [`IoStats::write_ns`].
-    pub write_ns: u64,
-    /// See [`IoStats::read_ns`].
-    pub read_ns: u64,
+atomic_counters! {
+    /// Cumulative I/O counters of a [`SlabFile`] (thread-safe).
+    pub struct IoStats =>
+    /// A plain copy of [`IoStats`].
+    IoSnapshot {
+        /// Data bytes written.
+        bytes_written,
+        /// Data bytes read.
+        bytes_read,
+        /// Chunks written (data and header).
+        chunks_written,
+        /// Chunks read and verified.
+        chunks_read,
+        /// Reads refused (header, mismatch, checksum, I/O).
+        read_failures,
+        /// Writes failed.
+        write_failures,
+        /// Data pieces moved with `O_DIRECT`.
+        direct_pieces,
+        /// Data pieces moved through the page cache.
+        buffered_pieces,
+        /// Nanoseconds spent in writes (batches) and reads.
+        write_ns,
+        /// Nanoseconds spent in reads.
+        read_ns,
+    }
 }
 
 /// One chunk of a [`SlabFile::write`] batch: its data as pieces, in order.
@@ -250,20 +229,7 @@ impl SlabFile {
 
     /// A copy of the I/O counters.
     pub fn io_stats(&self) -> IoSnapshot {
-        let s = &self.stats;
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        IoSnapshot {
-            bytes_written: g(&s.bytes_written),
-            bytes_read: g(&s.bytes_read),
-            chunks_written: g(&s.chunks_written),
-            chunks_read: g(&s.chunks_read),
-            read_failures: g(&s.read_failures),
-            write_failures: g(&s.write_failures),
-            direct_pieces: g(&s.direct_pieces),
-            buffered_pieces: g(&s.buffered_pieces),
-            write_ns: g(&s.write_ns),
-            read_ns: g(&s.read_ns),
-        }
+        self.stats.snapshot()
     }
 
     /// Reads every slot's header: committed chunks of this namespace and group, free slots, and
