@@ -27,7 +27,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use super::super::convert;
 use super::super::errors::{to_py, StepInputError};
-use super::input::{computed_counts, fields, id_list, step_tokens};
+use super::input::{computed_counts, id_list, step_tokens, tuples};
 use super::Scheduler;
 use crate::ids::{BlockId, Key};
 use crate::scheduler::{Scheduler as Core, StepInput, StepPlan};
@@ -207,22 +207,15 @@ fn whole_tables<'py>(
     let Some(t) = tables.filter(|t| !t.is_none()) else {
         return Ok(Vec::new());
     };
-    convert::items(
-        t,
-        "tables",
-        "a sequence of (request_id, block tables) pairs",
-        StepInputError::new_err,
-    )?
-    .iter()
-    .enumerate()
-    .map(|(i, pair)| {
-        let what = format!("tables[{i}]");
-        let f = fields(pair, 2, &what, "(request_id, block tables) pair")?;
-        let [id, lists] = <[_; 2]>::try_from(f).expect("two fields");
-        let name = convert::request_id_owned(id.clone(), || format!("{what}[0]"))?;
-        Ok((id, name, group_lists(&lists, &format!("{what}[1]"))?))
-    })
-    .collect()
+    tuples::<2>(t, "tables", "(request_id, block tables) pair")?
+        .enumerate()
+        .map(|(i, pair)| {
+            let [id, lists] = pair?;
+            let what = format!("tables[{i}]");
+            let name = convert::request_id_owned(id.clone(), || format!("{what}[0]"))?;
+            Ok((id, name, group_lists(&lists, &format!("{what}[1]"))?))
+        })
+        .collect()
 }
 
 /// A scheduled request's items: its id object (a dict key) and owned id.

@@ -74,7 +74,8 @@ fn resolve_config(
     .map(|(g, item)| {
         let what = format!("groups[{g}]");
         let shape = "a (block_size, sliding_window, bytes_per_block) tuple";
-        let f = fields(item, 3, &what, shape).map_err(|_| config_err(&what, item, shape))?;
+        let f =
+            fields(item, 3, || what.clone(), shape).map_err(|_| config_err(&what, item, shape))?;
         let window = &f[1];
         Ok(GroupArgs {
             block_size: convert::config_int(&f[0], &format!("{what}.block_size"))?,

@@ -27,14 +27,15 @@ pub(super) fn request_tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32
     convert::tokens(obj, what, InvalidRequestError::new_err)
 }
 
-/// The items of a tuple or list of exactly `n` items, else `StepInputError` naming `what`.
+/// The items of a tuple or list of exactly `n` items, else `StepInputError` naming `what()`
+/// (formatted only for an error).
 pub(super) fn fields<'py>(
     item: &Bound<'py, PyAny>,
     n: usize,
-    what: &str,
+    what: impl FnOnce() -> String,
     shape: &str,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let bad = || {
+    let bad = |what: String| {
         StepInputError::new_err(format!(
             "{what} must be a {shape}, got {}",
             convert::describe(item)
@@ -45,13 +46,29 @@ pub(super) fn fields<'py>(
     } else if let Ok(l) = item.cast::<PyList>() {
         l.iter().collect()
     } else {
-        return Err(bad());
+        return Err(bad(what()));
     };
     if items.len() == n {
         Ok(items)
     } else {
-        Err(bad())
+        Err(bad(what()))
     }
+}
+
+/// The items of `obj`, a sequence of `N`-field tuples (or lists) each described by `shape`
+/// (`"(request_id, tokens) pair"`), as their fields, in order; anything else raises
+/// `StepInputError` naming `what` or, when its turn comes, the item (`what[i]`).
+pub(super) fn tuples<'a, 'py: 'a, const N: usize>(
+    obj: &Bound<'py, PyAny>,
+    what: &'a str,
+    shape: &'a str,
+) -> PyResult<impl ExactSizeIterator<Item = PyResult<[Bound<'py, PyAny>; N]>> + 'a> {
+    let expected = format!("a sequence of {shape}s");
+    let items = convert::items(obj, what, &expected, StepInputError::new_err)?;
+    Ok(items.into_iter().enumerate().map(move |(i, item)| {
+        let f = fields(&item, N, || format!("{what}[{i}]"), shape)?;
+        Ok(<[_; N]>::try_from(f).expect("N fields"))
+    }))
 }
 
 /// The scheduled requests and their computed tokens: `(request_id, tokens)` pairs when
@@ -62,18 +79,11 @@ pub(super) fn scheduled_input(
 ) -> PyResult<(Vec<PyBackedStr>, Vec<u32>)> {
     match computed.filter(|c| !c.is_none()) {
         None => {
-            let pairs = convert::items(
-                scheduled,
-                "scheduled",
-                "a sequence of (request_id, tokens) pairs",
-                StepInputError::new_err,
-            )?;
+            let pairs = tuples::<2>(scheduled, "scheduled", "(request_id, tokens) pair")?;
             let mut ids = Vec::with_capacity(pairs.len());
             let mut tokens = Vec::with_capacity(pairs.len());
-            for (i, pair) in pairs.iter().enumerate() {
-                let what = || format!("scheduled[{i}]");
-                let f = fields(pair, 2, &what(), "(request_id, tokens) pair")?;
-                let [id, n] = <[_; 2]>::try_from(f).expect("two fields");
+            for (i, pair) in pairs.enumerate() {
+                let [id, n] = pair?;
                 ids.push(convert::request_id_owned(id, || {
                     format!("scheduled[{i}][0]")
                 })?);
@@ -106,32 +116,25 @@ pub(super) fn step_tokens(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String)
 pub(super) fn new_blocks_input(
     obj: &Bound<'_, PyAny>,
 ) -> PyResult<Vec<(PyBackedStr, u32, Vec<BlockId>)>> {
-    convert::items(
-        obj,
-        "new_blocks",
-        "a sequence of (request_id, group, block ids) triples",
-        StepInputError::new_err,
-    )?
-    .iter()
-    .enumerate()
-    .map(|(i, item)| {
-        let what = format!("new_blocks[{i}]");
-        let f = fields(item, 3, &what, "(request_id, group, block ids) triple")?;
-        let [id, group, blocks] = <[_; 3]>::try_from(f).expect("three fields");
-        let id = convert::request_id_owned(id, || format!("{what}[0]"))?;
-        let group = match convert::int_value(&group) {
-            Some(Ok(g)) if (0..=i128::from(u32::MAX)).contains(&g) => g as u32,
-            _ => {
-                return Err(StepInputError::new_err(format!(
-                    "{what}[1] (the group) must be an integer in 0..2**32, got {}",
-                    convert::describe(&group)
-                )))
-            }
-        };
-        let blocks = convert::blocks(&blocks, &format!("{what}[2]"))?;
-        Ok((id, group, blocks))
-    })
-    .collect()
+    tuples::<3>(obj, "new_blocks", "(request_id, group, block ids) triple")?
+        .enumerate()
+        .map(|(i, item)| {
+            let [id, group, blocks] = item?;
+            let what = format!("new_blocks[{i}]");
+            let id = convert::request_id_owned(id, || format!("{what}[0]"))?;
+            let group = match convert::int_value(&group) {
+                Some(Ok(g)) if (0..=i128::from(u32::MAX)).contains(&g) => g as u32,
+                _ => {
+                    return Err(StepInputError::new_err(format!(
+                        "{what}[1] (the group) must be an integer in 0..2**32, got {}",
+                        convert::describe(&group)
+                    )))
+                }
+            };
+            let blocks = convert::blocks(&blocks, &format!("{what}[2]"))?;
+            Ok((id, group, blocks))
+        })
+        .collect()
 }
 
 /// The items of `computed`, one token count per scheduled request (`n` of them).
