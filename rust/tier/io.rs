@@ -29,7 +29,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::disk::{SlabFile, WriteItem};
+use super::disk::{ChunkRead, SlabFile, WriteItem};
 use super::remote::{ReadItem, ReadOutcome, RemoteClient, WriteItem as RemoteWrite};
 use super::Location;
 use crate::copy::{extent, RowSpace, Span};
@@ -220,6 +220,15 @@ impl Shared {
         {
             return false;
         }
+        if job.kind == TierJobKind::Promote {
+            // A promotion writes its slots while their checksums are read beside it: two
+            // chunks must never share one.
+            let mut slots = job.cpu_slots.clone();
+            slots.sort_unstable();
+            if slots.windows(2).any(|w| w[0] == w[1]) {
+                return false;
+            }
+        }
         let Some(file) = g.file.as_ref() else {
             return g.remote.as_ref().is_some_and(|r| g.run_remote(r, job));
         };
@@ -242,13 +251,22 @@ impl Shared {
                 file.write(&items).iter().all(std::result::Result::is_ok)
             }
             TierJobKind::Promote => {
+                let mut items: Vec<ChunkRead<'_>> = job
+                    .keys
+                    .iter()
+                    .zip(&job.cpu_slots)
+                    .zip(&job.locations)
+                    .map(|((&key, &slot), &loc)| ChunkRead {
+                        key,
+                        loc,
+                        // SAFETY: the slot was checked above and is reserved.
+                        #[allow(unsafe_code)]
+                        pieces: unsafe { g.dst(slot) },
+                    })
+                    .collect();
                 let mut ok = true;
-                for ((&key, &slot), &loc) in job.keys.iter().zip(&job.cpu_slots).zip(&job.locations)
-                {
-                    // SAFETY: the slot was checked above and is reserved.
-                    #[allow(unsafe_code)]
-                    let mut pieces = unsafe { g.dst(slot) };
-                    if let Err(e) = file.read(key, loc, &mut pieces) {
+                for (r, loc) in file.read_batch(&mut items).iter().zip(&job.locations) {
+                    if let Err(e) = r {
                         if e.is_corrupt() {
                             let _ = file.quarantine(u32::try_from(loc.place).unwrap_or(u32::MAX));
                         }
