@@ -4,7 +4,7 @@ chunks; the engine's thread loses < 1% to disk I/O).
 
 Run::
 
-    .venv/bin/python benches/bench_disk.py [--dir DIR] [--chunks 128] [--rounds 5] [--pairs 10]
+    .venv/bin/python benches/bench_disk.py [--dir DIR] [--chunks 128] [--rounds 5] [--pairs 20]
 
 or as part of ``make bench`` (``pytest -s benches/bench_disk.py``). Three measurements:
 
@@ -155,6 +155,13 @@ def _cpu_ns() -> dict[str, int]:
     return out
 
 
+def _sched(tid: int) -> tuple[int, int]:
+    """(on-CPU ns, ns waiting on a run queue) of thread ``tid`` so far (schedstat)."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        run, wait, _ = (int(x) for x in f.read().split())
+    return run, wait
+
+
 def _machine() -> tuple[int, int, int]:
     """(busy, steal, total) jiffies of the whole machine so far (/proc/stat)."""
     with open("/proc/stat") as f:
@@ -165,44 +172,72 @@ def _machine() -> tuple[int, int, int]:
 
 
 class _Feeder:
-    """One feeder thread for every phase: disk jobs, or idle jobs at the disk jobs' pace."""
+    """One feeder thread for every phase, shaped like an engine's step loop: every ``STEP_S``
+    it polls the worker for finished jobs and, once the last batch finished, submits the next
+    (a write-behind batch, then a promotion batch). In disk phases the jobs do the I/O; in
+    idle phases they fail at once without I/O and the next batch waits as long as the last
+    disk batch of its kind took, so the feeder wakes, polls and submits alike in both."""
+
+    STEP_S = 0.005
 
     def __init__(self, w: DiskWorker, n: int, first_id: int, gen: int) -> None:
+        # `gen`: the generation the slots hold now (a disk promotion reads the last disk
+        # write's generation; a disk write writes the next one).
         self.w, self.n, self.next_id, self.gen = w, n, first_id, gen
         self.mode = "idle"
-        self.started: str | None = None  # the mode of the round running now
+        self.started: str | None = None  # the mode of the batch running now
         self.took = {"write": 0.05, "promote": 0.05}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="feeder")
+        self.tid = 0  # its thread id, once it runs
 
-    def _round(self, mode: str) -> None:
-        self.started = mode
-        for kind in ("write", "promote"):
-            jobs = _jobs(kind, self.n, self.next_id, self.gen, idle=mode == "idle")
-            self.next_id += len(jobs)
-            dt = _run(self.w, jobs, ok=mode == "disk")
-            if mode == "disk":
-                self.took[kind] = dt
-            else:
-                time.sleep(max(0.0, self.took[kind] - dt))
-        self.gen += 1
+    def _batch(self, kind: str, mode: str) -> None:
+        if kind == "write" and mode == "disk":
+            self.gen += 1
+        jobs = _jobs(kind, self.n, self.next_id, self.gen, idle=mode == "idle")
+        self.next_id += len(jobs)
+        t = time.perf_counter()
+        self.w.submit(jobs)
+        left = {j[0] for j in jobs}
+        while left or (mode == "idle" and time.perf_counter() - t < self.took[kind]):
+            time.sleep(self.STEP_S)
+            for job_id, ok in self.w.poll():
+                assert ok == (mode == "disk"), (job_id, ok)
+                left.discard(job_id)
+        if mode == "disk":
+            self.took[kind] = time.perf_counter() - t
 
     def _loop(self) -> None:
+        self.tid = threading.get_native_id()
         while not self.stop.is_set():
-            self._round(self.mode)
+            for kind in ("write", "promote"):
+                mode = self.mode
+                self.started = mode
+                self._batch(kind, mode)
 
     def switch(self, mode: str) -> None:
-        """Asks for `mode` and returns once a round of it started."""
+        """Asks for `mode` and returns once a batch of it started."""
         self.mode = mode
         while self.started != mode:
+            if not self.thread.is_alive():
+                raise RuntimeError("the feeder thread died (see its traceback above)")
             time.sleep(0.005)
 
 
-def stall(w: DiskWorker, n: int, first_id: int, pairs: int, probe_s: float) -> dict[str, Any]:
+def stall(
+    w: DiskWorker, n: int, first_id: int, gen: int, pairs: int, probe_s: float
+) -> dict[str, Any]:
     """The busy loop in alternating idle and disk phases. See the module documentation."""
-    feeder = _Feeder(w, n, first_id, gen=1 << 20)
+    feeder = _Feeder(w, n, first_id, gen)
     feeder.thread.start()
     rates: dict[str, list[float]] = {"idle": [], "disk": []}
+    # Per phase, of the engine thread: share of the wall time on a CPU, share waiting for one,
+    # and iterations per second on a CPU (what other threads' cache and interrupt traffic
+    # change, independent of scheduling).
+    share: dict[str, list[float]] = {"idle": [], "disk": []}
+    waiting: dict[str, list[float]] = {"idle": [], "disk": []}
+    speed: dict[str, list[float]] = {"idle": [], "disk": []}
+    me = threading.get_native_id()
     cpu = {"idle": {}, "disk": {}}  # type: dict[str, dict[str, float]]
     machine = {"idle": [0, 0, 0], "disk": [0, 0, 0]}
     wall = {"idle": 0.0, "disk": 0.0}
@@ -210,25 +245,46 @@ def stall(w: DiskWorker, n: int, first_id: int, pairs: int, probe_s: float) -> d
         for i in range(pairs):
             for mode in ("idle", "disk") if i % 2 == 0 else ("disk", "idle"):
                 feeder.switch(mode)
-                c0, m0, t0 = _cpu_ns(), _machine(), time.perf_counter()
-                rates[mode].append(_busy(probe_s))
-                c1, m1 = _cpu_ns(), _machine()
-                wall[mode] += time.perf_counter() - t0
+                f0 = _sched(feeder.tid)[0]
+                c0, m0, s0, t0 = _cpu_ns(), _machine(), _sched(me), time.perf_counter()
+                rate = _busy(probe_s)
+                s1, dt = _sched(me), time.perf_counter() - t0
+                c1, m1, f1 = _cpu_ns(), _machine(), _sched(feeder.tid)[0]
+                cpu[mode]["feeder"] = cpu[mode].get("feeder", 0.0) + (f1 - f0) / 1e9
+                rates[mode].append(rate)
+                share[mode].append((s1[0] - s0[0]) / 1e9 / dt)
+                waiting[mode].append((s1[1] - s0[1]) / 1e9 / dt)
+                speed[mode].append(rate * probe_s / max((s1[0] - s0[0]) / 1e9, 1e-9))
+                wall[mode] += dt
                 for k, v in c1.items():
                     cpu[mode][k] = cpu[mode].get(k, 0.0) + (v - c0.get(k, 0)) / 1e9
+                cpu[mode]["all"] = (
+                    cpu[mode].get("all", 0.0) + sum(v - c0.get(k, 0) for k, v in c1.items()) / 1e9
+                )
                 for j in range(3):
                     machine[mode][j] += m1[j] - m0[j]
     finally:
         feeder.stop.set()
         feeder.thread.join()
-    losses = [1 - d / i for d, i in zip(rates["disk"], rates["idle"], strict=True)]
-    mean = statistics.fmean(losses)
-    se = statistics.stdev(losses) / len(losses) ** 0.5 if len(losses) > 1 else float("inf")
+
+    def paired(a: list[float], b: list[float]) -> tuple[list[float], float, float]:
+        xs = [1 - d / i for d, i in zip(a, b, strict=True)]
+        se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("inf")
+        return xs, statistics.fmean(xs), se
+
+    losses, mean, se = paired(rates["disk"], rates["idle"])
+    _, slow_mean, slow_se = paired(speed["disk"], speed["idle"])
     ncpu = os.cpu_count() or 1
-    out: dict[str, Any] = {"losses": losses, "loss_mean": mean, "loss_se": se}
+    out: dict[str, Any] = {
+        "losses": losses,
+        "loss_mean": mean,
+        "loss_se": se,
+        "slower_mean": slow_mean,
+        "slower_se": slow_se,
+    }
     for mode in ("idle", "disk"):
         used = cpu[mode]
-        ours = sum(used.values()) / wall[mode]
+        ours = used.get("all", 0.0) / wall[mode]
         busy, steal, total = machine[mode]
         out[mode] = {
             "tier_threads": sum(v for k, v in used.items() if k.startswith("kvoffload-tier"))
@@ -239,12 +295,14 @@ def stall(w: DiskWorker, n: int, first_id: int, pairs: int, probe_s: float) -> d
             # own threads (writeback, interrupts).
             "others": max(0.0, busy / max(total, 1) * ncpu - ours),
             "steal": steal / max(total, 1) * ncpu,
+            "on_cpu": statistics.fmean(share[mode]),
+            "waiting": statistics.fmean(waiting[mode]),
         }
     return out
 
 
 def measure(
-    root: str, n: int = 128, rounds: int = 5, pairs: int = 10, probe_s: float = 0.5
+    root: str, n: int = 128, rounds: int = 5, pairs: int = 20, probe_s: float = 0.25
 ) -> dict[str, Any]:
     """Runs every measurement; returns the figures."""
     mem, view = _aligned(n * CHUNK)
@@ -281,9 +339,9 @@ def measure(
         "write_ratios": [p / t for p, t in zip(times["pw"], times["tw"], strict=True)],
         "read_ratios": [p / t for p, t in zip(times["pr"], times["tr"], strict=True)],
     }
-    for k, v in times.items():
-        out[k + "_gb_s"] = [gb / x for x in v]
-    out["stall"] = stall(w, n, next_id, pairs, probe_s)
+    for name, secs in times.items():
+        out[name + "_gb_s"] = [gb / x for x in secs]
+    out["stall"] = stall(w, n, next_id, rounds, pairs, probe_s)
     out["direct"] = direct
     out["nice"] = nice
     out["cpus"] = os.cpu_count() or 1
@@ -320,10 +378,15 @@ def report(f: dict[str, Any]) -> str:
     for m in ("idle", "disk"):
         c = s[m]
         lines.append(
-            f"    {m:4} phases, cores used: tier I/O threads {c['tier_threads']:.3f}, feeder "
-            f"{c['feeder']:.3f}, this process {c['this_process']:.3f}, other processes and "
-            f"kernel {c['others']:.3f}, steal {c['steal']:.3f}"
+            f"    {m:4} phases: engine thread on a CPU {c['on_cpu']:.1%} of the time, waiting "
+            f"for one {c['waiting']:.1%}; cores used: tier I/O threads {c['tier_threads']:.3f}, "
+            f"feeder {c['feeder']:.3f}, this process {c['this_process']:.3f}, other processes "
+            f"and kernel {c['others']:.3f}, steal {c['steal']:.3f}"
         )
+    lines.append(
+        f"    iterations per second on a CPU (interference, not scheduling): "
+        f"{s['slower_mean']:+.2%} ± {2 * s['slower_se']:.2%} slower in disk phases"
+    )
     return "\n".join(lines)
 
 
@@ -338,8 +401,8 @@ def main() -> None:
     p.add_argument("--dir", help="directory on the file system to measure (default: a temp dir)")
     p.add_argument("--chunks", type=int, default=128, help="2 MiB chunks per round")
     p.add_argument("--rounds", type=int, default=5, help="throughput rounds (the first warms up)")
-    p.add_argument("--pairs", type=int, default=10, help="idle/disk phase pairs of the probe")
-    p.add_argument("--probe-s", type=float, default=0.5, help="seconds of one probe phase")
+    p.add_argument("--pairs", type=int, default=20, help="idle/disk phase pairs of the probe")
+    p.add_argument("--probe-s", type=float, default=0.25, help="seconds of one probe phase")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         print(report(measure(d, args.chunks, args.rounds, args.pairs, args.probe_s)))
