@@ -334,3 +334,40 @@ fn expired_and_failed_jobs_put_the_disk_on_probation_then_a_trial_recovers_it() 
     e.check_bytes();
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn bad_deadline_and_probation_settings_are_refused_naming_them() {
+    let root = tmp("bad-watch");
+    let ms = Duration::from_millis;
+    for (watch, msg) in [
+        (
+            DiskWatch {
+                probation_after: 0,
+                ..watch(3)
+            },
+            "disk_probation_after must be >= 1, got 0",
+        ),
+        (
+            DiskWatch {
+                probation: ms(0),
+                ..watch(3)
+            },
+            "disk_probation_ms must be positive, got 0",
+        ),
+        (
+            DiskWatch {
+                deadline: ms(0),
+                ..watch(3)
+            },
+            "disk_deadline_ms must be positive, got 0",
+        ),
+    ] {
+        let mut s = Scheduler::new(config()).unwrap();
+        let err = s
+            .attach_disk_with(&root, DISK_BYTES, "m", watch)
+            .unwrap_err();
+        assert!(err.to_string().contains(msg), "{err}");
+        assert!(s.tier_stats().is_empty(), "nothing attached");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

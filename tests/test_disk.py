@@ -51,12 +51,13 @@ def _drain(sched: OffloadScheduler, plan: object, worker: TransferEngine, disk: 
         sched.complete(job_id, ok=ok)
 
 
-def _fill(path: Path) -> torch.Tensor:
+def _fill(path: Path, hashes: list[int] = HASHES) -> torch.Tensor:
     """First engine: request "a" computes 3 blocks, they are stored and written to disk."""
     sched = OffloadScheduler(_config(path))
     kv, worker = _engine(1)
     disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
-    sched.add_request("a", prompt_len=PROMPT, block_hashes=HASHES)
+    before = sched.stats()["tiers"][0]["writes"]  # type: ignore[index]
+    sched.add_request("a", prompt_len=PROMPT, block_hashes=hashes)
     assert sched.lookup("a", num_computed_tokens=0) == 0
     sched.allocate("a", [[1, 2, 3, 4]], num_computed_tokens=0, num_load_tokens=0)
     plan = sched.schedule(StepInput(scheduled=[("a", PROMPT)], written=[1, 2, 3, 4]))
@@ -69,7 +70,7 @@ def _fill(path: Path) -> torch.Tensor:
     assert [(j[1], j[2]) for j in plan.tier_jobs] == [("write", "disk")]
     _drain(sched, plan, worker, disk)
     st = sched.stats()["tiers"][0]  # type: ignore[index]
-    assert (st["writes"], st["queue_depth"], st["medium"]) == (3, 0, "disk")
+    assert (st["writes"] - before, st["queue_depth"], st["medium"]) == (3, 0, "disk")
     assert any(e[3] == "disk" and e[0] == "stored" for e in sched.take_events())
     assert disk.stats()[0]["chunks_written"] == 3
     worker.shutdown()
@@ -171,12 +172,104 @@ def test_another_model_sees_nothing(tmp_path: Path) -> None:
         ({"disk_deadline_ms": 0}, r"disk_deadline_ms must be a number .*got 0"),
         ({"disk_deadline_ms": float("inf")}, r"disk_deadline_ms must be a number .*inf"),
         ({"disk_deadline_ms": True}, r"disk_deadline_ms must be a number .*True"),
+        ({"disk_probation_after": 0}, r"disk_probation_after must be >= 1, got 0"),
+        ({"disk_probation_after": -1}, r"disk_probation_after must be an integer .*got -1"),
+        ({"disk_probation_after": 1 << 32}, r"disk_probation_after .*got 4294967296"),
+        ({"disk_probation_after": 2.0}, r"disk_probation_after .*got 2\.0 \(float\)"),
+        ({"disk_probation_after": True}, r"disk_probation_after .*got True \(bool\)"),
+        ({"disk_probation_ms": 0}, r"disk_probation_ms must be a number .*got 0"),
+        ({"disk_probation_ms": -5.0}, r"disk_probation_ms must be a number .*got -5"),
+        ({"disk_probation_ms": float("nan")}, r"disk_probation_ms must be a number .*NaN"),
+        ({"disk_probation_ms": "long"}, r"disk_probation_ms must be a number .*'long'"),
     ],
 )
 def test_bad_disk_config_names_the_value(tmp_path: Path, kw: dict[str, object], match: str) -> None:
     cfg = dataclasses.replace(_config(tmp_path), **kw)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=match):
         OffloadScheduler(cfg)
+
+
+def _corrupt_last_chunk(path: Path) -> None:
+    """Flips a data bit of the slot whose header names the prompt's last chunk."""
+    (ns,) = disk_inspect(path)
+    slot_bytes = 4096 + -(-ns["chunk_bytes"] // 4096) * 4096
+    last = HASHES[-1].to_bytes(16, "little")
+    with open(Path(ns["dir"]) / "slab.kvo", "r+b") as f:
+        for slot in range(ns["slots"]):
+            f.seek(slot * slot_bytes + 32)
+            if f.read(16) == last:
+                f.seek(slot * slot_bytes + 4096 + 77)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 1]))
+                return
+    raise AssertionError("no slot holds the last chunk")
+
+
+@pytest.mark.parametrize(
+    ("after", "probation_ms", "probations", "tried_again"),
+    [(3, 50.0, 0, True), (1, 50.0, 1, True), (1, 60_000.0, 1, False)],
+)
+def test_disk_probation_thresholds_are_the_configured_ones(
+    tmp_path: Path, after: int, probation_ms: float, probations: int, tried_again: bool
+) -> None:
+    """One failed promotion puts the tier on probation only when ``disk_probation_after`` is
+    1; the probation lasts ``disk_probation_ms``: lookups skip the tier meanwhile, and the
+    first lookup after it promotes again (a trial)."""
+    import time
+
+    other = [0xB1, 0xB2, 0xB3]
+    _fill(tmp_path)
+    _fill(tmp_path, other)
+    _corrupt_last_chunk(tmp_path)
+    cfg = _config(tmp_path, disk_probation_after=after, disk_probation_ms=probation_ms)
+    sched = OffloadScheduler(cfg)
+    _, worker = _engine(2)
+    disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    assert sched.lookup("b", num_computed_tokens=0) is None
+    _drain(sched, sched.schedule(StepInput(written=[])), worker, disk)
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert (st["failed_promotions"], st["used"], st["probations"]) == (1, 3, probations)
+    # Another prompt's chunks are still on disk: a request promotes them unless the tier is
+    # on probation.
+    sched.add_request("c", prompt_len=PROMPT, block_hashes=other)
+    first = sched.lookup("c", num_computed_tokens=0)
+    assert first == (0 if probations else None)
+    time.sleep(0.2)
+    sched.add_request("d", prompt_len=PROMPT, block_hashes=other)
+    again = sched.lookup("d", num_computed_tokens=0)
+    assert again == (None if tried_again or not probations else 0)
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert (st["skipped_lookups"] > 0) == bool(probations)
+    worker.shutdown()
+
+
+def test_simulate_passes_the_disk_probation_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvoffload simulate --disk-probation-after/--disk-probation-ms`` reach the scheduler's
+    configuration, and the core refuses a bad value given to the simulator, naming it."""
+    import kvoffload.sim
+
+    seen: list[SimConfig] = []
+
+    def fake(cfg: SimConfig, progress: object = None) -> object:
+        seen.append(cfg)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvoffload.sim, "simulate", fake)
+    flags = ["--disk-probation-after", "7", "--disk-probation-ms", "250"]
+    with pytest.raises(KeyboardInterrupt):
+        main(["simulate", "--quiet", "--disk", str(tmp_path), *flags])
+    off = seen[0].offload_config()
+    assert (off.disk_probation_after, off.disk_probation_ms) == (7, 250.0)
+    monkeypatch.undo()
+    cfg = SimConfig(
+        num_requests=12, disk_path=str(tmp_path), disk_bytes=1 << 24, disk_probation_after=0
+    )
+    with pytest.raises(ConfigError, match="disk_probation_after must be >= 1, got 0"):
+        simulate(cfg)
 
 
 def test_disk_worker_rejects_bad_jobs_and_arguments(tmp_path: Path) -> None:

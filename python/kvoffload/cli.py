@@ -187,6 +187,23 @@ def build_parser() -> argparse.ArgumentParser:
         "recompute (default: 5000)",
     )
     s.add_argument(
+        "--disk-probation-after",
+        dest="disk_probation_after",
+        type=_positive,
+        default=3,
+        metavar="N",
+        help="with --disk: this many failed or expired disk jobs in a row put the disk tier on "
+        "probation (no writes, lookups skip it; default: 3)",
+    )
+    s.add_argument(
+        "--disk-probation-ms",
+        dest="disk_probation_ms",
+        type=_positive_float,
+        default=5000.0,
+        metavar="MS",
+        help="with --disk: how long a probation lasts before a trial job (default: 5000)",
+    )
+    s.add_argument(
         "--restart",
         action="store_true",
         help="with --disk: run the workload, close, reopen the same directory and run it "

@@ -89,6 +89,10 @@ class OffloadConfig:
         disk_deadline_ms: Longest time a promotion from the disk tier may take; later, it
             expires and its requests recompute (its CPU slots stay held until the late I/O
             is reported). Failed or expired disk jobs put the tier on probation.
+        disk_probation_after: Failed or expired disk jobs in a row that put the disk tier on
+            probation (chunks are not written behind, lookups skip it); an integer >= 1.
+        disk_probation_ms: How long a probation lasts; the first disk job after it is a trial
+            whose success ends it (a failure starts another one).
         remote_url: ``redis://host:port[/db]`` of a shared tier (Redis) below the CPU pool
             (None: none). Engines configured with the same URL, model and layout share chunks:
             chunks ready in the CPU pool are written behind, lookups that miss the CPU pool ask
@@ -123,6 +127,8 @@ class OffloadConfig:
     disk_bytes: int | None = None
     disk_model: str = ""
     disk_deadline_ms: float = 5000.0
+    disk_probation_after: int = 3
+    disk_probation_ms: float = 5000.0
     remote_url: str | None = None
     remote_model: str = ""
     cache_salt: str = ""
@@ -205,6 +211,8 @@ class OffloadConfig:
                 disk_bytes,
                 self.disk_model,
                 deadline_ms=self.disk_deadline_ms,
+                probation_after=self.disk_probation_after,
+                probation_ms=self.disk_probation_ms,
             )
             core.set_tier_admission("disk", self.disk_min_hits)
         if self.remote_url is not None:

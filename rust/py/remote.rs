@@ -43,6 +43,25 @@ fn duration(field: &str, ms: f64) -> PyResult<std::time::Duration> {
     crate::config::deadline_ms(field, ms).map_err(to_py)
 }
 
+/// A count of `field` given as any Python object: an integer in `0..=u32::MAX` (the core
+/// checks its lower bound), else [`ConfigError`] naming the field and the value (never a
+/// `TypeError` or an `OverflowError`).
+pub fn count_arg(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let n = if obj.is_instance_of::<pyo3::types::PyInt>()
+        && !obj.is_instance_of::<pyo3::types::PyBool>()
+    {
+        obj.extract::<u32>().ok()
+    } else {
+        None
+    };
+    n.ok_or_else(|| {
+        ConfigError::new_err(format!(
+            "{field} must be an integer in 1..=4294967295, got {}",
+            super::convert::describe(obj)
+        ))
+    })
+}
+
 /// A deadline of `field` in milliseconds given as any Python object: a real number in
 /// (0, 3600000], else [`ConfigError`] naming the field (never a `TypeError`).
 pub fn ms_arg(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<std::time::Duration> {

@@ -105,10 +105,13 @@ impl Scheduler {
             watch.probation_after,
             watch.probation,
         )?;
-        if watch.deadline.is_zero() {
-            return Err(Error::Config(
-                "disk_deadline_ms must be positive, got 0".into(),
-            ));
+        for (field, d) in [
+            ("disk_deadline_ms", watch.deadline),
+            ("disk_probation_ms", watch.probation),
+        ] {
+            if d.is_zero() {
+                return Err(Error::Config(format!("{field} must be positive, got 0")));
+            }
         }
         let mut indexes = Vec::with_capacity(self.cfg.groups.len());
         for g in 0..self.cfg.groups.len() {

@@ -40,7 +40,7 @@ impl Health {
     /// `field`), for `period`.
     pub fn new(field: &str, after: u32, period: Duration) -> Result<Self> {
         if after == 0 {
-            return Err(Error::Config(format!("{field}: 0 is not >= 1")));
+            return Err(Error::Config(format!("{field} must be >= 1, got 0")));
         }
         Ok(Self {
             after,

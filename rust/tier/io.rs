@@ -29,7 +29,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::disk::{SlabFile, WriteItem};
+use super::disk::{ChunkRead, SlabFile, WriteItem};
 use super::remote::{ReadItem, ReadOutcome, RemoteClient, WriteItem as RemoteWrite};
 use super::Location;
 use crate::copy::{extent, RowSpace, Span};
@@ -220,6 +220,15 @@ impl Shared {
         {
             return false;
         }
+        if job.kind == TierJobKind::Promote {
+            // A promotion writes its slots while their checksums are read beside it: two
+            // chunks must never share one.
+            let mut slots = job.cpu_slots.clone();
+            slots.sort_unstable();
+            if slots.windows(2).any(|w| w[0] == w[1]) {
+                return false;
+            }
+        }
         let Some(file) = g.file.as_ref() else {
             return g.remote.as_ref().is_some_and(|r| g.run_remote(r, job));
         };
@@ -242,13 +251,22 @@ impl Shared {
                 file.write(&items).iter().all(std::result::Result::is_ok)
             }
             TierJobKind::Promote => {
+                let mut items: Vec<ChunkRead<'_>> = job
+                    .keys
+                    .iter()
+                    .zip(&job.cpu_slots)
+                    .zip(&job.locations)
+                    .map(|((&key, &slot), &loc)| ChunkRead {
+                        key,
+                        loc,
+                        // SAFETY: the slot was checked above and is reserved.
+                        #[allow(unsafe_code)]
+                        pieces: unsafe { g.dst(slot) },
+                    })
+                    .collect();
                 let mut ok = true;
-                for ((&key, &slot), &loc) in job.keys.iter().zip(&job.cpu_slots).zip(&job.locations)
-                {
-                    // SAFETY: the slot was checked above and is reserved.
-                    #[allow(unsafe_code)]
-                    let mut pieces = unsafe { g.dst(slot) };
-                    if let Err(e) = file.read(key, loc, &mut pieces) {
+                for (r, loc) in file.read_batch(&mut items).iter().zip(&job.locations) {
+                    if let Err(e) = r {
                         if e.is_corrupt() {
                             let _ = file.quarantine(u32::try_from(loc.place).unwrap_or(u32::MAX));
                         }
@@ -417,6 +435,82 @@ pub fn lower_thread_priority() -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::{CpuRegion, TierGroup, TierWorker, WorkerJob};
+    use crate::copy::{RowSpace, Span};
+    use crate::ids::{JobId, Key};
+    use crate::scheduler::TierJobKind;
+    use crate::tier::disk::{engine_namespace, SlabFile, SlabLayout, BLOCK};
+    use crate::tier::Location;
+    use std::time::Duration;
+
+    #[test]
+    fn a_promotion_naming_one_cpu_slot_twice_fails_without_io() {
+        let dir = std::env::temp_dir().join(format!("kvo-io-dup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let chunk = 4096usize;
+        let layout = SlabLayout::new(chunk as u64, 4 * (BLOCK + chunk as u64)).unwrap();
+        let ns = engine_namespace("m", chunk as u64, 1, 1, 0, 1, 0);
+        let file = SlabFile::open(&dir, &ns, layout, false, false).unwrap();
+        let mut cpu = vec![0u8; 4 * chunk];
+        cpu[..chunk].fill(1);
+        cpu[chunk..2 * chunk].fill(2);
+        let span = Span {
+            base: cpu.as_mut_ptr() as usize,
+            len: cpu.len(),
+        };
+        let group = TierGroup {
+            cpu_rows: 4,
+            rows_per_chunk: 1,
+            regions: vec![CpuRegion {
+                space: RowSpace {
+                    buffer: 0,
+                    offset: 0,
+                    stride: chunk,
+                },
+                row_bytes: chunk,
+            }],
+            file: Some(file),
+            remote: None,
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: `cpu` outlives the worker (dropped after it) and never moves.
+        let w = unsafe { TierWorker::new(&[span], vec![group], 1) }.unwrap();
+        let loc = |place| Location {
+            place,
+            generation: 1,
+        };
+        let job = |id, kind, cpu_slots: Vec<u32>| WorkerJob {
+            id: JobId(id),
+            kind,
+            group: 0,
+            keys: vec![Key(1), Key(2)],
+            cpu_slots,
+            locations: vec![loc(0), loc(1)],
+        };
+        let run = |j: WorkerJob| {
+            let id = j.id;
+            w.submit(vec![j]);
+            w.wait(&[id], Duration::from_secs(30))
+        };
+        assert_eq!(
+            run(job(1, TierJobKind::Write, vec![0, 1])),
+            [(JobId(1), true)]
+        );
+        assert_eq!(
+            run(job(2, TierJobKind::Promote, vec![2, 2])),
+            [(JobId(2), false)]
+        );
+        assert!(w.groups()[0].file.as_ref().unwrap().io_stats().chunks_read == 0);
+        assert_eq!(
+            run(job(3, TierJobKind::Promote, vec![2, 3])),
+            [(JobId(3), true)]
+        );
+        drop(w);
+        assert!(cpu[2 * chunk..3 * chunk].iter().all(|&b| b == 1));
+        assert!(cpu[3 * chunk..].iter().all(|&b| b == 2));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[cfg(target_os = "linux")]
     #[allow(unsafe_code)]
     fn own_nice() -> i32 {

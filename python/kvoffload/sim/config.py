@@ -74,6 +74,9 @@ class SimConfig:
         disk_bytes: Bytes of the disk tier per KV group (with ``disk_path``).
         disk_deadline_ms: Longest time a promotion from the disk tier may take; later, its
             requests recompute.
+        disk_probation_after: Failed or expired disk jobs in a row that put the disk tier on
+            probation.
+        disk_probation_ms: How long a probation of the disk tier lasts before a trial.
         remote_deadline_ms: Longest wait for one operation of the shared tier (the scheduler's
             existence checks and the worker's reads and writes).
         remote_url: A shared tier (Redis) below the CPU pool at this URL (None: none); with
@@ -110,6 +113,8 @@ class SimConfig:
     disk_path: str | None = None
     disk_bytes: int = 0
     disk_deadline_ms: float = 5000.0
+    disk_probation_after: int = 3
+    disk_probation_ms: float = 5000.0
     remote_url: str | None = None
     remote_deadline_ms: float = 1000.0
 
@@ -143,6 +148,8 @@ class SimConfig:
             disk_bytes=self.disk_bytes if self.disk_path is not None else None,
             disk_model="kvoffload-sim",
             disk_deadline_ms=self.disk_deadline_ms,
+            disk_probation_after=self.disk_probation_after,
+            disk_probation_ms=self.disk_probation_ms,
             remote_url=self.remote_url,
             remote_model="kvoffload-sim",
             remote_deadline_ms=self.remote_deadline_ms,

@@ -431,10 +431,12 @@ impl Scheduler {
     /// Attaches a disk tier under `path` to every group (`disk_bytes` per group and worker),
     /// rebuilding its index from the headers every worker wrote there; `model` names the
     /// weights and dtype (part of the namespace). A promotion not done within `deadline_ms`
-    /// expires (its requests recompute); failed or expired jobs put the tier on probation.
-    /// Call it before the first request.
-    #[pyo3(signature = (path, disk_bytes, model = "", deadline_ms = None))]
-    #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
+    /// expires (its requests recompute); `probation_after` failed or expired jobs in a row put
+    /// the tier on probation for `probation_ms` (writes dropped, lookups skip it) until a
+    /// trial succeeds. `None` keeps a default (5000 ms, 3 jobs, 5000 ms). Call it before the
+    /// first request.
+    #[pyo3(signature = (path, disk_bytes, model = "", deadline_ms = None, probation_after = None, probation_ms = None))]
+    #[allow(clippy::needless_pass_by_value, clippy::too_many_arguments)] // pyo3 hands arguments over by value
     fn attach_disk(
         &self,
         py: Python<'_>,
@@ -442,10 +444,18 @@ impl Scheduler {
         disk_bytes: u64,
         model: &str,
         deadline_ms: Option<&Bound<'_, PyAny>>,
+        probation_after: Option<&Bound<'_, PyAny>>,
+        probation_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let mut watch = crate::scheduler::DiskWatch::default();
         if let Some(d) = deadline_ms {
             watch.deadline = super::remote::ms_arg("disk_deadline_ms", d)?;
+        }
+        if let Some(n) = probation_after {
+            watch.probation_after = super::remote::count_arg("disk_probation_after", n)?;
+        }
+        if let Some(d) = probation_ms {
+            watch.probation = super::remote::ms_arg("disk_probation_ms", d)?;
         }
         let model = model.to_string();
         py.detach(|| {

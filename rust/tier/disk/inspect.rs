@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use rustc_hash::FxHashMap;
 
-use super::slab::{io_err, scan_file};
+use super::scan::scan_file;
+use super::slab::io_err;
 use super::{IoStats, ReadError, SlabFile, SlabLayout, BLOCK, LAYOUT_FILE, SLAB_FILE};
 use crate::error::{Error, Result};
 
@@ -109,7 +110,7 @@ pub fn inspect(root: &Path, verify: bool) -> Result<Vec<NamespaceReport>> {
                 group,
                 sync: false,
                 stats: IoStats::default(),
-                zeros: Vec::new(),
+                zeros: super::vio::AlignedBlock::new(),
             };
             for &(slot, _, _) in &scan.chunks {
                 match slab.verify_slot(slot) {

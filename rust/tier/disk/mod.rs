@@ -37,17 +37,24 @@
 //! no throughput measurement could change that, so none was made.
 //!
 //! Files: this one the geometry ([`SlabLayout`]) and the namespace both sides derive
-//! ([`engine_namespace`]); `slab.rs` the worker side; `index.rs` the scheduler side; `tier.rs`
-//! both in one process; `inspect.rs` what `kvoffload disk inspect|verify` reports.
+//! ([`engine_namespace`]); `slab.rs` the worker side, `vio.rs` its vectored I/O (a slot's
+//! header block and data in one request) and `batch.rs` its checksums beside the I/O;
+//! `scan.rs` the header scan of a restart; `index.rs` the scheduler side; `tier.rs` both in
+//! one process; `inspect.rs` what `kvoffload disk inspect|verify` reports.
 
+mod batch;
 mod index;
 mod inspect;
+mod scan;
 mod slab;
 mod tier;
+mod vio;
 
+pub use batch::{ChunkRead, BESIDE_MIN_BYTES};
 pub use index::{write_items, DiskIndex};
 pub use inspect::{inspect, NamespaceReport};
-pub use slab::{scan_namespace, IoSnapshot, IoStats, ReadError, ScanReport, SlabFile, WriteItem};
+pub use scan::{scan_namespace, ScanReport};
+pub use slab::{IoSnapshot, IoStats, ReadError, SlabFile, WriteItem};
 pub use tier::{DiskOptions, DiskTier};
 
 use super::namespace::Namespace;
@@ -106,10 +113,6 @@ impl SlabLayout {
 
     fn header_offset(&self, slot: u32) -> u64 {
         u64::from(slot) * self.slot_bytes
-    }
-
-    fn data_offset(&self, slot: u32) -> u64 {
-        self.header_offset(slot) + BLOCK
     }
 }
 

@@ -16,7 +16,9 @@ and on vLLM's CPU backend (the KV cache in CPU memory).
 ``blocks_per_chunk``, ``policy`` (``"lru"``/``"arc"``), ``max_loading_requests``,
 ``offload_prompt_only``, ``max_offload_tokens``, ``store_threshold``; a lower tier below the
 CPU pool: ``disk_path`` and ``disk_bytes`` (per group and worker) for a persistent disk tier
-(``disk_deadline_ms``: a promotion later than that expires and its requests recompute),
+(``disk_deadline_ms``: a promotion later than that expires and its requests recompute;
+``disk_probation_after`` failed or expired jobs in a row put it on probation for
+``disk_probation_ms``),
 or ``remote_url`` (``redis://host:port``), ``cache_salt`` and ``remote_deadline_ms`` for a
 shared Redis tier, with ``disk_model`` / ``remote_model`` naming the weights in the tier's
 namespace (default: the engine's model and dtype) -- the
