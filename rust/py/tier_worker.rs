@@ -155,8 +155,12 @@ impl TierWorker {
     }
 
     /// Jobs finished since the last poll or wait: `(job_id, ok)`.
-    fn poll(&self, py: Python<'_>) -> Vec<(u64, bool)> {
-        results(py.detach(|| self.with(|w| w.map(Io::poll).unwrap_or_default())))
+    ///
+    /// Stays attached: it takes a lock the I/O threads hold only to push a result, so releasing
+    /// the GIL for it would only let another Python thread take the engine's GIL for up to a
+    /// switch interval every step.
+    fn poll(&self) -> Vec<(u64, bool)> {
+        results(self.with(|w| w.map(Io::poll).unwrap_or_default()))
     }
 
     /// Waits (GIL released) until every job of `job_ids` finished or `timeout` seconds
