@@ -87,15 +87,7 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
         out.push(block_named(item, || format!("{what}[{i}]"))?);
         Ok(())
     })
-    .map_err(|e| {
-        Python::attach(|py| {
-            if e.is_instance_of::<PyTypeError>(py) {
-                InvalidBlockError::new_err(e.value(py).to_string())
-            } else {
-                e
-            }
-        })
-    })?;
+    .map_err(block_error)?;
     Ok(out)
 }
 
@@ -117,16 +109,19 @@ pub fn engine_blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId
         out.push(block_named(item, at)?);
         Ok(())
     })
-    .map_err(|e| {
-        Python::attach(|py| {
-            if e.is_instance_of::<PyTypeError>(py) {
-                InvalidBlockError::new_err(e.value(py).to_string())
-            } else {
-                e
-            }
-        })
-    })?;
+    .map_err(block_error)?;
     Ok(out)
+}
+
+/// A `TypeError` of a block list (not a sequence) as `InvalidBlockError`.
+fn block_error(e: PyErr) -> PyErr {
+    Python::attach(|py| {
+        if e.is_instance_of::<PyTypeError>(py) {
+            InvalidBlockError::new_err(e.value(py).to_string())
+        } else {
+            e
+        }
+    })
 }
 
 /// A block id goes back to Python as a plain `int`.
