@@ -13,6 +13,8 @@
 //!   request's 512 chunks, by key (one index probe each) and with each chunk's slot as a hint
 //!   (the scheduler's drop path). Each call takes the next of 64 scattered prefixes, so the
 //!   index is mostly out of cache, as in a running engine.
+//! - `touch_scattered_512/<policy>` and `touch_hinted_512/<policy>`: the lookup's touch of the
+//!   same scattered prefixes, by key and with the slots the lookup found as hints.
 
 use std::hint::black_box;
 
@@ -94,6 +96,27 @@ fn bench_pool(c: &mut Criterion) {
             b.iter(|| {
                 n = (n + 1) % prefixes.len();
                 pool.refresh_hinted(black_box(&prefixes[n]), black_box(&hints[n]));
+            });
+        });
+        g.finish();
+
+        // The lookup's touch of a new request: the same scattered prefixes, by key and with the
+        // slots its lookup found (`lookup_slots`) as hints.
+        let mut g = c.benchmark_group("touch_scattered_512");
+        g.throughput(Throughput::Elements(512));
+        g.bench_function(BenchmarkId::from_parameter(policy), |b| {
+            b.iter(|| {
+                n = (n + 1) % prefixes.len();
+                pool.touch(black_box(&prefixes[n]));
+            });
+        });
+        g.finish();
+        let mut g = c.benchmark_group("touch_hinted_512");
+        g.throughput(Throughput::Elements(512));
+        g.bench_function(BenchmarkId::from_parameter(policy), |b| {
+            b.iter(|| {
+                n = (n + 1) % prefixes.len();
+                pool.touch_hinted(black_box(&prefixes[n]), black_box(&hints[n]));
             });
         });
         g.finish();

@@ -1040,12 +1040,15 @@ impl Model {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Lookup(Vec<u128>),
+    /// `lookup_slots` (stopping at the first absent key or not).
+    Lookup(Vec<u128>, bool),
     Store(Vec<u128>),
     Complete(Vec<u128>, bool, Vec<u32>),
-    Load(Vec<u128>),
+    /// `prepare_load_hinted` with arbitrary slot hints.
+    Load(Vec<u128>, Vec<u32>),
     Unload(Vec<u128>, Vec<u32>),
-    Touch(Vec<u128>),
+    /// `touch_hinted` with arbitrary slot hints.
+    Touch(Vec<u128>, Vec<u32>),
     /// `refresh_hinted` with arbitrary slot hints (right, stale, out of range or none).
     Refresh(Vec<u128>, Vec<u32>),
     /// What a scheduler does on admission: look up, touch, store the rest, complete.
@@ -1060,13 +1063,13 @@ fn op() -> impl Strategy<Value = Op> {
     // Slot hints: right, stale, out of range or none (the pool must check them).
     let hints = || prop::collection::vec(prop_oneof![0u32..8, Just(u32::MAX)], 0..6);
     prop_oneof![
-        3 => keys().prop_map(Op::Lookup),
+        3 => (keys(), any::<bool>()).prop_map(|(k, stop)| Op::Lookup(k, stop)),
         4 => keys().prop_map(Op::Store),
         4 => (keys(), prop::bool::weighted(0.8), hints())
             .prop_map(|(k, ok, h)| Op::Complete(k, ok, h)),
-        2 => keys().prop_map(Op::Load),
+        2 => (keys(), hints()).prop_map(|(k, h)| Op::Load(k, h)),
         2 => (keys(), hints()).prop_map(|(k, h)| Op::Unload(k, h)),
-        3 => keys().prop_map(Op::Touch),
+        3 => (keys(), hints()).prop_map(|(k, h)| Op::Touch(k, h)),
         3 => (keys(), hints()).prop_map(|(k, h)| Op::Refresh(k, h)),
         4 => keys().prop_map(Op::Access),
         1 => Just(Op::Reset),
@@ -1131,10 +1134,22 @@ fn run_ops(cap: u32, policy: PolicyKind, threshold: u32, ops: &[Op]) -> Result<(
     for op in ops {
         let before = m.clone();
         match op {
-            Op::Lookup(k) => {
-                let mut states = vec![];
-                let prefix = p.lookup_states(&ks(k), &mut states);
-                prop_assert_eq!((prefix, states), m.lookup(k));
+            Op::Lookup(k, stop) => {
+                let (mut states, mut slots) = (vec![], vec![]);
+                let prefix = p.lookup_slots(&ks(k), &mut states, &mut slots, *stop);
+                let (want_prefix, mut want) = m.lookup(k);
+                // Stopping at the first absent key (unless the admission filter needs them
+                // all) reports the states up to it, counters unchanged.
+                if *stop && threshold <= 1 {
+                    if let Some(a) = want.iter().position(|s| *s == KeyState::Absent) {
+                        want.truncate(a + 1);
+                    }
+                }
+                prop_assert_eq!((prefix, &states), (want_prefix, &want));
+                prop_assert_eq!(slots.len(), states.len());
+                for (key, slot) in k.iter().zip(&slots) {
+                    prop_assert_eq!(*slot, p.slot(Key(*key)).unwrap_or(SlotId::NONE));
+                }
             }
             Op::Store(k) => {
                 let got = p.prepare_store(&ks(k));
@@ -1160,16 +1175,26 @@ fn run_ops(cap: u32, policy: PolicyKind, threshold: u32, ops: &[Op]) -> Result<(
                 let got = p.complete_store_hinted(&ks(k), *ok, &hints);
                 prop_assert_eq!(got, m.complete_store(k, *ok));
             }
-            Op::Load(k) => {
-                let got = p.prepare_load(&ks(k)).map(|slots| slots.len());
-                prop_assert_eq!(got, m.prepare_load(k).map(|()| k.len()));
+            Op::Load(k, hints) => {
+                let hints: Vec<SlotId> = hints.iter().copied().map(SlotId).collect();
+                let got = p.prepare_load_hinted(&ks(k), &hints);
+                prop_assert_eq!(
+                    got.as_ref().map(Vec::len).map_err(Clone::clone),
+                    m.prepare_load(k).map(|()| k.len())
+                );
+                if let Ok(slots) = got {
+                    for (key, slot) in k.iter().zip(&slots) {
+                        prop_assert_eq!(Some(*slot), p.slot(Key(*key)));
+                    }
+                }
             }
             Op::Unload(k, hints) => {
                 let hints: Vec<SlotId> = hints.iter().copied().map(SlotId).collect();
                 prop_assert_eq!(p.complete_load_hinted(&ks(k), &hints), m.complete_load(k));
             }
-            Op::Touch(k) => {
-                p.touch(&ks(k));
+            Op::Touch(k, hints) => {
+                let hints: Vec<SlotId> = hints.iter().copied().map(SlotId).collect();
+                p.touch_hinted(&ks(k), &hints);
                 m.touch(k);
             }
             Op::Refresh(k, hints) => {

@@ -105,9 +105,14 @@ class Twin:
             if self.reqs[rid]["computed"] >= self.reqs[rid]["prompt"] and self.rng.random() < 0.2
         ]
         ids, before, added, appended, new_blocks, written = [], [], {}, [], [], []
+        written_b = []  # blocks allocated beyond the hit count as written without being listed
         for rid in running:
             r = self.reqs[rid]
-            written += r.pop("written", [])
+            got = r.pop("written", [])
+            written += got
+            if self.rng.random() < 0.3:
+                written_b += got  # listing them anyway changes nothing
+
             if rid in finished:
                 continue
             n = min(r["tokens"] - r["computed"], self.rng.randrange(1, 12))
@@ -153,7 +158,7 @@ class Twin:
             appended=appended,
             hashes=self.lists,
             finished=finished,
-            written=written,
+            written=written_b,
         )
         assert loads == [j.job_id for j in plan.loads]
         assert load_reqs == [j.request_id for j in plan.loads]
@@ -256,3 +261,44 @@ def test_bad_batch_input_raises_and_changes_nothing(
     with pytest.raises(StepInputError, match="2 computed-token counts"):
         s.schedule_batch(["a"], [4, 4])
     assert snapshot(s) == before
+
+
+class Block:
+    """An engine's block object, as vLLM's ``KVCacheBlock`` carries its id."""
+
+    def __init__(self, block_id: object) -> None:
+        self.block_id = block_id
+
+
+def test_allocate_reads_the_engine_block_objects() -> None:
+    a, b = core(cpu_chunks=8), core(cpu_chunks=8)
+    for s in (a, b):
+        s.sync_request("a", 12, hashes(1, 3))
+    a.allocate("a", [[1, 2, 3]], 0, 0)
+    b.allocate("a", [[Block(1), Block(2), 3]], 0, 0)  # objects and ints may mix
+    pa = a.schedule_batch(["a"], [0], added={"a": 12}, written=[])
+    pb = b.schedule_batch(["a"], [0], added={"a": 12}, written=[])
+    assert pa == pb
+    assert decode(pa[4], pa[0] + pa[2]) == {pa[2][0]: [(0, [1, 2, 3], [0, 1, 2])]}
+    c = core()
+    c.sync_request("a", 12, hashes(1, 3))
+    before = snapshot(c)
+    with pytest.raises(InvalidBlockError, match=r"block_ids\[0\]\[1\]\.block_id must be in"):
+        c.allocate("a", [[Block(1), Block(-1)]], 0, 0)
+    with pytest.raises(InvalidBlockError, match=r"block_ids\[0\]\[0\] must be an integer"):
+        c.allocate("a", [[object()]], 0, 0)
+    assert snapshot(c) == before
+
+
+def test_blocks_allocated_beyond_the_hit_are_written_without_being_listed() -> None:
+    s = core(cpu_chunks=8)
+    s.sync_request("a", 8, hashes(1, 2))
+    s.allocate("a", [[1, 2]], 0, 0)
+    (_, _, (store,), *_) = s.schedule_batch(["a"], [0], added={"a": 8}, written=[])
+    # "a" finishes with its store pending; "b" gets block 2 beyond its (empty) prefix hit: the
+    # store must be flushed before "b" writes it, though the adapter lists nothing as written.
+    s.sync_request("b", 8, hashes(2, 2))
+    s.schedule_batch([], [], finished=["a"], written=[])
+    s.allocate("b", [[2, 3]], 0, 0)
+    flush = s.schedule_batch(["b"], [0], added={"b": 8}, written=[])[3]
+    assert flush == [store]

@@ -2,13 +2,19 @@
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, SupportsIndex, TypeAlias, final
+from typing import Any, Literal, Protocol, SupportsIndex, TypeAlias, final
 
 from typing_extensions import disjoint_base
 
 _Key: TypeAlias = SupportsIndex | bytes
 _KeyState: TypeAlias = Literal["absent", "storing", "ready"]
 _PoolEvent: TypeAlias = tuple[Literal["stored", "removed"], list[int], Literal["cpu"]]
+
+class _EngineBlock(Protocol):
+    """An engine's block object (vLLM's ``KVCacheBlock``): its id is read from ``block_id``."""
+
+    @property
+    def block_id(self) -> int: ...
 
 __all__ = [
     "RUN_WORDS",
@@ -263,7 +269,7 @@ class Scheduler:
     def allocate(
         self,
         request_id: str,
-        block_ids: Iterable[Iterable[SupportsIndex]],
+        block_ids: Iterable[Iterable[SupportsIndex | _EngineBlock]],
         num_computed_tokens: int,
         num_load_tokens: int,
     ) -> int | None: ...

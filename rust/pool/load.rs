@@ -12,9 +12,18 @@ impl Pool {
     /// [`Error::KeyNotReady`] and nothing changes. Does not update recency: call
     /// [`Pool::touch`] for that.
     pub fn prepare_load(&mut self, keys: &[Key]) -> Result<Vec<SlotId>> {
+        self.prepare_load_hinted(keys, &[])
+    }
+
+    /// [`Pool::prepare_load`] with a slot hint per key (`hints[i]` for `keys[i]`, as
+    /// [`Pool::lookup_slots`] gave them; missing or wrong hints are fine, see
+    /// [`Pool::hinted_slot`]): same effect, fewer index probes.
+    pub fn prepare_load_hinted(&mut self, keys: &[Key], hints: &[SlotId]) -> Result<Vec<SlotId>> {
         let mut slots = Vec::with_capacity(keys.len());
-        for &key in keys {
-            let &slot = self.index.get(&key).ok_or(Error::UnknownKey(key))?;
+        for (i, &key) in keys.iter().enumerate() {
+            let slot = self
+                .hinted_slot(key, hints.get(i).copied())
+                .ok_or(Error::UnknownKey(key))?;
             if self.entries[slot.0 as usize] == Entry::Storing {
                 return Err(Error::KeyNotReady(key));
             }

@@ -29,36 +29,68 @@ impl Pool {
     /// How many leading keys are ready (loadable now). Counts that many hits and the rest as
     /// misses, and feeds the admission filter with every absent key.
     pub fn lookup(&mut self, keys: &[Key]) -> usize {
-        self.lookup_inner(keys, None)
+        self.lookup_inner(keys, None, None, false)
     }
 
     /// [`Pool::lookup`] that also appends the state of every key to `states`, so the caller can
     /// tell a miss (absent) from a chunk being stored (ask again later).
     pub fn lookup_states(&mut self, keys: &[Key], states: &mut Vec<KeyState>) -> usize {
-        self.lookup_inner(keys, Some(states))
+        self.lookup_inner(keys, Some(states), None, false)
     }
 
-    fn lookup_inner(&mut self, keys: &[Key], mut states: Option<&mut Vec<KeyState>>) -> usize {
-        let full_scan = states.is_some() || self.admission.enabled();
+    /// [`Pool::lookup_states`] that also appends the slot of every key whose state it appends
+    /// ([`SlotId::NONE`] for an absent key): hints for [`Pool::touch_hinted`] and
+    /// [`Pool::prepare_load_hinted`], valid until the pool changes (they are checked before use
+    /// anyway). With `stop_at_absent` the scan ends after the first absent key (its state is
+    /// the last one appended) unless the admission filter must see every absent key; hits and
+    /// misses are counted over all of `keys` either way.
+    pub fn lookup_slots(
+        &mut self,
+        keys: &[Key],
+        states: &mut Vec<KeyState>,
+        slots: &mut Vec<SlotId>,
+        stop_at_absent: bool,
+    ) -> usize {
+        self.lookup_inner(keys, Some(states), Some(slots), stop_at_absent)
+    }
+
+    fn lookup_inner(
+        &mut self,
+        keys: &[Key],
+        mut states: Option<&mut Vec<KeyState>>,
+        mut slots: Option<&mut Vec<SlotId>>,
+        stop_at_absent: bool,
+    ) -> usize {
+        let filter = self.admission.enabled();
+        let full_scan = filter || (states.is_some() && !stop_at_absent);
         let mut prefix = 0;
         let mut in_prefix = true;
         for &key in keys {
-            let state = self.state(key);
+            let slot = self.index.get(&key).copied();
+            let state = slot.map_or(KeyState::Absent, |s| self.entry_state(s));
             if in_prefix {
                 if matches!(state, KeyState::Ready { .. }) {
                     prefix += 1;
                 } else {
                     in_prefix = false;
-                    if !full_scan {
-                        break;
-                    }
                 }
             }
-            if state == KeyState::Absent && self.admission.enabled() {
+            if state == KeyState::Absent && filter {
                 self.admission.record(key);
             }
             if let Some(out) = states.as_deref_mut() {
                 out.push(state);
+            }
+            if let Some(out) = slots.as_deref_mut() {
+                out.push(slot.unwrap_or(SlotId::NONE));
+            }
+            let stop = if states.is_some() {
+                state == KeyState::Absent
+            } else {
+                !in_prefix
+            };
+            if stop && !full_scan {
+                break;
             }
         }
         self.stats.hits += prefix as u64;
@@ -70,9 +102,16 @@ impl Pool {
     /// ends most recent (prefixes outlive their suffixes). Absent keys may inform the policy
     /// (ARC ghost hits adapt its target). Call it once per access, not on every re-ask.
     pub fn touch(&mut self, keys: &[Key]) {
-        for &key in keys.iter().rev() {
-            match self.index.get(&key) {
-                Some(&slot) => {
+        self.touch_hinted(keys, &[]);
+    }
+
+    /// [`Pool::touch`] with a slot hint per key (`hints[i]` for `keys[i]`; missing or
+    /// [`SlotId::NONE`] hints are fine): see [`Pool::hinted_slot`]. Same effect as
+    /// `touch(keys)`, fewer index probes.
+    pub fn touch_hinted(&mut self, keys: &[Key], hints: &[SlotId]) {
+        for (i, &key) in keys.iter().enumerate().rev() {
+            match self.hinted_slot(key, hints.get(i).copied()) {
+                Some(slot) => {
                     let ready = matches!(self.entries[slot.0 as usize], Entry::Ready(_));
                     self.policy.touch(slot, ready);
                 }

@@ -87,16 +87,41 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
         out.push(block_named(item, || format!("{what}[{i}]"))?);
         Ok(())
     })
-    .map_err(|e| {
-        Python::attach(|py| {
-            if e.is_instance_of::<PyTypeError>(py) {
-                InvalidBlockError::new_err(e.value(py).to_string())
-            } else {
-                e
-            }
-        })
-    })?;
+    .map_err(block_error)?;
     Ok(out)
+}
+
+/// [`blocks`] that also takes the engine's block objects: an item that is not an integer is
+/// read through its `block_id` attribute (vLLM's `KVCacheBlock`), so an adapter hands over the
+/// engine's own block lists instead of building lists of ints first. An item with neither
+/// raises as in [`blocks`].
+pub fn engine_blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
+    let name = pyo3::intern!(obj.py(), "block_id");
+    let mut out = Vec::new();
+    for_each_item(obj, what, |i, item| {
+        let at = || format!("{what}[{i}]");
+        if !item.is_instance_of::<PyInt>() {
+            if let Ok(id) = item.getattr(name) {
+                out.push(block_named(&id, || format!("{}.block_id", at()))?);
+                return Ok(());
+            }
+        }
+        out.push(block_named(item, at)?);
+        Ok(())
+    })
+    .map_err(block_error)?;
+    Ok(out)
+}
+
+/// A `TypeError` of a block list (not a sequence) as `InvalidBlockError`.
+fn block_error(e: PyErr) -> PyErr {
+    Python::attach(|py| {
+        if e.is_instance_of::<PyTypeError>(py) {
+            InvalidBlockError::new_err(e.value(py).to_string())
+        } else {
+            e
+        }
+    })
 }
 
 /// A block id goes back to Python as a plain `int`.

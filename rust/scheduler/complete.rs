@@ -58,11 +58,11 @@ impl Scheduler {
         let mut invalid_blocks = Vec::new();
         match j.kind {
             JobKind::Store => {
-                for t in &j.payload.transfers {
+                for (ti, t) in j.payload.transfers.iter().enumerate() {
                     // The pool holds exactly these keys as storing: cannot fail.
-                    let hints = t.slot_hints(self.cfg.blocks_per_chunk);
+                    let hints = j.payload.slots.get(ti).map_or(&[][..], Vec::as_slice);
                     let pool = &mut self.pools[t.group as usize];
-                    let done = pool.complete_store_hinted(&t.keys, ok, &hints);
+                    let done = pool.complete_store_hinted(&t.keys, ok, hints);
                     debug_assert!(done.is_ok(), "{done:?}");
                     if ok {
                         self.write_behind(t.group as usize, &t.keys, false);
@@ -71,10 +71,10 @@ impl Scheduler {
                 self.stats.failed_stores += u64::from(!ok);
             }
             JobKind::Load => {
-                for t in &j.payload.transfers {
-                    let hints = t.slot_hints(self.cfg.blocks_per_chunk);
+                for (ti, t) in j.payload.transfers.iter().enumerate() {
+                    let hints = j.payload.slots.get(ti).map_or(&[][..], Vec::as_slice);
                     let pool = &mut self.pools[t.group as usize];
-                    let done = pool.complete_load_hinted(&t.keys, &hints);
+                    let done = pool.complete_load_hinted(&t.keys, hints);
                     debug_assert!(done.is_ok(), "{done:?}");
                     if !ok {
                         // A failed load leaves its chunks suspect: drop them (unless another

@@ -4,7 +4,7 @@
 //! of full-attention groups deferred.
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, JobId};
+use crate::ids::{BlockId, JobId, SlotId};
 use crate::jobs::JobKind;
 
 use super::plan::{GroupTransfer, PlannedJob};
@@ -150,6 +150,7 @@ impl Scheduler {
         }
         let payload = JobPayload {
             req: i,
+            slots: transfers.iter().map(|t| t.slot_hints(bpc)).collect(),
             transfers: transfers.clone(),
             first_chunks,
             load_end: end,
@@ -179,6 +180,14 @@ impl Scheduler {
             transfers,
         });
         Ok(Some(job))
+    }
+
+    /// The blocks [`Self::allocate`] handed out beyond the engine's prefix hit since the
+    /// previous step (null blocks excluded): every one of them is written this step (by its
+    /// load or the forward pass), so an adapter adds them to the step's `written` instead of
+    /// collecting them itself.
+    pub fn allocated_beyond_hit(&self) -> &[BlockId] {
+        &self.reallocated
     }
 
     /// Builds the copies of a load of tokens `[hit, end)` into `tables` and pins their slots
@@ -224,7 +233,12 @@ impl Scheduler {
             if tr.keys.is_empty() {
                 continue;
             }
-            match self.pools[g].prepare_load(&tr.keys) {
+            let slots = &self.req(i).groups[g].slots;
+            let hints: Vec<SlotId> = chunks
+                .iter()
+                .map(|&c| slots.get(c as usize).copied().unwrap_or(SlotId::NONE))
+                .collect();
+            match self.pools[g].prepare_load_hinted(&tr.keys, &hints) {
                 Ok(slots) => {
                     for (cpu, k) in tr.cpu_blocks.iter_mut().zip(kidx) {
                         *cpu += slots[k].0 * bpc;

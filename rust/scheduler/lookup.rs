@@ -4,7 +4,7 @@
 //! `allocate` of the same step.
 
 use crate::error::{Error, Result};
-use crate::ids::Key;
+use crate::ids::{Key, SlotId};
 use crate::pool::KeyState;
 
 use super::requests::{Request, Status};
@@ -140,19 +140,28 @@ impl Scheduler {
 
     /// Refreshes the recency of every chunk the request re-uses: the engine's own prefix hit
     /// (chunks the GPU cache serves now may be evicted from it first) and the chunks it loads,
-    /// the earliest ending most recent.
+    /// the earliest ending most recent. The request's slot hints (from its lookup, stores and
+    /// loads) spare the pools' index probes where they still hold.
     pub(super) fn touch_prefix(&mut self, r: &Request, hit: u32, end: u32) {
+        let mut keys = Vec::new();
+        let mut hints = Vec::new();
         for g in 0..self.cfg.groups.len() {
             let ct = self.cfg.chunk_tokens(g);
             let first = match self.cfg.groups[g].sliding_window {
                 None => 0,
                 Some(w) => hit.saturating_sub(w) / ct,
             };
-            let keys: Vec<Key> = (first..end.max(hit) / ct)
-                .filter_map(|c| self.key(r, g, c))
-                .collect();
+            keys.clear();
+            hints.clear();
+            let slots = &r.groups[g].slots;
+            for c in first..end.max(hit) / ct {
+                if let Some(k) = self.key(r, g, c) {
+                    keys.push(k);
+                    hints.push(slots.get(c as usize).copied().unwrap_or(SlotId::NONE));
+                }
+            }
             if !keys.is_empty() {
-                self.pools[g].touch(&keys);
+                self.pools[g].touch_hinted(&keys, &hints);
             }
         }
     }
@@ -175,20 +184,32 @@ impl Scheduler {
     /// ready, or 0; and whether chunks still being stored could make it higher (ask again
     /// later). The pools are not consulted when less than one aligned step of tokens lies
     /// beyond the hit.
-    pub(super) fn hit_end(&mut self, r: &Request, hit: u32) -> (u32, bool) {
+    pub(super) fn hit_end(&mut self, r: &mut Request, hit: u32) -> (u32, bool) {
         let cap = self.lookup_cap(r);
         if cap <= hit || cap - hit < self.align {
             return (0, false);
         }
         // Per group, prefix counts from the hit chunk of chunks that are ready, and of chunks
-        // that are ready or being stored.
+        // that are ready or being stored. A full-attention group needs an unbroken run from
+        // the hit, so its scan stops at the first absent chunk (`best_end` reads no count
+        // beyond its run). The slots found are kept as the request's hints (touch, load).
         let mut ready = Vec::with_capacity(self.pools.len());
         let mut maybe = Vec::with_capacity(self.pools.len());
         let mut states = Vec::new();
+        let mut slots = Vec::new();
         for g in 0..self.cfg.groups.len() {
             let keys = self.chunk_keys(r, g, hit, cap);
             states.clear();
-            self.pools[g].lookup_states(&keys, &mut states);
+            slots.clear();
+            let full = self.cfg.groups[g].sliding_window.is_none();
+            self.pools[g].lookup_slots(&keys, &mut states, &mut slots, full);
+            let rg = &mut r.groups[g];
+            let first = hit / self.cfg.chunk_tokens(g);
+            for (c, &slot) in (first..).zip(&slots) {
+                if slot != SlotId::NONE {
+                    rg.hint(c, slot);
+                }
+            }
             ready.push(prefix_counts(&states, |st| {
                 matches!(st, KeyState::Ready { .. })
             }));

@@ -55,7 +55,7 @@ use rustc_hash::FxHashMap;
 
 use crate::config::SchedulerConfig;
 use crate::error::Result;
-use crate::ids::{BlockId, JobId, Key};
+use crate::ids::{BlockId, JobId, Key, SlotId};
 use crate::pool::{Pool, PoolConfig};
 use crate::tracker::Tracker;
 
@@ -75,6 +75,9 @@ struct JobPayload {
     req: u32,
     /// Copies per group (keys to publish or unpin).
     transfers: Vec<GroupTransfer>,
+    /// Per transfer, the slot of each key: hints for the pool at completion (checked there;
+    /// empty for tier jobs).
+    slots: Vec<Vec<SlotId>>,
     /// For a load: per group, the first chunk it fills (a failed load rewinds the store
     /// cursor there, so the recomputed chunks are stored again).
     first_chunks: Vec<u32>,
@@ -96,6 +99,7 @@ impl JobPayload {
                 cpu_blocks: Vec::new(),
                 keys,
             }],
+            slots: Vec::new(),
             first_chunks: Vec::new(),
             load_end: 0,
             tier: Some(tier),

@@ -47,6 +47,7 @@ impl Scheduler {
         let bpc = self.cfg.blocks_per_chunk;
         let owner = r.owner;
         let mut transfers = Vec::new();
+        let mut slots = Vec::new();
         let (mut eager, mut deferred) = (Vec::new(), Vec::new());
         let mut cursors = Vec::new();
         let mut retry = false;
@@ -129,6 +130,7 @@ impl Scheduler {
             self.stats.store_chunks += tr.keys.len() as u64;
             self.stats.store_bytes += tr.keys.len() as u64 * self.cfg.groups[g].bytes_per_chunk;
             transfers.push(tr);
+            slots.push(plan.slots);
         }
         for (g, c) in cursors {
             self.req_mut(i).groups[g].cursor = c;
@@ -158,6 +160,7 @@ impl Scheduler {
                             keys: t.keys.clone(),
                         })
                         .collect(),
+                    slots,
                     first_chunks: Vec::new(),
                     load_end: 0,
                     tier: None,

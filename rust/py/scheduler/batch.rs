@@ -54,13 +54,16 @@ impl Scheduler {
     /// wrong place, so nothing is applied and the input is converted again.
     pub(super) fn batch_step(&self, py: Python<'_>, args: &Args<'_, '_>) -> PyResult<StepPlan> {
         loop {
-            let (input, hash_tails, seen) = self.batch_input(py, args)?;
+            let (mut input, hash_tails, seen) = self.batch_input(py, args)?;
             let mut core = self.lock();
             if self.locks.load(Ordering::Relaxed) != seen + 1 {
                 continue;
             }
             for (id, tail) in &hash_tails {
                 core.extend_hashes(id, tail).map_err(to_py)?;
+            }
+            if let Some(w) = input.written.as_mut() {
+                w.extend_from_slice(core.allocated_beyond_hit());
             }
             return core.schedule(&input).map_err(to_py);
         }

@@ -9,6 +9,7 @@ use super::super::convert;
 use super::super::errors::{InvalidRequestError, StepInputError};
 use crate::ids::BlockId;
 
+/// Per group, a list of block ids or of the engine's block objects ([`convert::engine_blocks`]).
 pub(super) fn block_lists(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Vec<BlockId>>> {
     convert::items(
         obj,
@@ -18,7 +19,7 @@ pub(super) fn block_lists(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Ve
     )?
     .iter()
     .enumerate()
-    .map(|(g, item)| convert::blocks(item, &format!("{what}[{g}]")))
+    .map(|(g, item)| convert::engine_blocks(item, &format!("{what}[{g}]")))
     .collect()
 }
 

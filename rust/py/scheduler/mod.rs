@@ -168,7 +168,8 @@ impl Scheduler {
         self.lock().lookup(id, hit).map_err(to_py)
     }
 
-    /// Records the request's block table (one list per group) after the engine allocated it;
+    /// Records the request's block table (one list per group, of block ids or of the engine's
+    /// block objects with a `block_id`) after the engine allocated it;
     /// creates the load job of `num_load_tokens` tokens. Returns the load job id, if any.
     fn allocate(
         &self,
@@ -262,7 +263,8 @@ impl Scheduler {
     /// where `added` is given; `appended` (parallel to `scheduled`, `None` or one block list per
     /// group) the blocks appended this step; `tables` `(id, one block list per group)` whole
     /// tables, of which the blocks beyond the core's are appended; `hashes` maps ids to their
-    /// whole, growing hash lists (read where the core lacks hashes). Appended blocks count as
+    /// whole, growing hash lists (read where the core lacks hashes). Appended blocks, and the
+    /// blocks `allocate` handed out beyond the prefix hit since the previous step, count as
     /// written; `written` adds the others (`None`: the conservative fence). Returns `(load job
     /// ids, their request ids, store job ids, flush, runs, tier jobs, tier flush)`, the tier
     /// jobs packed for `TierWorker.submit_packed` (`tier::encode_tier_jobs`), the tier flush

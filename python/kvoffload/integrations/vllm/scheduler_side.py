@@ -5,12 +5,14 @@
   tokens are sent as they appear.
 * ``get_num_new_matched_tokens`` is ``lookup``: ``None`` (vLLM 0.32 supports "ask again
   later"), ``0``, or tokens to load asynchronously (``load_kv_async=True``).
-* ``update_state_after_alloc`` is ``allocate`` with the request's whole block table. Written
-  blocks are told from prefix-cache re-use with what vLLM provides: the positions below the
-  block-aligned local hit passed to the lookup are re-used read-only; every other allocated
-  block, and every block vLLM appends to a running request, is written (by the forward pass,
-  a load, zeroing or a copy-on-write). Where the hit is unknown (an allocation without a
-  lookup) the step falls back to the conservative fence (``written=None``).
+* ``update_state_after_alloc`` is ``allocate`` with the request's whole block table, vLLM's
+  block lists as they are (the core reads each ``KVCacheBlock.block_id``). Written blocks are
+  told from prefix-cache re-use with what vLLM provides: the positions below the block-aligned
+  local hit passed to the lookup are re-used read-only; every other allocated block (the core
+  adds those to the step's written set itself), and every block vLLM appends to a running
+  request, is written (by the forward pass, a load, zeroing or a copy-on-write). Where the hit
+  is unknown (an allocation without a lookup) the step falls back to the conservative fence
+  (``written=None``).
 * ``build_connector_meta`` turns the ``SchedulerOutput`` into one core step (scheduled
   requests and their computed tokens, new blocks, finished / aborted / preempted requests,
   written blocks) and ships the plan (loads, stores, flush) to the workers.
@@ -144,23 +146,22 @@ class SchedulerSide:
         t = time.perf_counter()
         rid = request.request_id
         try:
-            tables = blocks.get_block_ids()
+            tables = blocks.blocks  # the core reads each KVCacheBlock's block_id itself
             if self.sched.status(rid) == "running":
                 # Second call after an asynchronous load: the new blocks arrive with the
                 # scheduler output. After a failed load vLLM kept the valid prefix and
                 # recomputes from the first invalid block: those blocks are written again.
                 first = request.num_computed_tokens // self.block_size
                 for tb in tables:
-                    self.written += tb[first:]
+                    self.written += [b.block_id for b in tb[first:]]
                 return
             hit = self.hit.pop(rid, None)
             if hit is None:
                 self.conservative = True
                 hit = 0
+            # The blocks beyond the hit are written this step: the core adds them to the
+            # step's written set itself (Scheduler.schedule_batch).
             job = self.sched.allocate(rid, tables, hit, num_external_tokens)
-            first = hit // self.block_size
-            for tb in tables:
-                self.written += tb[first:]
             if num_external_tokens > 0:
                 if job is None:
                     raise KvOffloadError(
