@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use crate::ids::{JobId, Key, SlotId};
 
-use super::tiers::{GroupTier, TierJobKind, TierRef};
+use super::tiers::GroupTier;
 use super::Scheduler;
 
 impl GroupTier {
@@ -89,34 +89,6 @@ impl Scheduler {
             h.record(false, now);
         }
     }
-
-    /// Applies the report of tier job `job` if it expired: frees its held CPU slots, publishes
-    /// nothing, and returns `true`. `false`: the job did not expire.
-    pub(super) fn complete_expired(
-        &mut self,
-        job: JobId,
-        t: TierRef,
-        g: usize,
-        keys: &[Key],
-        ok: bool,
-    ) -> bool {
-        if t.kind != TierJobKind::Promote || !self.tiers[g][t.tier as usize].held.contains_key(&job)
-        {
-            return false;
-        }
-        let tier = self.end_tier_job(job, t, g);
-        let slots = tier.end_hold(job, keys).expect("checked above");
-        tier.stats.late_reports += 1;
-        tier.stats.promoting -= keys.len() as u64;
-        // A late failure drops the keys from the tier (a rank that found bad bytes
-        // quarantined them); a late success leaves them there, unpinned.
-        let bad: &[Key] = if ok { &[] } else { keys };
-        let done = tier.index.complete_read(keys, bad);
-        debug_assert!(done.is_ok(), "{done:?}");
-        let freed = self.pools[g].release_held(&slots);
-        debug_assert!(freed.is_ok(), "{freed:?}");
-        true
-    }
 }
 
 impl GroupTier {
@@ -128,6 +100,21 @@ impl GroupTier {
         for k in keys {
             self.stuck.remove(k);
         }
+        Some(slots)
+    }
+
+    /// Applies the report of promotion `job` of `keys` if it expired (its counters already
+    /// ended by the caller): publishes nothing and returns the CPU slots it held, for the caller
+    /// to free. `None`: the job did not expire (only promotions expire).
+    pub(super) fn complete_late(
+        &mut self,
+        job: JobId,
+        keys: &[Key],
+        ok: bool,
+    ) -> Option<Vec<SlotId>> {
+        let slots = self.end_hold(job, keys)?;
+        self.stats.late_reports += 1;
+        self.end_promotion(keys, ok);
         Some(slots)
     }
 

@@ -204,6 +204,16 @@ pub(super) struct GroupTier {
 }
 
 impl GroupTier {
+    /// Ends a promotion of `keys` in the tier's index. A failed one drops its keys from the
+    /// tier: bad bytes were quarantined by the rank that found them, and a persistent I/O fault
+    /// must not loop. A successful (or late) one leaves them there, unpinned.
+    pub(super) fn end_promotion(&mut self, keys: &[Key], ok: bool) {
+        self.stats.promoting -= keys.len() as u64;
+        let bad: &[Key] = if ok { &[] } else { keys };
+        let done = self.index.complete_read(keys, bad);
+        debug_assert!(done.is_ok(), "{done:?}");
+    }
+
     /// Tier `index` of group `group`, written behind to as `admission` says.
     pub(super) fn new(index: Box<dyn TierIndex>, group: u32, admission: TierAdmission) -> Self {
         Self {
@@ -507,10 +517,12 @@ impl Scheduler {
         keys: &[Key],
         ok: bool,
     ) {
-        if self.complete_expired(job, t, g, keys, ok) {
+        let tier = self.end_tier_job(job, t, g);
+        if let Some(slots) = tier.complete_late(job, keys, ok) {
+            let freed = self.pools[g].release_held(&slots);
+            debug_assert!(freed.is_ok(), "{freed:?}");
             return;
         }
-        let tier = self.end_tier_job(job, t, g);
         tier.record(ok);
         match t.kind {
             TierJobKind::Write => {
@@ -521,12 +533,7 @@ impl Scheduler {
                 debug_assert!(unpinned.is_ok(), "{unpinned:?}");
             }
             TierJobKind::Promote => {
-                tier.stats.promoting -= keys.len() as u64;
-                // A failed promotion drops its keys from the tier: bad bytes were quarantined
-                // by the rank that found them, and a persistent I/O fault must not loop.
-                let bad: &[Key] = if ok { &[] } else { keys };
-                let done = tier.index.complete_read(keys, bad);
-                debug_assert!(done.is_ok(), "{done:?}");
+                tier.end_promotion(keys, ok);
                 tier.stats.failed_promotions += u64::from(!ok);
                 if ok {
                     tier.stats.promoted_chunks += keys.len() as u64;
@@ -549,14 +556,13 @@ impl Scheduler {
         let tier = self.end_tier_job(job, t, g);
         // The CPU pool was emptied (held slots too): the flush waits for the late I/O.
         tier.end_hold(job, keys);
-        let done = match t.kind {
-            TierJobKind::Write => tier.index.complete_write(keys, false),
-            TierJobKind::Promote => {
-                tier.stats.promoting -= keys.len() as u64;
-                tier.index.complete_read(keys, &[])
+        match t.kind {
+            TierJobKind::Write => {
+                let done = tier.index.complete_write(keys, false);
+                debug_assert!(done.is_ok(), "{done:?}");
             }
-        };
-        debug_assert!(done.is_ok(), "{done:?}");
+            TierJobKind::Promote => tier.end_promotion(keys, true),
+        }
     }
 }
 
