@@ -40,11 +40,13 @@
 //! Files: this one the configuration, counters, items and keys; `pack.rs` how a pipeline's
 //! commands are laid out (data pieces sent from the caller's memory, the lead split off);
 //! `bulk.rs` the connection that sends and receives chunk values; `client.rs` the client
-//! (connection pool, deadlines, probation, write / exists / read).
+//! (connection pools, probation, counters, write / exists / read); `send.rs` how it sends one
+//! operation (deadline, outcome) and runs a call's sub-batches on parallel threads.
 
 mod bulk;
 mod client;
 mod pack;
+mod send;
 
 pub use client::RemoteClient;
 
