@@ -12,32 +12,13 @@ use super::bulk::{self, BulkConn};
 use super::pack::{slice_pieces, Packed};
 use super::send::OpError;
 use super::{
-    parts, value_key, ReadItem, ReadOutcome, RemoteConfig, RemoteStats, WriteItem, BATCH_BYTES,
-    WRITE_BATCH_BYTES,
+    parts, value_key, ReadItem, ReadOutcome, RemoteConfig, RemoteCounters, RemoteStats, WriteItem,
+    BATCH_BYTES, WRITE_BATCH_BYTES,
 };
 use crate::error::{Error, Result};
 use crate::ids::Key;
 use crate::tier::header::{checksum, ChunkHeader, HEADER_LEN};
 use crate::tier::health::{Health, Transition};
-
-#[derive(Debug, Default)]
-pub(super) struct Counters {
-    writes: AtomicU64,
-    failed_writes: AtomicU64,
-    dropped_writes: AtomicU64,
-    read_hits: AtomicU64,
-    read_misses: AtomicU64,
-    failed_reads: AtomicU64,
-    checksum_mismatches: AtomicU64,
-    lookups: AtomicU64,
-    lookup_hits: AtomicU64,
-    skipped_lookups: AtomicU64,
-    pub(super) round_trips: AtomicU64,
-    errors: AtomicU64,
-    deadline_misses: AtomicU64,
-    bytes_written: AtomicU64,
-    bytes_read: AtomicU64,
-}
 
 pub(super) fn add(c: &AtomicU64, n: usize) {
     c.fetch_add(n as u64, Relaxed);
@@ -51,7 +32,7 @@ pub struct RemoteClient {
     pub(super) idle: Mutex<Vec<redis::Connection>>,
     pub(super) idle_bulk: Mutex<Vec<BulkConn>>,
     health: Mutex<Health>,
-    pub(super) counters: Counters,
+    pub(super) counters: RemoteCounters,
     generation: AtomicU64,
 }
 
@@ -102,7 +83,7 @@ impl RemoteClient {
             idle: Mutex::new(Vec::new()),
             idle_bulk: Mutex::new(Vec::new()),
             health: Mutex::new(health),
-            counters: Counters::default(),
+            counters: RemoteCounters::default(),
             generation: AtomicU64::new(0),
         })
     }
@@ -145,10 +126,15 @@ impl RemoteClient {
             .lock()
             .expect("health lock")
             .record(outcome.is_ok(), now);
-        if t == Transition::Probation {
-            // Pooled connections are likely broken too.
-            self.idle.lock().expect("pool lock").clear();
-            self.idle_bulk.lock().expect("pool lock").clear();
+        match t {
+            Transition::Probation => {
+                add(&self.counters.probations, 1);
+                // Pooled connections are likely broken too.
+                self.idle.lock().expect("pool lock").clear();
+                self.idle_bulk.lock().expect("pool lock").clear();
+            }
+            Transition::Recovery => add(&self.counters.recoveries, 1),
+            Transition::None => {}
         }
     }
 
@@ -375,28 +361,7 @@ impl RemoteClient {
 
     /// Counters so far.
     pub fn stats(&self) -> RemoteStats {
-        let c = &self.counters;
-        let g = |a: &AtomicU64| a.load(Relaxed);
-        let h = self.health.lock().expect("health lock").clone();
-        RemoteStats {
-            writes: g(&c.writes),
-            failed_writes: g(&c.failed_writes),
-            dropped_writes: g(&c.dropped_writes),
-            read_hits: g(&c.read_hits),
-            read_misses: g(&c.read_misses),
-            failed_reads: g(&c.failed_reads),
-            checksum_mismatches: g(&c.checksum_mismatches),
-            lookups: g(&c.lookups),
-            lookup_hits: g(&c.lookup_hits),
-            skipped_lookups: g(&c.skipped_lookups),
-            round_trips: g(&c.round_trips),
-            errors: g(&c.errors),
-            deadline_misses: g(&c.deadline_misses),
-            probations: h.probations(),
-            recoveries: h.recoveries(),
-            bytes_written: g(&c.bytes_written),
-            bytes_read: g(&c.bytes_read),
-        }
+        self.counters.snapshot()
     }
 }
 
