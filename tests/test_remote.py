@@ -100,6 +100,32 @@ def read_checked(client: RemoteClient, ns: int, keys: list[int]) -> list[str]:
     return outcomes
 
 
+def test_stats_name_every_counter_in_their_documented_order() -> None:
+    # Connects lazily: no server is needed to read the counters of a fresh client.
+    client = RemoteClient("redis://127.0.0.1:1")
+    names = [
+        "writes",
+        "failed_writes",
+        "dropped_writes",
+        "read_hits",
+        "read_misses",
+        "failed_reads",
+        "checksum_mismatches",
+        "lookups",
+        "lookup_hits",
+        "skipped_lookups",
+        "round_trips",
+        "errors",
+        "deadline_misses",
+        "probations",
+        "recoveries",
+        "bytes_written",
+        "bytes_read",
+    ]
+    # A list of pairs: a dict comparison would ignore the order.
+    assert list(client.stats().items()) == [(name, 0) for name in names]
+
+
 def test_killed_and_restarted_server_means_misses_probation_then_recovery(
     redis: RedisServer,
 ) -> None:

@@ -14,7 +14,6 @@ use pyo3::types::PyDict;
 
 use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
-use super::tier::set_counters;
 use super::tier_worker::{RegionArg, TierWorker};
 use crate::ids::Key;
 use crate::tier::io::RemoteGroup;
@@ -114,27 +113,9 @@ pub fn namespace_digest(
 fn stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py, PyDict>> {
     let s = client.stats();
     let d = PyDict::new(py);
-    set_counters!(
-        d,
-        s,
-        writes,
-        failed_writes,
-        dropped_writes,
-        read_hits,
-        read_misses,
-        failed_reads,
-        checksum_mismatches,
-        lookups,
-        lookup_hits,
-        skipped_lookups,
-        round_trips,
-        errors,
-        deadline_misses,
-        probations,
-        recoveries,
-        bytes_written,
-        bytes_read
-    );
+    for (k, v) in s.named() {
+        d.set_item(k, v)?;
+    }
     Ok(d)
 }
 

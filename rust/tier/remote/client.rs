@@ -1,63 +1,38 @@
-//! The client of one Redis server: connection pool, pipelined batches on up to
-//! [`RemoteConfig::connections`] threads, deadlines, probation ([`Health`]), and the three
-//! operations (write, exists, read). See the parent module for how.
+//! The client of one Redis server: its configuration, connection pools, probation
+//! ([`Health`]) and counters, and the three operations (write, exists, read). How one operation
+//! is sent (deadlines, parallel sub-batches) is in `send.rs`; see the parent module for how.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use redis::Value;
 
 use super::bulk::{self, BulkConn};
-use super::pack::{slice_pieces, Packed, Split};
+use super::pack::{slice_pieces, Packed};
+use super::send::OpError;
 use super::{
-    parts, value_key, ReadItem, ReadOutcome, RemoteConfig, RemoteStats, WriteItem, BATCH_BYTES,
-    WRITE_BATCH_BYTES,
+    parts, value_key, ReadItem, ReadOutcome, RemoteConfig, RemoteCounters, RemoteStats, WriteItem,
+    BATCH_BYTES, WRITE_BATCH_BYTES,
 };
 use crate::error::{Error, Result};
 use crate::ids::Key;
 use crate::tier::header::{checksum, ChunkHeader, HEADER_LEN};
 use crate::tier::health::{Health, Transition};
 
-#[derive(Debug, Default)]
-struct Counters {
-    writes: AtomicU64,
-    failed_writes: AtomicU64,
-    dropped_writes: AtomicU64,
-    read_hits: AtomicU64,
-    read_misses: AtomicU64,
-    failed_reads: AtomicU64,
-    checksum_mismatches: AtomicU64,
-    lookups: AtomicU64,
-    lookup_hits: AtomicU64,
-    skipped_lookups: AtomicU64,
-    round_trips: AtomicU64,
-    errors: AtomicU64,
-    deadline_misses: AtomicU64,
-    bytes_written: AtomicU64,
-    bytes_read: AtomicU64,
-}
-
-fn add(c: &AtomicU64, n: usize) {
+pub(super) fn add(c: &AtomicU64, n: usize) {
     c.fetch_add(n as u64, Relaxed);
-}
-
-/// Why one pipelined operation failed.
-#[derive(Debug)]
-enum OpError {
-    Redis,
-    Late,
 }
 
 /// A client of one Redis server: connection pool, health, counters. Thread-safe; every
 /// method blocks its calling thread for at most about one deadline per sub-batch.
 pub struct RemoteClient {
-    cfg: RemoteConfig,
-    client: redis::Client,
-    idle: Mutex<Vec<redis::Connection>>,
-    idle_bulk: Mutex<Vec<BulkConn>>,
+    pub(super) cfg: RemoteConfig,
+    pub(super) client: redis::Client,
+    pub(super) idle: Mutex<Vec<redis::Connection>>,
+    pub(super) idle_bulk: Mutex<Vec<BulkConn>>,
     health: Mutex<Health>,
-    counters: Counters,
+    pub(super) counters: RemoteCounters,
     generation: AtomicU64,
 }
 
@@ -108,7 +83,7 @@ impl RemoteClient {
             idle: Mutex::new(Vec::new()),
             idle_bulk: Mutex::new(Vec::new()),
             health: Mutex::new(health),
-            counters: Counters::default(),
+            counters: RemoteCounters::default(),
             generation: AtomicU64::new(0),
         })
     }
@@ -135,7 +110,7 @@ impl RemoteClient {
             .admit(Instant::now())
     }
 
-    fn record(&self, outcome: std::result::Result<(), &OpError>) {
+    pub(super) fn record(&self, outcome: std::result::Result<(), &OpError>) {
         if let Err(e) = outcome {
             add(
                 match e {
@@ -151,111 +126,16 @@ impl RemoteClient {
             .lock()
             .expect("health lock")
             .record(outcome.is_ok(), now);
-        if t == Transition::Probation {
-            // Pooled connections are likely broken too.
-            self.idle.lock().expect("pool lock").clear();
-            self.idle_bulk.lock().expect("pool lock").clear();
+        match t {
+            Transition::Probation => {
+                add(&self.counters.probations, 1);
+                // Pooled connections are likely broken too.
+                self.idle.lock().expect("pool lock").clear();
+                self.idle_bulk.lock().expect("pool lock").clear();
+            }
+            Transition::Recovery => add(&self.counters.recoveries, 1),
+            Transition::None => {}
         }
-    }
-
-    /// Sends the commands of `packed` on a pooled connection and returns their replies, or
-    /// fails the operation (error or deadline), recording the outcome in the tier's health.
-    fn pipeline(&self, packed: Packed<'_>) -> std::result::Result<Vec<Value>, OpError> {
-        let (segments, count) = packed.finish();
-        let start = Instant::now();
-        let deadline = self.cfg.deadline;
-        let result = (|| {
-            let pooled = self.idle.lock().expect("pool lock").pop();
-            let mut con = match pooled {
-                Some(c) => c,
-                None => self
-                    .client
-                    .get_connection_with_timeout(deadline)
-                    .map_err(|e| {
-                        if e.is_timeout() {
-                            OpError::Late
-                        } else {
-                            OpError::Redis
-                        }
-                    })?,
-            };
-            let left = deadline
-                .checked_sub(start.elapsed())
-                .filter(|d| !d.is_zero())
-                .ok_or(OpError::Late)?;
-            con.set_read_timeout(Some(left))
-                .map_err(|_| OpError::Redis)?;
-            con.set_write_timeout(Some(left))
-                .map_err(|_| OpError::Redis)?;
-            add(&self.counters.round_trips, 1);
-            let fail = |e: redis::RedisError| {
-                if e.is_timeout() {
-                    OpError::Late
-                } else {
-                    OpError::Redis
-                }
-            };
-            for seg in &segments {
-                con.send_packed_command(seg).map_err(fail)?;
-            }
-            let mut replies = Vec::with_capacity(count);
-            for _ in 0..count {
-                replies.push(con.recv_response().map_err(fail)?);
-            }
-            if start.elapsed() > deadline {
-                return Err(OpError::Late);
-            }
-            if replies.len() != count {
-                return Err(OpError::Redis);
-            }
-            self.idle.lock().expect("pool lock").push(con);
-            Ok(replies)
-        })();
-        self.record(result.as_ref().map(|_| ()));
-        result
-    }
-
-    /// Runs `work` over `batches` on up to `connections` threads; results in batch order.
-    fn run_batches<B: Sync, R: Send>(
-        &self,
-        batches: &[B],
-        work: impl Fn(&B) -> R + Sync,
-    ) -> Vec<R> {
-        let threads = self.cfg.connections.min(batches.len());
-        if threads <= 1 {
-            return batches.iter().map(&work).collect();
-        }
-        let next = AtomicUsize::new(0);
-        let mut out: Vec<Option<R>> = (0..batches.len()).map(|_| None).collect();
-        let results = Mutex::new(&mut out);
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, Relaxed);
-                    let Some(b) = batches.get(i) else { break };
-                    let r = work(b);
-                    results.lock().expect("results lock")[i] = Some(r);
-                });
-            }
-        });
-        out.into_iter()
-            .map(|r| r.expect("every batch ran"))
-            .collect()
-    }
-
-    /// Groups item indices into sub-batches of about `limit` bytes.
-    fn batches(lens: impl Iterator<Item = usize>, limit: usize) -> Vec<Vec<usize>> {
-        let mut out: Vec<Vec<usize>> = Vec::new();
-        let mut bytes = 0;
-        for (i, len) in lens.enumerate() {
-            if out.is_empty() || bytes + len > limit && !out.last().expect("one").is_empty() {
-                out.push(Vec::new());
-                bytes = 0;
-            }
-            out.last_mut().expect("one").push(i);
-            bytes += len;
-        }
-        out
     }
 
     /// Writes `items` under namespace `namespace`; per item, whether every part was stored.
@@ -316,78 +196,6 @@ impl RemoteClient {
             }
         }
         out
-    }
-
-    /// Sends `batches` (each packed by `pack` into its lead, tail and command count, see
-    /// [`Packed::finish_split`]) on up to `connections` threads, each batch one operation
-    /// with its deadline; per batch, each command's status (empty when the operation failed).
-    ///
-    /// A thread keeps its connection from batch to batch and sends the next batch's lead after
-    /// the current batch's tail; the next tail goes once the current replies are in, so the
-    /// server has likely read that lead alone and takes the large value that follows without
-    /// a copy. The next batch is packed (its checksums computed) while the server reads the
-    /// current tail.
-    fn send_batches<'a, B: Sync>(
-        &self,
-        batches: &[B],
-        pack: impl Fn(&B) -> Split<'a> + Sync,
-    ) -> Vec<Vec<bool>> {
-        let next = AtomicUsize::new(0);
-        let take = || {
-            let i = next.fetch_add(1, Relaxed);
-            batches.get(i).map(|b| (i, pack(b)))
-        };
-        let out: Mutex<Vec<Vec<bool>>> = Mutex::new(vec![Vec::new(); batches.len()]);
-        let stream = || {
-            let mut con = self.idle_bulk.lock().expect("pool lock").pop();
-            let mut lead_sent = false;
-            let mut cur = take();
-            while let Some((
-                i,
-                Split {
-                    lead,
-                    tail,
-                    commands,
-                },
-            )) = cur
-            {
-                let mut following = None;
-                let result = self.bulk_op_on(&mut con, |c| {
-                    if !lead_sent {
-                        c.send_all(&lead.iter().map(|s| &**s).collect::<Vec<_>>())?;
-                    }
-                    c.send_all(&tail.iter().map(|s| &**s).collect::<Vec<_>>())?;
-                    // Packed (checksums) while the server reads the tail.
-                    if let Some((_, next)) = following.insert(take()) {
-                        c.send_all(&next.lead.iter().map(|s| &**s).collect::<Vec<_>>())?;
-                    }
-                    (0..commands)
-                        .map(|_| c.status())
-                        .collect::<std::io::Result<Vec<_>>>()
-                });
-                let following = following.unwrap_or_else(take);
-                // A failed operation dropped the connection, and the next lead with it.
-                lead_sent = con.is_some() && following.is_some();
-                if let Ok(replies) = result {
-                    out.lock().expect("results lock")[i] = replies;
-                }
-                cur = following;
-            }
-            if let Some(c) = con {
-                self.idle_bulk.lock().expect("pool lock").push(c);
-            }
-        };
-        let threads = self.cfg.connections.min(batches.len());
-        if threads <= 1 {
-            stream();
-        } else {
-            std::thread::scope(|s| {
-                for _ in 0..threads {
-                    s.spawn(stream);
-                }
-            });
-        }
-        out.into_inner().expect("results lock")
     }
 
     /// Whether each of `keys` exists in namespace `namespace`; one round trip. `None` when
@@ -484,67 +292,6 @@ impl RemoteClient {
         out
     }
 
-    /// Runs one operation on a pooled [`BulkConn`] within the deadline, recording the outcome
-    /// in the tier's health.
-    fn bulk_op<R>(
-        &self,
-        op: impl FnOnce(&mut BulkConn) -> std::io::Result<R>,
-    ) -> std::result::Result<R, OpError> {
-        let mut con = self.idle_bulk.lock().expect("pool lock").pop();
-        let result = self.bulk_op_on(&mut con, op);
-        if let Some(c) = con {
-            self.idle_bulk.lock().expect("pool lock").push(c);
-        }
-        result
-    }
-
-    /// Runs one operation on `con` (connected first when `None`) within the deadline,
-    /// recording the outcome in the tier's health; a failed or late operation leaves `con`
-    /// `None` (the connection is dropped: replies may still be on their way).
-    fn bulk_op_on<R>(
-        &self,
-        con: &mut Option<BulkConn>,
-        op: impl FnOnce(&mut BulkConn) -> std::io::Result<R>,
-    ) -> std::result::Result<R, OpError> {
-        let start = Instant::now();
-        let deadline = self.cfg.deadline;
-        let classify = |e: std::io::Error| {
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) {
-                OpError::Late
-            } else {
-                OpError::Redis
-            }
-        };
-        let result = (|| {
-            let c = match con {
-                Some(c) => c,
-                None => con.insert(
-                    BulkConn::connect(self.client.get_connection_info(), deadline)
-                        .map_err(classify)?,
-                ),
-            };
-            let left = deadline
-                .checked_sub(start.elapsed())
-                .filter(|d| !d.is_zero())
-                .ok_or(OpError::Late)?;
-            c.set_timeout(left).map_err(classify)?;
-            add(&self.counters.round_trips, 1);
-            let out = op(c).map_err(classify)?;
-            if start.elapsed() > deadline {
-                return Err(OpError::Late);
-            }
-            Ok(out)
-        })();
-        if result.is_err() {
-            *con = None;
-        }
-        self.record(result.as_ref().map(|_| ()));
-        result
-    }
-
     /// Reads the replies of one chunk's parts into its destination and verifies it. An `Err`
     /// is a broken connection (the operation fails); anything the server holds that is not
     /// this chunk is a [`ReadOutcome::Corrupt`], a part it lacks a [`ReadOutcome::Miss`].
@@ -614,28 +361,7 @@ impl RemoteClient {
 
     /// Counters so far.
     pub fn stats(&self) -> RemoteStats {
-        let c = &self.counters;
-        let g = |a: &AtomicU64| a.load(Relaxed);
-        let h = self.health.lock().expect("health lock").clone();
-        RemoteStats {
-            writes: g(&c.writes),
-            failed_writes: g(&c.failed_writes),
-            dropped_writes: g(&c.dropped_writes),
-            read_hits: g(&c.read_hits),
-            read_misses: g(&c.read_misses),
-            failed_reads: g(&c.failed_reads),
-            checksum_mismatches: g(&c.checksum_mismatches),
-            lookups: g(&c.lookups),
-            lookup_hits: g(&c.lookup_hits),
-            skipped_lookups: g(&c.skipped_lookups),
-            round_trips: g(&c.round_trips),
-            errors: g(&c.errors),
-            deadline_misses: g(&c.deadline_misses),
-            probations: h.probations(),
-            recoveries: h.recoveries(),
-            bytes_written: g(&c.bytes_written),
-            bytes_read: g(&c.bytes_read),
-        }
+        self.counters.snapshot()
     }
 }
 
@@ -650,18 +376,5 @@ mod tests {
         let mut c = RemoteConfig::new("redis://127.0.0.1:1");
         c.connections = 0;
         assert!(err(c).contains("remote_connections"));
-    }
-
-    #[test]
-    fn large_writes_go_alone_small_ones_share_a_pipeline() {
-        let two_mib = [2 << 20; 4];
-        let alone = RemoteClient::batches(two_mib.iter().copied(), WRITE_BATCH_BYTES);
-        assert_eq!(alone, vec![vec![0], vec![1], vec![2], vec![3]]);
-        let shared = RemoteClient::batches(two_mib.iter().copied(), BATCH_BYTES);
-        assert_eq!(shared, vec![vec![0, 1, 2, 3]]);
-        let small = RemoteClient::batches([64 << 10; 32].into_iter(), WRITE_BATCH_BYTES);
-        assert_eq!(small, vec![(0..16).collect::<Vec<_>>(), (16..32).collect()]);
-        let mixed = RemoteClient::batches([4096, 2 << 20, 4096].into_iter(), WRITE_BATCH_BYTES);
-        assert_eq!(mixed, vec![vec![0], vec![1], vec![2]]);
     }
 }

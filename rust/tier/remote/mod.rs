@@ -40,17 +40,20 @@
 //! Files: this one the configuration, counters, items and keys; `pack.rs` how a pipeline's
 //! commands are laid out (data pieces sent from the caller's memory, the lead split off);
 //! `bulk.rs` the connection that sends and receives chunk values; `client.rs` the client
-//! (connection pool, deadlines, probation, write / exists / read).
+//! (connection pools, probation, counters, write / exists / read); `send.rs` how it sends one
+//! operation (deadline, outcome) and runs a call's sub-batches on parallel threads.
 
 mod bulk;
 mod client;
 mod pack;
+mod send;
 
 pub use client::RemoteClient;
 
 use std::time::Duration;
 
 use crate::ids::Key;
+use crate::tier::counters::atomic_counters;
 
 /// Most parts one chunk is split into.
 pub const MAX_PARTS: usize = 16;
@@ -101,43 +104,46 @@ impl RemoteConfig {
     }
 }
 
-/// Counters of one client (cumulative).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RemoteStats {
-    /// Chunks written (every part acknowledged).
-    pub writes: u64,
-    /// Chunks whose write failed (error, deadline, server refusal).
-    pub failed_writes: u64,
-    /// Chunks not written because the tier was on probation.
-    pub dropped_writes: u64,
-    /// Chunks read and verified.
-    pub read_hits: u64,
-    /// Chunks asked for and not found (or found incomplete).
-    pub read_misses: u64,
-    /// Chunks whose read failed (error, deadline): not served.
-    pub failed_reads: u64,
-    /// Chunks found but refused by verification (header or checksum): not served.
-    pub checksum_mismatches: u64,
-    /// Keys looked up.
-    pub lookups: u64,
-    /// Keys found by lookups.
-    pub lookup_hits: u64,
-    /// Lookups answered "miss" without I/O because the tier was on probation.
-    pub skipped_lookups: u64,
-    /// Pipelines sent (each one round trip).
-    pub round_trips: u64,
-    /// Operations that failed with an error (connection refused or broken, server error).
-    pub errors: u64,
-    /// Operations that missed their deadline.
-    pub deadline_misses: u64,
-    /// Times the tier was put on probation.
-    pub probations: u64,
-    /// Trials that ended a probation.
-    pub recoveries: u64,
-    /// Value bytes written (headers included).
-    pub bytes_written: u64,
-    /// Value bytes read (headers included).
-    pub bytes_read: u64,
+atomic_counters! {
+    /// The live counters of one client (thread-safe, cumulative).
+    pub struct RemoteCounters =>
+    /// Counters of one client (cumulative): a copy of its [`RemoteCounters`].
+    RemoteStats {
+        /// Chunks written (every part acknowledged).
+        writes,
+        /// Chunks whose write failed (error, deadline, server refusal).
+        failed_writes,
+        /// Chunks not written because the tier was on probation.
+        dropped_writes,
+        /// Chunks read and verified.
+        read_hits,
+        /// Chunks asked for and not found (or found incomplete).
+        read_misses,
+        /// Chunks whose read failed (error, deadline): not served.
+        failed_reads,
+        /// Chunks found but refused by verification (header or checksum): not served.
+        checksum_mismatches,
+        /// Keys looked up.
+        lookups,
+        /// Keys found by lookups.
+        lookup_hits,
+        /// Lookups answered "miss" without I/O because the tier was on probation.
+        skipped_lookups,
+        /// Pipelines sent (each one round trip).
+        round_trips,
+        /// Operations that failed with an error (connection refused or broken, server error).
+        errors,
+        /// Operations that missed their deadline.
+        deadline_misses,
+        /// Times the tier was put on probation.
+        probations,
+        /// Trials that ended a probation.
+        recoveries,
+        /// Value bytes written (headers included).
+        bytes_written,
+        /// Value bytes read (headers included).
+        bytes_read,
+    }
 }
 
 /// The outcome of one chunk's read.

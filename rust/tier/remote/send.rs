@@ -1,0 +1,275 @@
+//! How the client sends an operation: on a pooled connection (the crate's, or a [`BulkConn`]
+//! for chunk values) within [`RemoteConfig::deadline`](super::RemoteConfig::deadline), its
+//! outcome recorded in the tier's health; and how a call's sub-batches are grouped and run on
+//! up to [`RemoteConfig::connections`](super::RemoteConfig::connections) threads.
+
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use redis::Value;
+
+use super::bulk::BulkConn;
+use super::client::{add, RemoteClient};
+use super::pack::{Packed, Split};
+
+/// Why one pipelined operation failed.
+#[derive(Debug)]
+pub(super) enum OpError {
+    Redis,
+    Late,
+}
+
+impl RemoteClient {
+    /// Sends the commands of `packed` on a pooled connection and returns their replies, or
+    /// fails the operation (error or deadline), recording the outcome in the tier's health.
+    pub(super) fn pipeline(&self, packed: Packed<'_>) -> std::result::Result<Vec<Value>, OpError> {
+        let (segments, count) = packed.finish();
+        let start = Instant::now();
+        let deadline = self.cfg.deadline;
+        let result = (|| {
+            let pooled = self.idle.lock().expect("pool lock").pop();
+            let mut con = match pooled {
+                Some(c) => c,
+                None => self
+                    .client
+                    .get_connection_with_timeout(deadline)
+                    .map_err(|e| {
+                        if e.is_timeout() {
+                            OpError::Late
+                        } else {
+                            OpError::Redis
+                        }
+                    })?,
+            };
+            let left = deadline
+                .checked_sub(start.elapsed())
+                .filter(|d| !d.is_zero())
+                .ok_or(OpError::Late)?;
+            con.set_read_timeout(Some(left))
+                .map_err(|_| OpError::Redis)?;
+            con.set_write_timeout(Some(left))
+                .map_err(|_| OpError::Redis)?;
+            add(&self.counters.round_trips, 1);
+            let fail = |e: redis::RedisError| {
+                if e.is_timeout() {
+                    OpError::Late
+                } else {
+                    OpError::Redis
+                }
+            };
+            for seg in &segments {
+                con.send_packed_command(seg).map_err(fail)?;
+            }
+            let mut replies = Vec::with_capacity(count);
+            for _ in 0..count {
+                replies.push(con.recv_response().map_err(fail)?);
+            }
+            if start.elapsed() > deadline {
+                return Err(OpError::Late);
+            }
+            if replies.len() != count {
+                return Err(OpError::Redis);
+            }
+            self.idle.lock().expect("pool lock").push(con);
+            Ok(replies)
+        })();
+        self.record(result.as_ref().map(|_| ()));
+        result
+    }
+
+    /// Runs `work` over `batches` on up to `connections` threads; results in batch order.
+    pub(super) fn run_batches<B: Sync, R: Send>(
+        &self,
+        batches: &[B],
+        work: impl Fn(&B) -> R + Sync,
+    ) -> Vec<R> {
+        let threads = self.cfg.connections.min(batches.len());
+        if threads <= 1 {
+            return batches.iter().map(&work).collect();
+        }
+        let next = AtomicUsize::new(0);
+        let mut out: Vec<Option<R>> = (0..batches.len()).map(|_| None).collect();
+        let results = Mutex::new(&mut out);
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Relaxed);
+                    let Some(b) = batches.get(i) else { break };
+                    let r = work(b);
+                    results.lock().expect("results lock")[i] = Some(r);
+                });
+            }
+        });
+        out.into_iter()
+            .map(|r| r.expect("every batch ran"))
+            .collect()
+    }
+
+    /// Groups item indices into sub-batches of about `limit` bytes.
+    pub(super) fn batches(lens: impl Iterator<Item = usize>, limit: usize) -> Vec<Vec<usize>> {
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        let mut bytes = 0;
+        for (i, len) in lens.enumerate() {
+            if out.is_empty() || bytes + len > limit && !out.last().expect("one").is_empty() {
+                out.push(Vec::new());
+                bytes = 0;
+            }
+            out.last_mut().expect("one").push(i);
+            bytes += len;
+        }
+        out
+    }
+
+    /// Sends `batches` (each packed by `pack` into its lead, tail and command count, see
+    /// [`Packed::finish_split`]) on up to `connections` threads, each batch one operation
+    /// with its deadline; per batch, each command's status (empty when the operation failed).
+    ///
+    /// A thread keeps its connection from batch to batch and sends the next batch's lead after
+    /// the current batch's tail; the next tail goes once the current replies are in, so the
+    /// server has likely read that lead alone and takes the large value that follows without
+    /// a copy. The next batch is packed (its checksums computed) while the server reads the
+    /// current tail.
+    pub(super) fn send_batches<'a, B: Sync>(
+        &self,
+        batches: &[B],
+        pack: impl Fn(&B) -> Split<'a> + Sync,
+    ) -> Vec<Vec<bool>> {
+        let next = AtomicUsize::new(0);
+        let take = || {
+            let i = next.fetch_add(1, Relaxed);
+            batches.get(i).map(|b| (i, pack(b)))
+        };
+        let out: Mutex<Vec<Vec<bool>>> = Mutex::new(vec![Vec::new(); batches.len()]);
+        let stream = || {
+            let mut con = self.idle_bulk.lock().expect("pool lock").pop();
+            let mut lead_sent = false;
+            let mut cur = take();
+            while let Some((
+                i,
+                Split {
+                    lead,
+                    tail,
+                    commands,
+                },
+            )) = cur
+            {
+                let mut following = None;
+                let result = self.bulk_op_on(&mut con, |c| {
+                    if !lead_sent {
+                        c.send_all(&lead.iter().map(|s| &**s).collect::<Vec<_>>())?;
+                    }
+                    c.send_all(&tail.iter().map(|s| &**s).collect::<Vec<_>>())?;
+                    // Packed (checksums) while the server reads the tail.
+                    if let Some((_, next)) = following.insert(take()) {
+                        c.send_all(&next.lead.iter().map(|s| &**s).collect::<Vec<_>>())?;
+                    }
+                    (0..commands)
+                        .map(|_| c.status())
+                        .collect::<std::io::Result<Vec<_>>>()
+                });
+                let following = following.unwrap_or_else(take);
+                // A failed operation dropped the connection, and the next lead with it.
+                lead_sent = con.is_some() && following.is_some();
+                if let Ok(replies) = result {
+                    out.lock().expect("results lock")[i] = replies;
+                }
+                cur = following;
+            }
+            if let Some(c) = con {
+                self.idle_bulk.lock().expect("pool lock").push(c);
+            }
+        };
+        let threads = self.cfg.connections.min(batches.len());
+        if threads <= 1 {
+            stream();
+        } else {
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(stream);
+                }
+            });
+        }
+        out.into_inner().expect("results lock")
+    }
+
+    /// Runs one operation on a pooled [`BulkConn`] within the deadline, recording the outcome
+    /// in the tier's health.
+    pub(super) fn bulk_op<R>(
+        &self,
+        op: impl FnOnce(&mut BulkConn) -> std::io::Result<R>,
+    ) -> std::result::Result<R, OpError> {
+        let mut con = self.idle_bulk.lock().expect("pool lock").pop();
+        let result = self.bulk_op_on(&mut con, op);
+        if let Some(c) = con {
+            self.idle_bulk.lock().expect("pool lock").push(c);
+        }
+        result
+    }
+
+    /// Runs one operation on `con` (connected first when `None`) within the deadline,
+    /// recording the outcome in the tier's health; a failed or late operation leaves `con`
+    /// `None` (the connection is dropped: replies may still be on their way).
+    pub(super) fn bulk_op_on<R>(
+        &self,
+        con: &mut Option<BulkConn>,
+        op: impl FnOnce(&mut BulkConn) -> std::io::Result<R>,
+    ) -> std::result::Result<R, OpError> {
+        let start = Instant::now();
+        let deadline = self.cfg.deadline;
+        let classify = |e: std::io::Error| {
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
+                OpError::Late
+            } else {
+                OpError::Redis
+            }
+        };
+        let result = (|| {
+            let c = match con {
+                Some(c) => c,
+                None => con.insert(
+                    BulkConn::connect(self.client.get_connection_info(), deadline)
+                        .map_err(classify)?,
+                ),
+            };
+            let left = deadline
+                .checked_sub(start.elapsed())
+                .filter(|d| !d.is_zero())
+                .ok_or(OpError::Late)?;
+            c.set_timeout(left).map_err(classify)?;
+            add(&self.counters.round_trips, 1);
+            let out = op(c).map_err(classify)?;
+            if start.elapsed() > deadline {
+                return Err(OpError::Late);
+            }
+            Ok(out)
+        })();
+        if result.is_err() {
+            *con = None;
+        }
+        self.record(result.as_ref().map(|_| ()));
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tier::remote::{BATCH_BYTES, WRITE_BATCH_BYTES};
+
+    #[test]
+    fn large_writes_go_alone_small_ones_share_a_pipeline() {
+        let two_mib = [2 << 20; 4];
+        let alone = RemoteClient::batches(two_mib.iter().copied(), WRITE_BATCH_BYTES);
+        assert_eq!(alone, vec![vec![0], vec![1], vec![2], vec![3]]);
+        let shared = RemoteClient::batches(two_mib.iter().copied(), BATCH_BYTES);
+        assert_eq!(shared, vec![vec![0, 1, 2, 3]]);
+        let small = RemoteClient::batches([64 << 10; 32].into_iter(), WRITE_BATCH_BYTES);
+        assert_eq!(small, vec![(0..16).collect::<Vec<_>>(), (16..32).collect()]);
+        let mixed = RemoteClient::batches([4096, 2 << 20, 4096].into_iter(), WRITE_BATCH_BYTES);
+        assert_eq!(mixed, vec![vec![0], vec![1], vec![2]]);
+    }
+}
