@@ -131,7 +131,7 @@ pub struct Pool {
     pinned: u32,
     stats: PoolStats,
     victims: Vec<SlotId>,
-    /// Reused per call (slots of `complete_store`'s keys).
+    /// Reused per call (slots of `complete_store`'s keys, `prepare_store`'s protected ones).
     scratch: Vec<SlotId>,
     seen: FxHashSet<Key>,
 }

@@ -40,13 +40,18 @@ impl Pool {
     /// All or nothing: `None` when not enough entries are evictable; then nothing changed
     /// (the refusal is counted in [`PoolStats::no_room`]).
     pub fn prepare_store(&mut self, keys: &[Key]) -> Option<StorePlan> {
-        let mut plan = StorePlan::default();
+        let mut plan = StorePlan {
+            keys: Vec::with_capacity(keys.len()),
+            ..StorePlan::default()
+        };
         let many = keys.len() > LINEAR_DEDUP;
         if many {
             self.seen.clear();
         }
         // Ready entries of this call are protected from eviction by a temporary extra pin.
-        let mut protected: Vec<SlotId> = Vec::new();
+        // (`scratch` is free between calls: it holds `complete_store`'s slots only there.)
+        let mut protected = std::mem::take(&mut self.scratch);
+        protected.clear();
         for &key in keys {
             if let Some(&slot) = self.index.get(&key) {
                 if matches!(self.entries[slot.0 as usize], Entry::Ready(_)) {
@@ -78,6 +83,7 @@ impl Pool {
             self.adjust_pins(&protected, false);
             if !found {
                 self.victims = victims;
+                self.scratch = protected;
                 self.stats.no_room += 1;
                 return None;
             }
@@ -124,6 +130,7 @@ impl Pool {
             self.stats.contiguous_allocations += u64::from(runs == 1);
         }
         self.victims = victims;
+        self.scratch = protected;
         self.stats.filtered += plan.filtered.len() as u64;
         Some(plan)
     }

@@ -151,6 +151,8 @@ pub struct Scheduler {
     allocated: Vec<BlockId>,
     /// Requests whose store planning is retried next step (no room, or a load pending).
     retry: Vec<u32>,
+    /// Store planning's working lists, reused (`stores.rs`).
+    store_scratch: stores::StoreScratch,
     /// Jobs flushed by a reset, added to the next plan's flush set.
     reset_flush: Vec<JobId>,
     /// Tier jobs flushed by a reset, the next plan's `tier_flush`.
@@ -199,6 +201,7 @@ impl Scheduler {
             new_loads: Vec::new(),
             allocated: Vec::new(),
             retry: Vec::new(),
+            store_scratch: stores::StoreScratch::default(),
             reset_flush: Vec::new(),
             reset_tier_flush: Vec::new(),
             stats: SchedulerStats::default(),

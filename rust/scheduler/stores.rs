@@ -3,12 +3,26 @@
 //! worth of chunks per attempt; no room: retried next step). Chunks with a dropped position are
 //! skipped and counted.
 
-use crate::ids::BlockId;
+use crate::ids::{BlockId, Key, SlotId};
 use crate::jobs::JobKind;
 
 use super::plan::{GroupTransfer, PlannedJob};
 use super::requests::Status;
 use super::{JobPayload, Scheduler};
+
+/// Store planning's per-request working lists, kept by the scheduler between calls so that
+/// planning a request allocates only what its job and plan keep.
+#[derive(Debug, Default)]
+pub(super) struct StoreScratch {
+    /// One group's candidate keys (full chunks with all their blocks).
+    keys: Vec<Key>,
+    /// The chunk index of each of `keys`.
+    chunks: Vec<u32>,
+    /// `(chunk, slot)` of each chunk the pool reserved a slot for, in one group.
+    hints: Vec<(u32, SlotId)>,
+    /// `(group, cursor)` to set once every group is planned.
+    cursors: Vec<(usize, u32)>,
+}
 
 impl Scheduler {
     /// Plans the stores of each request of `work` once per step and drops the finished ones
@@ -46,20 +60,22 @@ impl Scheduler {
         }
         let bpc = self.cfg.blocks_per_chunk;
         let owner = r.owner;
+        let mut sc = std::mem::take(&mut self.store_scratch);
+        sc.cursors.clear();
         let mut transfers = Vec::new();
         let mut slots = Vec::new();
         let (mut eager, mut deferred) = (Vec::new(), Vec::new());
-        let mut cursors = Vec::new();
         let mut retry = false;
         for g in 0..self.cfg.groups.len() {
             let r = self.req(i);
             let rg = &r.groups[g];
             let limit = wm / self.cfg.chunk_tokens(g);
             let mut c = rg.cursor;
-            let (mut keys, mut chunks) = (Vec::new(), Vec::new());
+            sc.keys.clear();
+            sc.chunks.clear();
             let mut dropped = 0;
             // At most a pool's worth of chunks per attempt, so a long request still fits.
-            while c < limit && keys.len() < self.cfg.cpu_chunks as usize {
+            while c < limit && sc.keys.len() < self.cfg.cpu_chunks as usize {
                 let Some(key) = self.key(r, g, c) else {
                     break;
                 };
@@ -70,18 +86,18 @@ impl Scheduler {
                 if blocks.contains(&BlockId::NULL) {
                     dropped += 1;
                 } else {
-                    keys.push(key);
-                    chunks.push(c);
+                    sc.keys.push(key);
+                    sc.chunks.push(c);
                 }
                 c += 1;
             }
             if c == rg.cursor {
                 continue;
             }
-            let plan = if keys.is_empty() {
+            let plan = if sc.keys.is_empty() {
                 None
             } else {
-                let Some(p) = self.pools[g].prepare_store(&keys) else {
+                let Some(p) = self.pools[g].prepare_store(&sc.keys) else {
                     self.stats.store_no_room += 1;
                     retry = true;
                     continue;
@@ -89,36 +105,33 @@ impl Scheduler {
                 Some(p)
             };
             self.stats.chunks_dropped += dropped;
-            cursors.push((g, c));
+            sc.cursors.push((g, c));
             let Some(plan) = plan else {
                 continue;
             };
             let rg = &self.req(i).groups[g];
-            let mut tr = GroupTransfer {
-                group: g as u32,
-                gpu_blocks: Vec::with_capacity(plan.keys.len() * bpc as usize),
-                cpu_blocks: Vec::with_capacity(plan.keys.len() * bpc as usize),
-                keys: plan.keys.clone(),
-            };
+            let len = plan.keys.len() * bpc as usize;
+            let (mut gpu_blocks, mut cpu_blocks) =
+                (Vec::with_capacity(len), Vec::with_capacity(len));
             let mut j = 0;
-            let mut hints = Vec::with_capacity(plan.keys.len());
-            for (k, c) in keys.iter().zip(&chunks) {
+            sc.hints.clear();
+            for (k, c) in sc.keys.iter().zip(&sc.chunks) {
                 if plan.keys.get(j) != Some(k) {
                     continue;
                 }
-                let slot = plan.slots[j].0;
+                let slot = plan.slots[j];
                 j += 1;
-                hints.push((*c, plan.slots[j - 1]));
+                sc.hints.push((*c, slot));
                 for off in 0..bpc {
-                    tr.gpu_blocks.push(rg.blocks[(c * bpc + off) as usize]);
-                    tr.cpu_blocks.push(slot * bpc + off);
+                    gpu_blocks.push(rg.blocks[(c * bpc + off) as usize]);
+                    cpu_blocks.push(slot.0 * bpc + off);
                 }
             }
             let rg = &mut self.req_mut(i).groups[g];
-            for (c, slot) in hints {
+            for &(c, slot) in &sc.hints {
                 rg.hint(c, slot);
             }
-            if tr.gpu_blocks.is_empty() {
+            if gpu_blocks.is_empty() {
                 continue;
             }
             let class = if self.cfg.groups[g].sliding_window.is_some() {
@@ -126,15 +139,22 @@ impl Scheduler {
             } else {
                 &mut deferred
             };
-            class.extend_from_slice(&tr.gpu_blocks);
-            self.stats.store_chunks += tr.keys.len() as u64;
-            self.stats.store_bytes += tr.keys.len() as u64 * self.cfg.groups[g].bytes_per_chunk;
-            transfers.push(tr);
+            class.extend_from_slice(&gpu_blocks);
+            let chunks = plan.keys.len() as u64;
+            self.stats.store_chunks += chunks;
+            self.stats.store_bytes += chunks * self.cfg.groups[g].bytes_per_chunk;
+            transfers.push(GroupTransfer {
+                group: g as u32,
+                gpu_blocks,
+                cpu_blocks,
+                keys: plan.keys,
+            });
             slots.push(plan.slots);
         }
-        for (g, c) in cursors {
+        for &(g, c) in &sc.cursors {
             self.req_mut(i).groups[g].cursor = c;
         }
+        self.store_scratch = sc;
         if retry {
             self.retry.push(i);
         }
@@ -150,7 +170,7 @@ impl Scheduler {
                 deferred,
                 JobPayload {
                     req: i,
-                    // Its completion needs the keys only: the copies go out with the plan.
+                    // Its completion needs the keys only (one copy): the plan owns the rest.
                     transfers: transfers
                         .iter()
                         .map(|t| GroupTransfer {
