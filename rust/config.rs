@@ -330,6 +330,28 @@ fn gcd(a: u64, b: u64) -> u64 {
 }
 
 impl SchedulerConfig {
+    /// A configuration of `groups`, `num_gpu_blocks` GPU blocks (block 0 the null block) and
+    /// `cpu_chunks` CPU slots with one block per chunk, hashes per first group's block, LRU, one
+    /// worker, and every limit off; set other fields with struct update syntax. Not validated.
+    pub fn new(groups: Vec<GroupConfig>, num_gpu_blocks: u32, cpu_chunks: u32) -> Self {
+        let hash_block_size = groups.first().map_or(1, |g| g.block_size);
+        SchedulerConfig {
+            groups,
+            blocks_per_chunk: 1,
+            hash_block_size,
+            num_gpu_blocks,
+            null_block: Some(BlockId(0)),
+            cpu_chunks,
+            policy: PolicyKind::Lru,
+            num_workers: 1,
+            max_loading_requests: 0,
+            offload_prompt_only: false,
+            max_offload_tokens: None,
+            store_threshold: 0,
+            debug_skip_deferred_arming: false,
+        }
+    }
+
     /// Checks every value and combination, caps included.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::copy::{RowSpace, Span};
-use kvoffload::policy::PolicyKind;
 use kvoffload::scheduler::StepInput;
 use kvoffload::tier::disk::{engine_namespace, SlabFile};
 use kvoffload::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker};
@@ -121,25 +120,12 @@ pub fn config() -> SchedulerConfig {
 /// One full-attention group of 4-token blocks, one block per chunk of `chunk` bytes,
 /// `cpu_chunks` CPU slots, 64 GPU blocks, one worker.
 pub fn config_with(chunk: u64, cpu_chunks: u32) -> SchedulerConfig {
-    SchedulerConfig {
-        groups: vec![GroupConfig {
-            block_size: 4,
-            sliding_window: None,
-            bytes_per_chunk: chunk,
-        }],
-        blocks_per_chunk: 1,
-        hash_block_size: 4,
-        num_gpu_blocks: 64,
-        null_block: Some(BlockId(0)),
-        cpu_chunks,
-        policy: PolicyKind::Lru,
-        num_workers: 1,
-        max_loading_requests: 0,
-        offload_prompt_only: false,
-        max_offload_tokens: None,
-        store_threshold: 0,
-        debug_skip_deferred_arming: false,
-    }
+    let group = GroupConfig {
+        block_size: 4,
+        sliding_window: None,
+        bytes_per_chunk: chunk,
+    };
+    SchedulerConfig::new(vec![group], 64, cpu_chunks)
 }
 
 /// The [`CHUNK`] bytes of chunk `key`: a function of the key.
