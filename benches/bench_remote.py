@@ -31,9 +31,11 @@ vary far less with the machine's load than the GB/s do. What they showed on the 
 development machine (session 8, loaded by other builds): the server takes 0.26-0.47 CPU
 s/GB from any of our writers (half of it the kernel's copy out of the socket), the raw writer
 needs 0.29-0.37 of client CPU, our client 0.38-0.44 (the difference is CRC-32C), redis-py
-0.80-1.0 on one thread. So redis-py is bound near 1.1 GB/s by its own thread and any writer
-near 2.0-2.6 GB/s by the two cores: raw / redis-py, the best write ratio any client can reach
-here, was 1.6-2.6 measured and 1.8-2.4 at the CPU bounds; 3x needs more cores. Tried, not
+0.80-1.0 on one thread. So redis-py is bound near 1.1-1.2 GB/s by its own thread and any
+writer near 2.1-2.6 GB/s by the server's main thread (and the two cores): raw / redis-py, the
+best write ratio any client can reach here, was 1.6-2.6 measured and 1.8-2.4 at the CPU
+bounds. 3x needs the server's socket copy off its main thread (io-threads) and cores to run
+it on. Tried, not
 kept: the server's ``io-threads 2`` (with reads) spins its I/O thread and took more server CPU
 per GB on 2 cores (0.39 and 1.48 against 0.26-0.28 s/GB, throughput not better); ``SO_SNDBUF``
 of 4 or 8 MiB on the raw writer's sockets (medians 0.82, 0.81 against 0.80 GB/s: noise); 4
