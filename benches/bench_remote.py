@@ -3,6 +3,8 @@
 Run::
 
     .venv/bin/python benches/bench_remote.py [--only throughput|pace|faults]  # tables + JSON
+    .venv/bin/python benches/bench_remote.py --only throughput --io-threads 1 --io-threads 2 \
+        --connections 2 --connections 4    # one throughput run per server/client setting
     .venv/bin/python -m pytest benches/bench_remote.py -q -s   # same, as a test with the goals
 
 A fresh ``redis-server`` (Debian's package) is started on 127.0.0.1 with a free port. Each
@@ -13,11 +15,31 @@ the memory it frees instead of faulting in new pages):
 
 - ``kvoffload``: :class:`kvoffload._core.RemoteClient`: header + CRC-32C per chunk, pipelined
   sub-batches on pooled connections, GIL released, read verified and copied into the buffer.
+- ``raw`` (writes only): :class:`benches.remote_ceiling.RawWriter`, the upper bound: the same
+  ``SET``s pre-framed, sent from the same memory, no checksum, on as many connections.
 - ``redis-py``: the same keys and values (a 72-byte header + the chunk), a CRC-32 (zlib, in C)
   per chunk on both sides; writes in pipelines of ``PY_PIPELINE`` SETs of ``header + memoryview``
   (one copy: its fastest way here; one pipeline of ``header + tobytes()`` for all 64 chunks, the
   earlier baseline, ran at 0.66x of it), reads in one pipeline, the reply copied into the
   buffer.
+
+Every write phase also records this process's CPU time and the server's, per thread
+(:func:`benches.remote_ceiling.measure`), printed as CPU seconds per GB written, and from them
+the GB/s this machine's cores allow each writer (``bound``): client and server share the
+cores, the server's main thread and redis-py's one thread use at most one each. Those costs
+vary far less with the machine's load than the GB/s do. What they showed on the 2-core
+development machine (session 8, loaded by other builds): the server takes 0.26-0.47 CPU
+s/GB from any of our writers (half of it the kernel's copy out of the socket), the raw writer
+needs 0.29-0.37 of client CPU, our client 0.38-0.44 (the difference is CRC-32C), redis-py
+0.80-1.0 on one thread. So redis-py is bound near 1.1-1.2 GB/s by its own thread and any
+writer near 2.1-2.6 GB/s by the server's main thread (and the two cores): raw / redis-py, the
+best write ratio any client can reach here, was 1.6-2.6 measured and 1.8-2.4 at the CPU
+bounds. 3x needs the server's socket copy off its main thread (io-threads) and cores to run
+it on. Tried, not
+kept: the server's ``io-threads 2`` (with reads) spins its I/O thread and took more server CPU
+per GB on 2 cores (0.39 and 1.48 against 0.26-0.28 s/GB, throughput not better); ``SO_SNDBUF``
+of 4 or 8 MiB on the raw writer's sockets (medians 0.82, 0.81 against 0.80 GB/s: noise); 4
+connections instead of 2 (server 0.26 against 0.28 s/GB, GB/s within noise).
 
 Then a 512-chunk prefix lookup with our client: the round trips it took (budget: one).
 Goals (DESIGN.md §7): ≥ 1 GB/s each direction and ≥ 3x redis-py in the same run.
@@ -26,6 +48,7 @@ Goals (DESIGN.md §7): ≥ 1 GB/s each direction and ≥ 3x redis-py in the same
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import zlib
@@ -35,6 +58,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benches.remote_ceiling import Cost, RawWriter, measure
 from tests.remote_support import redis_server
 
 from kvoffload._core import RemoteClient
@@ -49,24 +73,21 @@ PY_PIPELINE = 4  # redis-py's fastest write here: 1 0.36, 4 0.38, 8 0.30, 64 0.2
 NAMESPACE = 0x5EED
 GOAL_GBPS = 1.0
 GOAL_RATIO = 3.0
+RAW_HEADER = bytes(range(HEADER))  # the raw writer's header: any 72 bytes, no checksum
 
 
-def ours(
-    client: RemoteClient, src: np.ndarray, dst: np.ndarray, keys: list[int]
-) -> tuple[float, float]:
+def ours_read(client: RemoteClient, dst: np.ndarray, keys: list[int]) -> float:
     t0 = time.perf_counter()
-    assert all(client.write(NAMESPACE, keys, src))
-    t1 = time.perf_counter()
     assert client.read(NAMESPACE, keys, dst) == ["hit"] * len(keys)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    return time.perf_counter() - t0
 
 
-def redis_py(
-    conn: object, src: np.ndarray, dst: np.ndarray, keys: list[int]
-) -> tuple[float, float]:
-    names = [f"kvo:{NAMESPACE + 1:032x}:{k:032x}" for k in keys]
-    t0 = time.perf_counter()
+def _names(keys: list[int]) -> list[str]:
+    return [f"kvo:{NAMESPACE + 1:032x}:{k:032x}" for k in keys]
+
+
+def redis_py_write(conn: object, src: np.ndarray, keys: list[int]) -> None:
+    names = _names(keys)
     for start in range(0, len(names), PY_PIPELINE):
         pipe = conn.pipeline(transaction=False)  # type: ignore[attr-defined]
         for i in range(start, min(len(names), start + PY_PIPELINE)):
@@ -74,39 +95,63 @@ def redis_py(
             header = zlib.crc32(chunk).to_bytes(4, "little") * (HEADER // 4)
             pipe.set(names[i], header + chunk)  # one copy: the value must start with the header
         assert all(pipe.execute())
-    t1 = time.perf_counter()
+
+
+def redis_py_read(conn: object, dst: np.ndarray, keys: list[int]) -> float:
+    t0 = time.perf_counter()
     pipe = conn.pipeline(transaction=False)  # type: ignore[attr-defined]
-    for name in names:
+    for name in _names(keys):
         pipe.get(name)
     for i, value in enumerate(pipe.execute()):
         body = memoryview(value)[HEADER:]
         assert zlib.crc32(body) == int.from_bytes(value[:4], "little")
         dst[i * CHUNK : (i + 1) * CHUNK] = np.frombuffer(body, dtype=np.uint8)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    return time.perf_counter() - t0
 
 
-def run(chunks: int = CHUNKS, rounds: int = ROUNDS) -> dict[str, float]:
-    """Runs the benchmark and returns its numbers (GB/s, ratios, lookup round trips)."""
+WRITERS = ("ours", "raw", "redispy")
+
+
+def run(
+    chunks: int = CHUNKS,
+    rounds: int = ROUNDS,
+    options: tuple[str, ...] = (),
+    connections: int | None = CONNECTIONS,
+) -> dict[str, float]:
+    """Runs the benchmark and returns its numbers (GB/s, ratios, CPU per GB, the server's
+    utilisation while writing, lookup round trips); ``options`` go to the server."""
     import redis as redis_py_module
 
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, size=chunks * CHUNK, dtype=np.uint8)
     dst = np.zeros_like(src)
     keys = list(range(1, chunks + 1))
-    best = {"ours_w": 1e9, "ours_r": 1e9, "py_w": 1e9, "py_r": 1e9}
-    with redis_server(maxmemory=4 * chunks * CHUNK + (256 << 20)) as server:
-        client = RemoteClient(server.url, deadline_ms=10_000, connections=CONNECTIONS)
+    best = {"ours_r": 1e9, "py_r": 1e9}
+    cores = len(os.sched_getaffinity(0))
+    costs: dict[str, list[Cost]] = {w: [] for w in WRITERS}
+    with redis_server(maxmemory=5 * chunks * CHUNK + (256 << 20), options=options) as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        # The client's default: one connection per core, at most 4; the raw writer's too.
+        conns = connections or min(4, cores)
+        client = RemoteClient(server.url, deadline_ms=10_000, connections=conns)
         conn = redis_py_module.Redis(host="127.0.0.1", port=server.port)
+        raw = RawWriter(server.port, conns)
+        leads = raw.frame([f"kvo:{NAMESPACE + 2:032x}:{k:032x}" for k in keys], HEADER + CHUNK)
         for _ in range(rounds):
             dst[:] = 0
-            w, rd = ours(client, src, dst, keys)
+            cost = measure(pid, lambda: client.write(NAMESPACE, keys, src))
+            costs["ours"].append(cost)
+            rd = ours_read(client, dst, keys)
             assert np.array_equal(src, dst), "our client read other bytes"
-            best["ours_w"], best["ours_r"] = min(best["ours_w"], w), min(best["ours_r"], rd)
+            best["ours_r"] = min(best["ours_r"], rd)
+            costs["raw"].append(measure(pid, lambda: raw.write(leads, RAW_HEADER, src, CHUNK)))
             dst[:] = 0
-            w, rd = redis_py(conn, src, dst, keys)
+            costs["redispy"].append(measure(pid, lambda: redis_py_write(conn, src, keys)))
+            rd = redis_py_read(conn, dst, keys)
             assert np.array_equal(src, dst), "redis-py read other bytes"
-            best["py_w"], best["py_r"] = min(best["py_w"], w), min(best["py_r"], rd)
+            best["py_r"] = min(best["py_r"], rd)
+        assert conn.get(leads[-1].split(b"\r\n")[4]) == RAW_HEADER + src[-CHUNK:].tobytes()
         lookup_keys = list(range(1, 513))
         client.write(NAMESPACE, lookup_keys, np.zeros(512 * 64, dtype=np.uint8))
         before = client.stats()["round_trips"]
@@ -114,18 +159,35 @@ def run(chunks: int = CHUNKS, rounds: int = ROUNDS) -> dict[str, float]:
         trips = client.stats()["round_trips"] - before
         assert found == [True] * 512
         conn.close()
+        raw.close()
     gb = chunks * CHUNK / 1e9
-    out = {
+    out: dict[str, float] = {
         "chunk_bytes": CHUNK,
         "chunks": chunks,
-        "ours_write_gbps": gb / best["ours_w"],
+        "connections": conns,
+        "cores": cores,
         "ours_read_gbps": gb / best["ours_r"],
-        "redispy_write_gbps": gb / best["py_w"],
         "redispy_read_gbps": gb / best["py_r"],
         "lookup_512_round_trips": trips,
     }
+    for w, cs in costs.items():
+        out[f"{w}_write_gbps"] = gb / min(c.wall for c in cs)
+        wall = sum(c.wall for c in cs)
+        out[f"{w}_client_cpu_s_per_gb"] = sum(c.client_cpu for c in cs) / (gb * len(cs))
+        out[f"{w}_server_cpu_s_per_gb"] = sum(c.server_cpu for c in cs) / (gb * len(cs))
+        out[f"{w}_server_top_cpu_s_per_gb"] = sum(c.server_top for c in cs) / (gb * len(cs))
+        out[f"{w}_server_busy"] = sum(c.server_top for c in cs) / wall
+        # What this machine's CPUs allow: client and server share the cores; the server's
+        # busiest thread (the main thread) and redis-py's one thread each use at most one.
+        both = out[f"{w}_client_cpu_s_per_gb"] + out[f"{w}_server_cpu_s_per_gb"]
+        bound = min(cores / both, 1 / out[f"{w}_server_top_cpu_s_per_gb"])
+        if w == "redispy":
+            bound = min(bound, 1 / out[f"{w}_client_cpu_s_per_gb"])
+        out[f"{w}_cpu_bound_gbps"] = bound
     out["write_ratio"] = out["ours_write_gbps"] / out["redispy_write_gbps"]
     out["read_ratio"] = out["ours_read_gbps"] / out["redispy_read_gbps"]
+    out["best_write_ratio"] = out["raw_write_gbps"] / out["redispy_write_gbps"]
+    out["cpu_bound_write_ratio"] = out["raw_cpu_bound_gbps"] / out["redispy_cpu_bound_gbps"]
     return out
 
 
@@ -229,15 +291,38 @@ def faults(requests: int = 200, phase_steps: int = 200) -> dict[str, dict[str, f
     return best
 
 
-def report(out: dict[str, float]) -> None:
-    """Prints the table and the JSON line."""
-    print(f"\nshared tier, loopback, {out['chunks']} x {out['chunk_bytes'] >> 20} MiB chunks")
+def report(out: dict[str, float], options: tuple[str, ...] = ()) -> None:
+    """Prints the tables and the JSON line."""
+    print(
+        f"\nshared tier, loopback, {out['chunks']} x {out['chunk_bytes'] >> 20} MiB chunks, "
+        f"{out['connections']} connections, server options: {' '.join(options) or 'none'}"
+    )
     print(f"{'':8} {'kvoffload GB/s':>15} {'redis-py GB/s':>14} {'ratio':>6}")
     for d in ("write", "read"):
         print(
             f"{d:8} {out[f'ours_{d}_gbps']:15.2f} {out[f'redispy_{d}_gbps']:14.2f} "
             f"{out[f'{d}_ratio']:6.1f}"
         )
+    print(
+        "writes: CPU seconds per GB written (all rounds): the client, the server (all its "
+        "threads, its busiest one);\nbusy = the busiest server thread's CPU / wall; bound = "
+        f"GB/s the {out['cores']} cores allow at these costs (see run())"
+    )
+    print(
+        f"{'writer':14} {'GB/s':>6} {'client':>7} {'server':>7} {'busiest':>8} {'busy':>5} "
+        f"{'bound':>6}"
+    )
+    for w, name in (("ours", "kvoffload"), ("raw", "raw (ceiling)"), ("redispy", "redis-py")):
+        print(
+            f"{name:14} {out[f'{w}_write_gbps']:6.2f} {out[f'{w}_client_cpu_s_per_gb']:7.3f} "
+            f"{out[f'{w}_server_cpu_s_per_gb']:7.3f} {out[f'{w}_server_top_cpu_s_per_gb']:8.3f} "
+            f"{out[f'{w}_server_busy']:5.2f} {out[f'{w}_cpu_bound_gbps']:6.2f}"
+        )
+    print(
+        f"best write ratio possible: raw / redis-py {out['best_write_ratio']:.1f} measured, "
+        f"{out['cpu_bound_write_ratio']:.1f} at the CPU bounds; "
+        f"kvoffload = {out['ours_write_gbps'] / out['raw_write_gbps']:.2f} x raw"
+    )
     print(f"512-chunk prefix lookup: {out['lookup_512_round_trips']} round trip(s)")
     print(json.dumps(out))
 
@@ -262,9 +347,25 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         help="run only this measurement (repeatable; default: all)",
     )
-    only = set(ap.parse_args(argv).only or ("throughput", "pace", "faults"))
+    ap.add_argument(
+        "--io-threads",
+        type=int,
+        action="append",
+        help="throughput: the server's io-threads (reads too); repeatable: one run each",
+    )
+    ap.add_argument(
+        "--connections",
+        type=int,
+        action="append",
+        help="throughput: connections of our client and the raw writer; repeatable: one run each",
+    )
+    args = ap.parse_args(argv)
+    only = set(args.only or ("throughput", "pace", "faults"))
     if "throughput" in only:
-        report(run())
+        for n in args.io_threads or [1]:
+            options = ("--io-threads", str(n), "--io-threads-do-reads", "yes") if n > 1 else ()
+            for c in args.connections or [None]:
+                report(run(options=options, connections=c), options)
     if "pace" in only:
         p = pace()
         print(

@@ -66,9 +66,12 @@ class RedisServer:
     Args:
         maxmemory: the server's memory limit in bytes (``allkeys-lru`` beyond it).
         bind: extra addresses to listen on besides 127.0.0.1 (test hosts' gateways).
+        options: more ``--name value`` arguments for the server (benchmarks: ``io-threads``).
     """
 
-    def __init__(self, maxmemory: int = 512 << 20, bind: Sequence[str] = ()) -> None:
+    def __init__(
+        self, maxmemory: int = 512 << 20, bind: Sequence[str] = (), options: Sequence[str] = ()
+    ) -> None:
         if shutil.which(REDIS_SERVER) is None:
             raise RuntimeError(
                 "redis-server is not installed: `make test` installs Debian's redis-server "
@@ -76,6 +79,7 @@ class RedisServer:
             )
         self.maxmemory = maxmemory
         self.bind = ["127.0.0.1", *bind]
+        self.options = list(options)
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvoffload-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -116,6 +120,7 @@ class RedisServer:
                 "no",
                 "--logfile",
                 str(self.dir / "redis.log"),
+                *self.options,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -164,11 +164,14 @@ def test_flushed_server_means_misses(redis: RedisServer) -> None:
 def test_slow_server_misses_deadlines_then_recovers(
     redis: RedisServer, delay_proxy: DelayProxy
 ) -> None:
-    client = RemoteClient(delay_proxy.url, deadline_ms=100, probation_after=2, probation_ms=300)
+    # Load-independent timing: healthy operations get a deadline no loaded machine misses, the
+    # slow server holds replies far past it (not a delay a stalled client could mistake for
+    # healthy), and the probation's end is waited for, not slept for.
+    client = RemoteClient(delay_proxy.url, deadline_ms=1000, probation_after=2, probation_ms=1000)
     ns = namespace("")
     keys, data = keys_and_data(0, 4)
     assert all(client.write(ns, keys, data))
-    delay_proxy.delay = 0.5
+    delay_proxy.delay = 60.0
     t0 = time.monotonic()
     assert read_checked(client, ns, keys) == ["failed"] * 4
     assert client.exists(ns, keys) is None
@@ -180,10 +183,14 @@ def test_slow_server_misses_deadlines_then_recovers(
     t0 = time.monotonic()
     assert client.exists(ns, keys) is None
     assert time.monotonic() - t0 < bounded
+    assert client.stats()["deadline_misses"] == 2
     delay_proxy.delay = 0.0
-    time.sleep(0.35)
+    give_up = time.monotonic() + 30
+    while client.on_probation and time.monotonic() < give_up:
+        time.sleep(0.01)
     assert read_checked(client, ns, keys) == ["hit"] * 4
-    assert client.stats()["recoveries"] == 1
+    s = client.stats()
+    assert (s["recoveries"], s["deadline_misses"], s["probations"]) == (1, 2, 1)
 
 
 def test_bad_arguments_raise_kvoffload_errors_by_name(redis: RedisServer) -> None:

@@ -162,6 +162,19 @@ mod tests {
     }
 
     #[test]
+    fn checksum_is_crc32c_on_known_vectors() {
+        // The format's checksum (CRC-32C, Castagnoli): RFC 3720 B.4 vectors and the catalogue's
+        // check value; any change of implementation must keep these.
+        assert_eq!(checksum([&b"123456789"[..]]), 0xE306_9283);
+        assert_eq!(checksum([&[0u8; 32][..]]), 0x8A91_36AA);
+        assert_eq!(checksum([&[0xFFu8; 32][..]]), 0x62A8_AB43);
+        let inc: Vec<u8> = (0..32).collect();
+        assert_eq!(checksum([&inc[..]]), 0x46DD_794E);
+        assert_eq!(checksum([&inc[..7], &inc[7..]]), 0x46DD_794E);
+        assert_eq!(checksum([]), 0);
+    }
+
+    #[test]
     fn every_single_bit_flip_is_refused() {
         let enc = sample().encode();
         for bit in 0..HEADER_LEN * 8 {
