@@ -3,6 +3,12 @@
 //! it recompute, its CPU slots are never reused until its late report, a late success serves
 //! nothing, and every byte read from the CPU pool is the oracle's. Failed or expired jobs put
 //! the tier on probation: stores dropped, lookups skip it, then a trial recovers it.
+//!
+//! No outcome depends on how loaded the machine is: the hung promotion is held by a gate
+//! ([`ReadFault::hang`]), not by time; the deadline and the probation are seconds, far longer
+//! than any scheduling hiccup of the steps that must fit in them (a promotion that must succeed,
+//! on a nice-19 I/O thread; the steps a probation must cover); and a test waits past them until
+//! an instant taken after their clock started, so it is past them when it looks.
 
 use std::path::{Path, PathBuf};
 use std::thread::sleep;
@@ -18,6 +24,11 @@ mod tier_support;
 use tier_support::{config, namespace, oracle, step, CpuTier, CHUNK};
 
 const DISK_BYTES: u64 = 64 * (BLOCK + 2 * BLOCK);
+
+/// A promotion's deadline (see the module documentation).
+const DEADLINE: Duration = Duration::from_secs(3);
+/// A probation's length (see the module documentation).
+const PROBATION: Duration = Duration::from_secs(3);
 
 /// One engine: its scheduler, its CPU pool bytes and a real tier worker over them.
 struct Engine {
@@ -153,13 +164,18 @@ fn keys(base: u128, n: u128) -> Vec<Key> {
     (1..=n).map(|i| Key(base + i)).collect()
 }
 
-/// A short deadline; probation only after many failures (or after `after`).
+/// [`DEADLINE`] and [`PROBATION`]; probation only after many failures (or after `after`).
 fn watch(after: u32) -> DiskWatch {
     DiskWatch {
-        deadline: Duration::from_millis(100),
+        deadline: DEADLINE,
         probation_after: after,
-        probation: Duration::from_millis(300),
+        probation: PROBATION,
     }
+}
+
+/// Sleeps until `t` (at once if it passed).
+fn sleep_until(t: Instant) {
+    sleep(t.saturating_duration_since(Instant::now()));
 }
 
 /// First engine on `root`: 4 chunks computed, written behind to disk; then closed.
@@ -172,13 +188,35 @@ fn fill(root: &Path) -> Vec<Key> {
 }
 
 /// A second engine's request `id` on `a`: the lookup creates a promotion (ask later), whose
-/// job is handed to the worker, where it hangs; returns its CPU slots.
-fn hung_promotion(e: &mut Engine, fault: &ReadFault, id: &'static str, a: &[Key]) -> Vec<u32> {
+/// job is handed to the worker, where it hangs; requests `waiting` (also on `a`) look up right
+/// after the plan and wait for it. Returns its CPU slots and the instant its deadline is
+/// counted from, or a later one.
+fn hung_promotion(
+    e: &mut Engine,
+    fault: &ReadFault,
+    id: &'static str,
+    waiting: &[&'static str],
+    a: &[Key],
+) -> (Vec<u32>, Instant) {
+    let before = Instant::now();
     e.s.add_request(id, 17, a.to_vec()).unwrap();
     assert_eq!(e.s.lookup(id, 0).unwrap(), None, "promotion: ask later");
     let plan = e.s.schedule(&step(&[], &[], &[])).unwrap();
+    let planned = Instant::now();
     assert_eq!(plan.tier_jobs.len(), 1);
     assert_eq!(plan.tier_jobs[0].kind, TierJobKind::Promote);
+    for w in waiting {
+        e.s.add_request(w, 17, a.to_vec()).unwrap();
+        assert_eq!(
+            e.s.lookup(w, 0).unwrap(),
+            None,
+            "{w} waits for the promotion"
+        );
+    }
+    assert!(
+        before.elapsed() < DEADLINE,
+        "the machine stalled this thread for the whole deadline"
+    );
     let slots = plan.tier_jobs[0].cpu_slots.clone();
     e.hung.push(plan.tier_jobs[0].id);
     e.execute(&plan, Duration::from_millis(1));
@@ -190,7 +228,22 @@ fn hung_promotion(e: &mut Engine, fault: &ReadFault, id: &'static str, a: &[Key]
         );
         sleep(Duration::from_millis(1));
     }
-    slots
+    (slots, planned)
+}
+
+/// Request `id` (added) on `a`: runs empty steps until its lookup answers; the promotion
+/// it waits for finishes well within [`DEADLINE`].
+fn promoted(e: &mut Engine, id: &'static str, a: &[Key]) -> Option<u32> {
+    e.s.add_request(id, 17, a.to_vec()).unwrap();
+    let until = Instant::now() + 2 * DEADLINE;
+    loop {
+        let answer = e.s.lookup(id, 0).unwrap();
+        if answer.is_some() || Instant::now() > until {
+            return answer;
+        }
+        let plan = e.s.schedule(&step(&[], &[], &[])).unwrap();
+        e.execute(&plan, Duration::from_millis(5));
+    }
 }
 
 #[test]
@@ -199,21 +252,14 @@ fn a_hung_promotion_expires_its_slots_stay_held_and_a_late_success_serves_nothin
     let a = fill(&root);
     let mut e = Engine::new(&root, watch(100));
     let fault = ReadFault::hang(&root);
-    let held = hung_promotion(&mut e, &fault, "b", &a);
+    let (held, planned) = hung_promotion(&mut e, &fault, "b", &["b2"], &a);
     // Both I/O threads lowered their CPU priority (the hung one before its first job).
     if cfg!(target_os = "linux") {
         assert_eq!(e.tier.worker.low_priority_threads().1, 2);
         assert!(e.tier.worker.low_priority_threads().0 >= 1);
     }
-    // A second request waits for the promotion in flight.
-    e.s.add_request("b2", 17, a.clone()).unwrap();
-    assert_eq!(
-        e.s.lookup("b2", 0).unwrap(),
-        None,
-        "waits for the promotion"
-    );
-
-    sleep(Duration::from_millis(200));
+    // A second request ("b2") waits for the promotion in flight.
+    sleep_until(planned + DEADLINE);
     // Past the deadline: both requests stop waiting and recompute.
     assert_eq!(e.s.lookup("b", 0).unwrap(), Some(0));
     assert_eq!(e.s.lookup("b2", 0).unwrap(), Some(0));
@@ -261,17 +307,7 @@ fn a_hung_promotion_expires_its_slots_stay_held_and_a_late_success_serves_nothin
 
     // The disk still holds the chunks (a late success only unpins them): a new request
     // promotes them again and loads the oracle's bytes.
-    e.s.add_request("d", 17, a.clone()).unwrap();
-    let mut answer = None;
-    for _ in 0..1000 {
-        answer = e.s.lookup("d", 0).unwrap();
-        if answer.is_some() {
-            break;
-        }
-        let plan = e.s.schedule(&step(&[], &[], &[])).unwrap();
-        e.execute(&plan, Duration::from_millis(5));
-    }
-    assert_eq!(answer, Some(16));
+    assert_eq!(promoted(&mut e, "d", &a), Some(16));
     e.s.allocate("d", &[(40..=44).map(BlockId).collect()], 0, 16)
         .unwrap()
         .expect("a load");
@@ -292,9 +328,12 @@ fn expired_and_failed_jobs_put_the_disk_on_probation_then_a_trial_recovers_it() 
     let a = fill(&root);
     let mut e = Engine::new(&root, watch(1));
     let fault = ReadFault::hang(&root);
-    hung_promotion(&mut e, &fault, "b", &a);
-    sleep(Duration::from_millis(200));
+    let (_, planned) = hung_promotion(&mut e, &fault, "b", &[], &a);
+    sleep_until(planned + DEADLINE);
+    // The probation starts at this lookup's expiry, between these instants.
+    let before = Instant::now();
     assert_eq!(e.s.lookup("b", 0).unwrap(), Some(0));
+    let expired = Instant::now();
     let st = e.s.tier_stats()[0];
     assert_eq!((st.expired_promotions, st.tier.probations), (1, 1));
 
@@ -312,20 +351,14 @@ fn expired_and_failed_jobs_put_the_disk_on_probation_then_a_trial_recovers_it() 
     assert!(st.skipped_lookups >= 4 && st.tier.skipped_checks == st.skipped_lookups);
     assert_eq!(st.dropped_writes, 4);
     assert_eq!(st.tier.writes, 4, "only the first engine's chunks");
+    assert!(
+        before.elapsed() < PROBATION,
+        "the machine stalled the steps above for the whole probation"
+    );
 
     // After the probation: a trial promotion succeeds, the tier recovers.
-    sleep(Duration::from_millis(350));
-    e.s.add_request("z", 17, a.clone()).unwrap();
-    let mut answer = None;
-    for _ in 0..1000 {
-        answer = e.s.lookup("z", 0).unwrap();
-        if answer.is_some() {
-            break;
-        }
-        let plan = e.s.schedule(&step(&[], &[], &[])).unwrap();
-        e.execute(&plan, Duration::from_millis(5));
-    }
-    assert_eq!(answer, Some(16));
+    sleep_until(expired + PROBATION);
+    assert_eq!(promoted(&mut e, "z", &a), Some(16));
     let st = e.s.tier_stats()[0];
     assert_eq!(
         (st.promote_jobs, st.tier.probations, st.tier.recoveries),
