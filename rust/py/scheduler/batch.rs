@@ -14,10 +14,12 @@
 //!   per run; loads are indexed first, then stores), instead of a Python object per job and
 //!   a list per group; the plan's tier jobs packed the same way, one row per chunk (`tier::encode_tier_jobs`).
 //!
-//! The sizes the conversion needs are read under the core lock, the Python inputs converted
-//! with the lock released, and the step applied under it again (the module convention: never
-//! call Python while holding the core lock). The hashes are appended before the step is
-//! validated: they are facts of the engine, not part of the step.
+//! Every request id is resolved once, under the core lock that also reads the sizes the
+//! conversion needs ([`crate::scheduler::Resolved`]); the Python inputs are converted with the
+//! lock released, and the step applied by those handles under it again (the module convention:
+//! never call Python while holding the core lock). The hashes are appended before the step is
+//! validated, all or none ([`Core::extend_hashes_many`]): they are facts of the engine, not
+//! part of the step.
 
 use std::ops::Range;
 use std::sync::atomic::Ordering;
