@@ -444,3 +444,72 @@ fn a_finished_prefix_outlives_colder_chunks_under_pressure() {
         assert_eq!(s.lookup("a2", 0).unwrap(), Some(16), "{policy}");
     }
 }
+
+#[test]
+fn extend_hashes_many_checks_every_request_before_appending() {
+    let mut s = Scheduler::new(config(None)).unwrap();
+    s.add_request("a", 9, keys(1)).unwrap();
+    s.add_request("b", 9, keys(1)).unwrap();
+    let unknown = [("a", keys_from(5, 2)), ("nope", keys_from(7, 1))];
+    assert_eq!(
+        s.extend_hashes_many(&unknown),
+        Err(Error::UnknownRequest("nope".into()))
+    );
+    let twice = [
+        ("b", keys_from(5, 1)),
+        ("a", keys_from(6, 1)),
+        ("b", keys_from(7, 1)),
+    ];
+    assert!(matches!(
+        s.extend_hashes_many(&twice),
+        Err(Error::RequestState { request, .. }) if request == "b"
+    ));
+    assert_eq!(
+        (s.num_hashes("a").unwrap(), s.num_hashes("b").unwrap()),
+        (1, 1)
+    );
+    s.extend_hashes_many(&[("a", keys_from(5, 2)), ("b", keys_from(7, 1))])
+        .unwrap();
+    assert_eq!(
+        (s.num_hashes("a").unwrap(), s.num_hashes("b").unwrap()),
+        (3, 2)
+    );
+}
+
+/// A handle outlives its request: the slab index is reused by another request, and the stale
+/// handle falls back to its id (unknown now), never to the new request at that index.
+#[test]
+fn stale_handles_resolve_by_id() {
+    let mut s = Scheduler::new(config(None)).unwrap();
+    let store = stored(&mut s, "a", keys(2), &[1, 2, 3]);
+    let a = s.resolved("a".to_owned());
+    assert!(a.resolved_handle().is_some());
+    assert_eq!(s.num_hashes(&a).unwrap(), 2);
+    s.schedule(&step(&[], &["a"], &[])).unwrap();
+    s.complete(store, 0, true).unwrap();
+    assert_eq!(s.num_requests(), 0);
+    // "b" takes a's slab index.
+    s.add_request("b", 9, keys_from(50, 1)).unwrap();
+    assert_eq!(s.num_hashes(&a), Err(Error::UnknownRequest("a".into())));
+    assert_eq!(
+        s.extend_hashes_many(&[(a.clone(), keys(1))]),
+        Err(Error::UnknownRequest("a".into()))
+    );
+    let input = StepInput {
+        scheduled: vec![a],
+        computed: vec![4],
+        new_blocks: Vec::new(),
+        resumed: Vec::new(),
+        finished: Vec::new(),
+        aborted: Vec::new(),
+        preempted: Vec::new(),
+        written: None,
+    };
+    assert_eq!(s.schedule(&input), Err(Error::UnknownRequest("a".into())));
+    assert_eq!(s.num_hashes("b").unwrap(), 1);
+    // A handle resolved before an unrelated request was added stays valid.
+    let b = s.resolved("b");
+    s.add_request("c", 9, keys(1)).unwrap();
+    s.extend_hashes_many(&[(b, keys_from(51, 1))]).unwrap();
+    assert_eq!(s.num_hashes("b").unwrap(), 2);
+}

@@ -302,3 +302,40 @@ def test_blocks_allocated_beyond_the_hit_are_written_without_being_listed() -> N
     s.allocate("b", [[2, 3]], 0, 0)
     flush = s.schedule_batch(["b"], [0], added={"b": 8}, written=[])[3]
     assert flush == [store]
+
+
+def test_a_bad_hash_tail_appends_no_other_request_s_tail() -> None:
+    s = core(cpu_chunks=16)
+    ha, hb = hashes(1, 3), hashes(2, 3)
+    s.sync_request("a", 12, ha[:2])
+    s.sync_request("b", 12, hb[:2])
+    s.allocate("a", [[1, 2, 3]], 0, 0)
+    s.allocate("b", [[4, 5, 6]], 0, 0)
+    before = snapshot(s)
+    # a's tail converts fine, b's last hash does not: neither tail is appended.
+    with pytest.raises(InvalidKeyError, match=r"hashes\[b\]\[2\]"):
+        s.schedule_batch(
+            ["a", "b"], [0, 0], added={"a": 12, "b": 12}, hashes={"a": ha, "b": [*hb[:2], "x"]}
+        )
+    assert snapshot(s) == before
+    # The same step without hashes: each request stores the two chunks it has hashes for.
+    loads, _, stores, _, runs, _, _ = s.schedule_batch(
+        ["a", "b"], [0, 0], added={"a": 12, "b": 12}, written=[]
+    )
+    assert decode(runs, loads + stores) == {
+        stores[0]: [(0, [1, 2], [0, 1])],
+        stores[1]: [(0, [4, 5], [2, 3])],
+    }
+
+
+def test_a_request_both_scheduled_and_finished_fails_the_step_and_gets_its_tail_once() -> None:
+    s = core(cpu_chunks=16)
+    ha = hashes(1, 3)
+    s.sync_request("a", 20, ha[:1])
+    s.allocate("a", [[1, 2, 3, 4, 5]], 0, 0)
+    with pytest.raises(KvOffloadError, match="scheduled and released"):
+        s.schedule_batch(["a"], [0], added={"a": 20}, hashes={"a": ha}, finished=["a"])
+    # The tail (a fact of the engine) was appended once: three hashes, three chunks stored
+    # (twice would give five hashes, and five chunks).
+    _, _, stores, _, runs, _, _ = s.schedule_batch(["a"], [0], added={"a": 20}, written=[])
+    assert decode(runs, stores) == {stores[0]: [(0, [1, 2, 3], [0, 1, 2])]}

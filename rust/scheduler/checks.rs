@@ -5,6 +5,7 @@
 use crate::error::{Error, Result};
 use crate::ids::BlockId;
 
+use super::handle::RequestRef;
 use super::plan::StepInput;
 use super::requests::Status;
 use super::Scheduler;
@@ -99,7 +100,7 @@ pub(super) struct CheckedStep {
 impl Scheduler {
     /// Checks a whole step input before anything changes, in a fixed order so that the same
     /// bad input always raises the same error.
-    pub(super) fn check_step<S: AsRef<str>>(
+    pub(super) fn check_step<S: RequestRef>(
         &mut self,
         input: &StepInput<S>,
     ) -> Result<CheckedStep> {
@@ -143,8 +144,7 @@ impl Scheduler {
         };
         let mut scheduled = Vec::with_capacity(input.scheduled.len());
         for (id, computed) in input.scheduled.iter().zip(&input.computed) {
-            let id = id.as_ref();
-            let i = self.idx(id)?;
+            let i = self.idx_of(id)?;
             live(self, i, "allocate it before scheduling it")?;
             scheduled.push((i, *computed));
         }
@@ -165,11 +165,10 @@ impl Scheduler {
         }
         let mut new_blocks = Vec::with_capacity(input.new_blocks.len());
         for (id, g, blocks) in &input.new_blocks {
-            let id = id.as_ref();
-            let i = self.idx(id)?;
+            let i = self.idx_of(id)?;
             if *g as usize >= self.cfg.groups.len() {
                 return Err(Error::RequestState {
-                    request: id.to_owned(),
+                    request: id.id().to_owned(),
                     reason: format!(
                         "got blocks for group {g}, but the engine has {} KV groups",
                         self.cfg.groups.len()

@@ -8,6 +8,7 @@ use crate::jobs::JobStats;
 use crate::pool::Pool;
 use crate::tracker::FenceStats;
 
+use super::handle::RequestRef;
 use super::plan::{SchedulerEvent, SchedulerStats};
 use super::requests::Status;
 use super::Scheduler;
@@ -77,14 +78,14 @@ impl Scheduler {
     }
 
     /// Number of chained hashes request `id` holds (an engine appends only the ones beyond).
-    pub fn num_hashes(&self, id: &str) -> Result<usize> {
-        Ok(self.req(self.idx(id)?).hashes.len())
+    pub fn num_hashes<R: RequestRef + ?Sized>(&self, id: &R) -> Result<usize> {
+        Ok(self.req(self.idx_of(id)?).hashes.len())
     }
 
     /// Length of request `id`'s block table in group `g` (0 for a group it has no table in).
-    pub fn table_len(&self, id: &str, g: usize) -> Result<usize> {
+    pub fn table_len<R: RequestRef + ?Sized>(&self, id: &R, g: usize) -> Result<usize> {
         Ok(self
-            .req(self.idx(id)?)
+            .req(self.idx_of(id)?)
             .groups
             .get(g)
             .map_or(0, |t| t.blocks.len()))

@@ -38,6 +38,7 @@
 
 mod checks;
 mod complete;
+mod handle;
 mod inspect;
 mod load;
 mod lookup;
@@ -59,6 +60,7 @@ use crate::ids::{BlockId, JobId, Key, SlotId};
 use crate::pool::{Pool, PoolConfig};
 use crate::tracker::Tracker;
 
+pub use handle::{RequestHandle, RequestRef, Resolved};
 pub use plan::{
     CompletedJob, GroupTransfer, PlannedJob, SchedulerEvent, SchedulerStats, StepInput, StepPlan,
 };

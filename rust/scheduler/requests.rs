@@ -7,6 +7,7 @@ use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, JobId, Key, OwnerId, SlotId};
 
+use super::handle::RequestRef;
 use super::lookup::LookupResult;
 use super::Scheduler;
 
@@ -179,8 +180,8 @@ impl Scheduler {
     }
 
     /// Appends chained hashes as the request's tokens grow.
-    pub fn extend_hashes(&mut self, id: &str, hashes: &[Key]) -> Result<()> {
-        let i = self.idx(id)?;
+    pub fn extend_hashes<R: RequestRef + ?Sized>(&mut self, id: &R, hashes: &[Key]) -> Result<()> {
+        let i = self.idx_of(id)?;
         self.req_mut(i).hashes.extend_from_slice(hashes);
         Ok(())
     }
@@ -210,8 +211,8 @@ impl Scheduler {
     }
 
     /// Slab indices of request ids.
-    pub(super) fn ids<S: AsRef<str>>(&self, ids: &[S]) -> Result<Vec<u32>> {
-        ids.iter().map(|id| self.idx(id.as_ref())).collect()
+    pub(super) fn ids<S: RequestRef>(&self, ids: &[S]) -> Result<Vec<u32>> {
+        ids.iter().map(|id| self.idx_of(id)).collect()
     }
 
     /// Drops a finished or aborted request once nothing is pending for it.

@@ -6,6 +6,7 @@ use crate::error::Result;
 use crate::ids::{BlockId, JobId};
 
 use super::checks::CheckedStep;
+use super::handle::RequestRef;
 use super::plan::{PlannedJob, StepInput, StepPlan};
 use super::requests::Status;
 use super::Scheduler;
@@ -14,7 +15,7 @@ impl Scheduler {
     /// Applies one engine step and returns its plan: loads created since the previous plan,
     /// stores for chunks that became full, and the flush set of the single fence check.
     /// Everything is validated before anything changes.
-    pub fn schedule<S: AsRef<str>>(&mut self, input: &StepInput<S>) -> Result<StepPlan> {
+    pub fn schedule<S: RequestRef>(&mut self, input: &StepInput<S>) -> Result<StepPlan> {
         let step = self.check_step(input)?;
         self.step += 1;
         self.stats.steps += 1;

@@ -14,12 +14,17 @@
 //!   per run; loads are indexed first, then stores), instead of a Python object per job and
 //!   a list per group; the plan's tier jobs packed the same way, one row per chunk (`tier::encode_tier_jobs`).
 //!
-//! The sizes the conversion needs are read under the core lock, the Python inputs converted
-//! with the lock released, and the step applied under it again (the module convention: never
-//! call Python while holding the core lock). The hashes are appended before the step is
-//! validated: they are facts of the engine, not part of the step.
+//! Every request id is resolved once, under the core lock that also reads the sizes the
+//! conversion needs ([`crate::scheduler::Resolved`]); the Python inputs are converted with the
+//! lock released, and the step applied by those handles under it again (the module convention:
+//! never call Python while holding the core lock). The hashes are appended before the step is
+//! validated, all or none ([`Core::extend_hashes_many`]): they are facts of the engine, not
+//! part of the step.
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
+
+use rustc_hash::FxHashSet;
 
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
@@ -30,7 +35,7 @@ use super::super::errors::{to_py, StepInputError};
 use super::input::{computed_counts, id_list, step_tokens, tuples};
 use super::Scheduler;
 use crate::ids::{BlockId, Key};
-use crate::scheduler::{Scheduler as Core, StepInput, StepPlan};
+use crate::scheduler::{Resolved, Scheduler as Core, StepInput, StepPlan};
 
 /// The arguments of `Scheduler.schedule_batch`, as given (see its doc).
 pub(super) struct Args<'a, 'py> {
@@ -54,61 +59,99 @@ impl Scheduler {
     /// wrong place, so nothing is applied and the input is converted again.
     pub(super) fn batch_step(&self, py: Python<'_>, args: &Args<'_, '_>) -> PyResult<StepPlan> {
         loop {
-            let (mut input, hash_tails, seen) = self.batch_input(py, args)?;
+            let (step, seen) = self.batch_input(py, args)?;
             let mut core = self.lock();
             if self.locks.load(Ordering::Relaxed) != seen + 1 {
                 continue;
             }
-            for (id, tail) in &hash_tails {
-                core.extend_hashes(id, tail).map_err(to_py)?;
-            }
-            if let Some(w) = input.written.as_mut() {
+            let ids = &step.ids;
+            let tails: Vec<(Resolved<&str>, &[Key])> = step
+                .hash_tails
+                .iter()
+                .map(|(k, tail)| (ids[*k].borrowed(), &tail[..]))
+                .collect();
+            core.extend_hashes_many(&tails).map_err(to_py)?;
+            let mut written = step.written;
+            if let Some(w) = written.as_mut() {
                 w.extend_from_slice(core.allocated_beyond_hit());
             }
+            let names = |r: &std::ops::Range<usize>| ids[r.clone()].iter().map(Resolved::borrowed);
+            let input = StepInput {
+                scheduled: names(&step.scheduled).collect(),
+                computed: step.tokens,
+                new_blocks: step
+                    .new_blocks
+                    .into_iter()
+                    .map(|(k, g, blocks)| (ids[k].borrowed(), g, blocks))
+                    .collect(),
+                resumed: Vec::new(),
+                finished: names(&step.finished).collect(),
+                aborted: names(&step.aborted).collect(),
+                preempted: names(&step.preempted).collect(),
+                written,
+            };
             return core.schedule(&input).map_err(to_py);
         }
     }
 
-    /// The step input and the hash tails to append, converted from `args` against the sizes
-    /// read under one lock; and the lock count after that lock.
-    #[allow(clippy::type_complexity)]
-    fn batch_input(
-        &self,
-        py: Python<'_>,
-        args: &Args<'_, '_>,
-    ) -> PyResult<(StepInput<PyBackedStr>, Vec<(String, Vec<Key>)>, u64)> {
+    /// The step converted from `args` against the sizes read under one lock, which also
+    /// resolves every request id once; and the lock count after that lock.
+    fn batch_input(&self, py: Python<'_>, args: &Args<'_, '_>) -> PyResult<(Converted, u64)> {
         let added = dict_arg(args.added, "added")?;
         let hashes = dict_arg(args.hashes, "hashes")?;
-        let sched = scheduled(args.scheduled)?;
-        let tokens = tokens(args.computed, added, &sched)?;
+        let (objs, sched) = scheduled(args.scheduled)?;
+        let tokens = tokens(args.computed, added, &objs, &sched)?;
         let finished = id_list(args.finished, "finished")?;
         let aborted = id_list(args.aborted, "aborted")?;
         let preempted = id_list(args.preempted, "preempted")?;
-        let whole = whole_tables(args.tables)?;
-        let released: Vec<&str> = finished.iter().chain(&aborted).map(|id| &**id).collect();
-        let table_ids: Vec<&str> = whole.iter().map(|(_, name, _)| &**name).collect();
-        let (sizes, seen) = {
+        let (table_ids, table_lists) = whole_tables(args.tables)?;
+        // One list of ids, in ranges: scheduled, finished, aborted, preempted, tables.
+        let mut ranges = Vec::with_capacity(5);
+        let mut all = Vec::new();
+        for list in [sched, finished, aborted, preempted, table_ids] {
+            ranges.push(all.len()..all.len() + list.len());
+            all.extend(list);
+        }
+        let [scheduled, finished, aborted, preempted, tables] =
+            <[_; 5]>::try_from(ranges).expect("five ranges");
+        let (ids, sizes, seen) = {
             let core = self.lock();
-            let sizes = sizes(&core, &sched, &released, &table_ids);
-            (sizes, self.locks.load(Ordering::Relaxed))
+            let ids: Vec<Resolved<PyBackedStr>> =
+                all.into_iter().map(|id| core.resolved(id)).collect();
+            let sizes = sizes(
+                &core,
+                &ids,
+                &scheduled,
+                &(finished.start..aborted.end),
+                &tables,
+            );
+            (ids, sizes, self.locks.load(Ordering::Relaxed))
         };
 
         let mut hash_tails = Vec::new();
         if let Some(lists) = hashes {
-            for (k, (s, held)) in sched.iter().zip(&sizes.hashes).enumerate() {
+            // A request named twice (scheduled and released: the step fails) gets one tail.
+            let mut seen_handles = FxHashSet::default();
+            for (k, held) in scheduled.clone().zip(&sizes.hashes) {
                 let Some(held) = *held else { continue };
-                if (tokens[k] / sizes.hash_block_size) as usize <= held {
+                let s = k - scheduled.start;
+                if (tokens[s] / sizes.hash_block_size) as usize <= held
+                    || !seen_handles.insert(ids[k].resolved_handle())
+                {
                     continue;
                 }
-                if let Some(tail) = hash_tail(lists, &s.obj, held)? {
-                    hash_tails.push((s.id.to_string(), tail));
+                if let Some(tail) = hash_tail(lists, &objs[s], held)? {
+                    hash_tails.push((k, tail));
                 }
             }
-            for (id, held) in released.iter().zip(&sizes.released_hashes) {
+            for (k, held) in (finished.start..aborted.end).zip(&sizes.released_hashes) {
                 let Some(held) = *held else { continue };
-                let key = PyString::new(py, id);
+                if !seen_handles.insert(ids[k].resolved_handle()) {
+                    continue;
+                }
+                let key = PyString::new(py, ids[k].name());
                 if let Some(tail) = hash_tail(lists, key.as_any(), held)? {
-                    hash_tails.push(((*id).to_owned(), tail));
+                    hash_tails.push((k, tail));
                 }
             }
         }
@@ -121,25 +164,27 @@ impl Scheduler {
                 "a sequence of per-group block lists (or None), one per scheduled request",
                 StepInputError::new_err,
             )?;
-            if items.len() != sched.len() {
+            if items.len() != objs.len() {
                 return Err(StepInputError::new_err(format!(
                     "step input: {} scheduled request ids but {} appended block lists",
-                    sched.len(),
+                    objs.len(),
                     items.len()
                 )));
             }
-            for (k, (item, s)) in items.iter().zip(&sched).enumerate() {
+            for (k, item) in items.iter().enumerate() {
                 if item.is_none() {
                     continue;
                 }
                 let what = format!("appended[{k}]");
                 let lists = group_lists(item, &what)?;
-                append_groups(&s.obj, &lists, &[], &what, &mut new_blocks, &mut fresh)?;
+                let who = scheduled.start + k;
+                append_groups(who, &lists, &[], &what, &mut new_blocks, &mut fresh)?;
             }
         }
-        for (k, ((id, _, lists), held)) in whole.iter().zip(&sizes.tables).enumerate() {
+        for (k, (lists, held)) in table_lists.iter().zip(&sizes.tables).enumerate() {
             let what = format!("tables[{k}][1]");
-            append_groups(id, lists, held, &what, &mut new_blocks, &mut fresh)?;
+            let who = tables.start + k;
+            append_groups(who, lists, held, &what, &mut new_blocks, &mut fresh)?;
         }
         let written = match args.written {
             Some(w) if !w.is_none() => {
@@ -149,49 +194,66 @@ impl Scheduler {
             }
             _ => None,
         };
-        let input = StepInput {
-            scheduled: sched.into_iter().map(|s| s.id).collect(),
-            computed: tokens,
-            new_blocks,
-            resumed: Vec::new(),
+        let step = Converted {
+            ids,
+            scheduled,
             finished,
             aborted,
             preempted,
+            tokens,
+            new_blocks,
+            hash_tails,
             written,
         };
-        Ok((input, hash_tails, seen))
+        Ok((step, seen))
     }
 }
 
-/// The scheduled request ids, each with its object (a key of `added` and `hashes`).
-fn scheduled<'py>(scheduled: &Bound<'py, PyAny>) -> PyResult<Vec<Scheduled<'py>>> {
-    convert::items(
+/// The step as converted: every request id once, resolved (in ranges by role), and the rest
+/// naming requests by their position in `ids`.
+struct Converted {
+    ids: Vec<Resolved<PyBackedStr>>,
+    scheduled: Range<usize>,
+    finished: Range<usize>,
+    aborted: Range<usize>,
+    preempted: Range<usize>,
+    tokens: Vec<u32>,
+    new_blocks: Vec<(usize, u32, Vec<BlockId>)>,
+    hash_tails: Vec<(usize, Vec<Key>)>,
+    written: Option<Vec<BlockId>>,
+}
+
+/// The scheduled request ids: the objects (keys of `added` and `hashes`) and the owned ids.
+fn scheduled<'py>(
+    scheduled: &Bound<'py, PyAny>,
+) -> PyResult<(Vec<Bound<'py, PyAny>>, Vec<PyBackedStr>)> {
+    let objs = convert::items(
         scheduled,
         "scheduled",
         "a sequence of request ids (str)",
         StepInputError::new_err,
-    )?
-    .into_iter()
-    .enumerate()
-    .map(|(i, obj)| {
-        let id = convert::request_id_owned(obj.clone(), || format!("scheduled[{i}]"))?;
-        Ok(Scheduled { obj, id })
-    })
-    .collect()
+    )?;
+    let ids = objs
+        .iter()
+        .enumerate()
+        .map(|(i, obj)| convert::request_id_owned(obj.clone(), || format!("scheduled[{i}]")))
+        .collect::<PyResult<_>>()?;
+    Ok((objs, ids))
 }
 
 /// Per scheduled request its `computed` tokens plus `added[id]` where given.
 fn tokens(
     computed: &Bound<'_, PyAny>,
     added: Option<&Bound<'_, PyDict>>,
-    sched: &[Scheduled<'_>],
+    objs: &[Bound<'_, PyAny>],
+    ids: &[PyBackedStr],
 ) -> PyResult<Vec<u32>> {
-    let counts = computed_counts(computed, sched.len())?;
-    let mut tokens = Vec::with_capacity(sched.len());
-    for (i, (c, s)) in counts.iter().zip(sched).enumerate() {
+    let counts = computed_counts(computed, objs.len())?;
+    let mut tokens = Vec::with_capacity(objs.len());
+    for (i, ((c, obj), id)) in counts.iter().zip(objs).zip(ids).enumerate() {
         let mut n = step_tokens(c, || format!("computed[{i}]"))?;
-        if let Some(more) = added.map(|a| a.get_item(&s.obj)).transpose()?.flatten() {
-            let what = || format!("added[{:?}]", &*s.id);
+        if let Some(more) = added.map(|a| a.get_item(obj)).transpose()?.flatten() {
+            let what = || format!("added[{:?}]", &**id);
             let more = step_tokens(&more, what)?;
             n = n.checked_add(more).ok_or_else(|| {
                 StepInputError::new_err(format!("computed[{i}] + {} overflows 2**32", what()))
@@ -202,33 +264,27 @@ fn tokens(
     Ok(tokens)
 }
 
-/// The `tables` argument: per item the id object, the owned id and the per-group block lists.
+/// The `tables` argument: the owned ids, and per item the per-group block lists.
 #[allow(clippy::type_complexity)]
 fn whole_tables<'py>(
     tables: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Vec<(Bound<'py, PyAny>, PyBackedStr, Vec<Bound<'py, PyAny>>)>> {
+) -> PyResult<(Vec<PyBackedStr>, Vec<Vec<Bound<'py, PyAny>>>)> {
     let Some(t) = tables.filter(|t| !t.is_none()) else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     };
     tuples::<2>(t, "tables", "(request_id, block tables) pair")?
         .enumerate()
         .map(|(i, pair)| {
             let [id, lists] = pair?;
             let what = format!("tables[{i}]");
-            let name = convert::request_id_owned(id.clone(), || format!("{what}[0]"))?;
-            Ok((id, name, group_lists(&lists, &format!("{what}[1]"))?))
+            let name = convert::request_id_owned(id, || format!("{what}[0]"))?;
+            Ok((name, group_lists(&lists, &format!("{what}[1]"))?))
         })
         .collect()
 }
 
-/// A scheduled request's items: its id object (a dict key) and owned id.
-struct Scheduled<'py> {
-    obj: Bound<'py, PyAny>,
-    id: PyBackedStr,
-}
-
 /// What the core must be asked before converting: per scheduled request the hashes it holds,
-/// per finished one too, per whole table the lengths it holds.
+/// per finished or aborted one too, per whole table the lengths it holds.
 struct Sizes {
     hash_block_size: u32,
     hashes: Vec<Option<usize>>,
@@ -236,17 +292,27 @@ struct Sizes {
     tables: Vec<Vec<usize>>,
 }
 
-/// Reads the [`Sizes`] (under the core lock held by the caller).
-fn sizes(core: &Core, scheduled: &[Scheduled<'_>], released: &[&str], tables: &[&str]) -> Sizes {
+/// Reads the [`Sizes`] of the requests `ids[scheduled]`, `ids[released]` and `ids[tables]`
+/// (under the core lock held by the caller).
+fn sizes(
+    core: &Core,
+    ids: &[Resolved<PyBackedStr>],
+    scheduled: &Range<usize>,
+    released: &Range<usize>,
+    tables: &Range<usize>,
+) -> Sizes {
     let groups = core.config().groups.len();
+    let held = |r: &Range<usize>| -> Vec<Option<usize>> {
+        ids[r.clone()]
+            .iter()
+            .map(|id| id.resolved_handle().and(core.num_hashes(id).ok()))
+            .collect()
+    };
     Sizes {
         hash_block_size: core.config().hash_block_size,
-        hashes: scheduled
-            .iter()
-            .map(|s| core.num_hashes(&s.id).ok())
-            .collect(),
-        released_hashes: released.iter().map(|id| core.num_hashes(id).ok()).collect(),
-        tables: tables
+        hashes: held(scheduled),
+        released_hashes: held(released),
+        tables: ids[tables.clone()]
             .iter()
             .map(|id| {
                 (0..groups)
@@ -314,14 +380,14 @@ fn blocks_from(list: &Bound<'_, PyAny>, start: usize, what: &str) -> PyResult<Ve
     Ok(convert::blocks(list, what)?.split_off(start))
 }
 
-/// Appends `(request, group, blocks)` for every non-empty group list of `lists` (each from its
+/// Appends `(who, group, blocks)` for every non-empty group list of `lists` (each from its
 /// position in `from`), and the blocks to `written`.
 fn append_groups(
-    id: &Bound<'_, PyAny>,
+    who: usize,
     lists: &[Bound<'_, PyAny>],
     from: &[usize],
     what: &str,
-    new_blocks: &mut Vec<(PyBackedStr, u32, Vec<BlockId>)>,
+    new_blocks: &mut Vec<(usize, u32, Vec<BlockId>)>,
     written: &mut Vec<BlockId>,
 ) -> PyResult<()> {
     for (g, list) in lists.iter().enumerate() {
@@ -331,8 +397,7 @@ fn append_groups(
         }
         let blocks = blocks_from(list, start, &format!("{what}[{g}]"))?;
         written.extend_from_slice(&blocks);
-        let id = convert::request_id_owned(id.clone(), || what.to_owned())?;
-        new_blocks.push((id, g as u32, blocks));
+        new_blocks.push((who, g as u32, blocks));
     }
     Ok(())
 }
