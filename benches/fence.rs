@@ -18,7 +18,6 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::jobs::JobKind;
-use kvoffload::policy::PolicyKind;
 use kvoffload::scheduler::{Scheduler, StepInput};
 use kvoffload::tracker::Tracker;
 use kvoffload::{BlockId, Key, OwnerId};
@@ -112,21 +111,11 @@ fn prefill_setup(groups: u32) -> (Scheduler, StepInput<String>) {
         bytes_per_chunk: 1 << 16,
     };
     let per_req = STEP_BLOCKS * groups;
-    let mut s = Scheduler::new(SchedulerConfig {
-        groups: (0..groups).map(|g| group((g > 0).then_some(64))).collect(),
-        blocks_per_chunk: 1,
-        hash_block_size: 16,
-        num_gpu_blocks: 1 + STEP_REQUESTS * per_req,
-        null_block: Some(BlockId(0)),
-        cpu_chunks: 4 * STEP_REQUESTS * per_req,
-        policy: PolicyKind::Lru,
-        num_workers: 1,
-        max_loading_requests: 0,
-        offload_prompt_only: false,
-        max_offload_tokens: None,
-        store_threshold: 0,
-        debug_skip_deferred_arming: false,
-    })
+    let mut s = Scheduler::new(SchedulerConfig::new(
+        (0..groups).map(|g| group((g > 0).then_some(64))).collect(),
+        1 + STEP_REQUESTS * per_req,
+        4 * STEP_REQUESTS * per_req,
+    ))
     .unwrap();
     let tokens = STEP_BLOCKS * 16;
     let mut written = Vec::new();

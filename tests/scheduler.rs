@@ -24,21 +24,7 @@ fn config(window: Option<u32>) -> SchedulerConfig {
             bytes_per_chunk: 64,
         });
     }
-    SchedulerConfig {
-        groups,
-        blocks_per_chunk: 1,
-        hash_block_size: 4,
-        num_gpu_blocks: 64,
-        null_block: Some(BlockId(0)),
-        cpu_chunks: 16,
-        policy: PolicyKind::Lru,
-        num_workers: 1,
-        max_loading_requests: 0,
-        offload_prompt_only: false,
-        max_offload_tokens: None,
-        store_threshold: 0,
-        debug_skip_deferred_arming: false,
-    }
+    SchedulerConfig::new(groups, 64, 16)
 }
 
 /// Block ids from plain integers.
