@@ -13,7 +13,8 @@ hashes each, computed untimed, as the frontend does). Each round then registers 
 through the connector as vLLM's ``Scheduler.add_request`` does (``on_new_request``), then
 finishes them all in one core step (untimed) for the next round. The numbers are the engine
 thread's CPU time per call (one clock read per round), median, best and worst round, with the
-same loop over a no-op function for the overhead the bench's loop itself adds.
+same loop over a no-op function for the overhead the bench's loop itself adds, and over the
+core's ``sync_request`` alone (the one call ``on_new_request`` makes: hash conversion included).
 """
 
 from __future__ import annotations
@@ -63,21 +64,29 @@ def main(argv: list[str] | None = None) -> int:
     n_hashes = len(reqs[0].block_hashes)
     conn = s.get_kv_connector()
     calls: list[float] = []
+    core: list[float] = []
     noop: list[float] = []
+    ids = [r.request_id for r in reqs]
+
+    def sync(r: Any) -> None:
+        side.sched.sync_request(r.request_id, r.num_prompt_tokens, r.block_hashes)
+
     for _ in range(args.rounds):
         noop.append(_per_call(lambda _r: None, reqs))
         calls.append(_per_call(conn.on_new_request, reqs))
-        ids = [r.request_id for r in reqs]  # forget them: the next round registers them again
-        side.sched.schedule_batch([], [], finished=ids)
+        side.sched.schedule_batch([], [], finished=ids)  # forgotten: registered again next
         side.reqs.clear()
         side.hashes.clear()
+        core.append(_per_call(sync, reqs))  # the core's call alone, as on_new_request makes it
+        side.sched.schedule_batch([], [], finished=ids)
 
     med = 1e6 * statistics.median(calls)
     print(
         f"on_new_request, {args.tokens} tokens ({n_hashes} hashes), {args.rounds} rounds of "
         f"{len(reqs)} calls: median {med:.2f} us/call, best {1e6 * min(calls):.2f}, worst "
         f"{1e6 * max(calls):.2f} ({1e3 * med / n_hashes:.1f} ns per hash); the bench's loop "
-        f"alone {1e6 * statistics.median(noop):.2f} us/call"
+        f"alone {1e6 * statistics.median(noop):.2f} us/call; the core's sync_request alone "
+        f"{1e6 * statistics.median(core):.2f} us/call"
     )
     return 0
 
