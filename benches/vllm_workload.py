@@ -53,7 +53,9 @@ timer). The timers read the engine thread's CPU time (``--clock cpu``, the defau
 connector costs the engine, whatever else runs on the machine) or wall time (``--clock wall``).
 *ms/step* is the connector's total time in one engine step (the step's ``add_request``
 calls, ``schedule``, ``update_from_output``), median and p90 over the timed steps; per method,
-the calls, total and mean per call over the whole run. Over the whole run too: *flushes*, the
+the calls, total and mean per call over the whole run, and the garbage collector's pauses
+inside those calls (included: the collector runs when anyone's allocations pass its threshold,
+so part of them is the engine's). Over the whole run too: *flushes*, the
 jobs the plans told the workers to complete before the forward pass (ours:
 ``KvOffloadMetadata.flush``; vLLM's: ``OffloadingConnectorMetadata.jobs_to_flush``); *loads*,
 the load jobs and the tokens vLLM allocated as externally computed
@@ -78,6 +80,7 @@ from __future__ import annotations
 import argparse
 import array
 import cProfile
+import gc
 import io
 import json
 import os
@@ -353,16 +356,35 @@ class Timers:
         self.profile = profile
         self.loaded: dict[str, int] = {}  # request -> external tokens vLLM allocated
         self.local: dict[str, int] = {}  # request -> GPU prefix-cache hit at its last lookup
+        # Python's garbage collector runs when allocations pass a threshold, whoever made
+        # them: its pauses inside timed calls are counted per method (``gc_ms``; included in
+        # the method's time), so that a method's own cost can be told from the engine's GC.
+        self.gc = 0.0
+        self.gc_total: dict[str, float] = {}
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc_pause)
         for name in SCHEDULER_METHODS:
             fn = getattr(conn, name, None)
             if callable(fn):
                 setattr(conn, name, self._wrap(name, fn))
 
+    def _gc_pause(self, phase: str, info: dict[str, int]) -> None:
+        if self.depth:
+            if phase == "start":
+                self._gc_start = self.clock()
+            else:
+                self.gc += self.clock() - self._gc_start
+
+    def close(self) -> None:
+        """Stops counting GC pauses."""
+        gc.callbacks.remove(self._gc_pause)
+
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         clock = self.clock
-        total, calls = self.total, self.calls
+        total, calls, gc_total = self.total, self.calls, self.gc_total
         total[name] = 0.0
         calls[name] = 0
+        gc_total[name] = 0.0
         record_loads = name == "update_state_after_alloc"
         record_local = name == "get_num_new_matched_tokens"
 
@@ -373,6 +395,7 @@ class Timers:
             prof = self.profile
             if prof is not None:
                 prof.enable()
+            gc0 = self.gc
             t = clock()
             try:
                 out = fn(*args, **kwargs)
@@ -384,6 +407,7 @@ class Timers:
                     prof.disable()
                 self.depth = 0
                 total[name] += dt
+                gc_total[name] += self.gc - gc0
                 calls[name] += 1
                 self.step += dt
             if record_local:
@@ -653,6 +677,7 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
             "calls": timers.calls[name],
             "total_ms": 1e3 * timers.total[name],
             "us_per_call": 1e6 * timers.total[name] / timers.calls[name],
+            "gc_ms": 1e3 * timers.gc_total[name],
         }
         for name in timers.total
         if timers.calls[name]
@@ -665,6 +690,7 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
     res.loaded = dict(timers.loaded)
     res.local = dict(timers.local)
     res.loaded_tokens = sum(timers.loaded.values())
+    timers.close()
     if prof is not None:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
@@ -857,7 +883,7 @@ def _print_detail(row: dict[str, Any]) -> None:
         for name, m in sorted(r["methods"].items(), key=lambda x: -x[1]["total_ms"]):
             print(
                 f"       {name:<32} {m['calls']:>8} calls {m['total_ms']:>10.1f} ms "
-                f"{m['us_per_call']:>9.1f} us/call"
+                f"{m['us_per_call']:>9.1f} us/call, of which GC {m['gc_ms']:.1f} ms"
             )
     chk = row.get("check")
     if chk:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvoffload._core import Scheduler
-from kvoffload.errors import InvalidKeyError, KvOffloadError, RequestStateError
+from kvoffload.errors import InvalidBlockError, InvalidKeyError, KvOffloadError, RequestStateError
 
 BS = 4
 
@@ -176,3 +176,71 @@ def test_schedule_batch_converts_again_when_the_request_changed_meanwhile() -> N
     for j in s.pending_jobs():
         s.complete(j)
     assert s.lookup_request("c", 17, hs, 0) == 16
+
+
+class _Bytes(bytes):
+    """A ``bytes`` subclass: not the exact type the in-place fast path reads."""
+
+
+def test_engine_hashes_of_every_form_key_the_same_chunks() -> None:
+    """Exact ``bytes`` (read in place), a ``bytes`` subclass, short ``bytes`` and the 64-bit
+    ints vLLM publishes name the same chunks, in a list or a tuple."""
+    hs = hashes(9, 4)
+    s = core()
+    stored(s, "a", [int.from_bytes(h[-8:], "big") for h in hs], [1, 2, 3, 4])
+    forms: dict[str, Any] = {
+        "bytes": hs,
+        "tuple": tuple(hs),
+        "subclass": [_Bytes(h) for h in hs],
+        "mixed": [hs[0], int.from_bytes(hs[1][-8:], "big"), _Bytes(hs[2]), hs[3]],
+        "short": [h[-8:] for h in hs],
+    }
+    for name, form in forms.items():
+        assert s.lookup_request(name, 17, form, 0) == 16, name
+    # A hash shorter than 8 bytes is the int of its bytes: b"\x01\x02" is 0x0102.
+    s2 = core()
+    stored(s2, "a", [0x0102, 7], [1, 2])
+    assert s2.lookup_request("b", 9, [b"\x01\x02", b"\x07"], 0) == 8
+
+
+def test_a_hash_list_shrunk_while_converting_is_read_to_its_new_end() -> None:
+    """The in-place read of the hash list re-reads its length after every item that ran Python:
+    a list cleared by an item's conversion is read up to that item, nothing past its end."""
+    hs = hashes(10, 4)
+    s = core()
+    stored(s, "a", hs, [1, 2, 3, 4])
+    lst: list[Any] = [hs[0]]
+    lst += [_CallsBackIn(int.from_bytes(hs[1][-8:], "big"), lst.clear), hs[2], hs[3]]
+    s.sync_request("r", 17, lst)
+    assert lst == []
+    assert s.lookup("r", 0) == 8  # two hashes registered: h0 and h1
+
+
+class _Block:
+    """An engine's block object (vLLM's ``KVCacheBlock``): the core reads its ``block_id``."""
+
+    def __init__(self, block_id: Any) -> None:
+        self.block_id = block_id
+
+
+def test_schedule_batch_reads_written_engine_blocks_as_their_ids() -> None:
+    """``written`` of engine block objects fences what the same block ids fence (a pending
+    store of a block re-used read-only by a prefix hit is flushed only when the block is
+    written); a block object with a bad id raises naming it, nothing changed."""
+    flushes = []
+    for written in ([], [2], [_Block(2)]):
+        s = core()
+        ha = hashes(11, 4)
+        assert s.lookup_request("a", 17, ha, 0) == 0
+        s.allocate("a", [[1, 2, 3, 4, 5]], 0, 0)
+        s.schedule_batch(["a"], [0], added={"a": 17}, written=[1, 2, 3, 4, 5])
+        (store,) = s.pending_jobs()
+        assert s.lookup_request("b", 9, ha[:2], 8) == 0
+        s.allocate("b", [[1, 2, 6]], 8, 0)
+        before = snapshot(s)
+        with pytest.raises(InvalidBlockError, match=r"written\[1\]\.block_id"):
+            s.schedule_batch(["b"], [8], added={"b": 1}, written=[_Block(2), _Block(-1)])
+        assert snapshot(s) == before
+        plan = s.schedule_batch(["b"], [8], added={"b": 1}, finished=["a"], written=written)
+        flushes.append(plan[3])
+    assert flushes == [[], [store], [store]]

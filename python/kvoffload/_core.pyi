@@ -296,7 +296,7 @@ class Scheduler:
         finished: Sequence[str] | None = None,
         aborted: Sequence[str] | None = None,
         preempted: Sequence[str] | None = None,
-        written: Iterable[SupportsIndex] | None = None,
+        written: Iterable[SupportsIndex | _EngineBlock] | None = None,
     ) -> tuple[list[int], list[str], list[int], list[int], bytes, bytes, list[int]]: ...
     def sync_request(
         self, request_id: str, prompt_len: int, block_hashes: Sequence[bytes | int]

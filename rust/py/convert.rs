@@ -6,6 +6,7 @@
 //! ([`engine_hash`]) keep the 64-bit int the engine publishes for its bytes.
 
 use pyo3::exceptions::PyTypeError;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
@@ -192,36 +193,74 @@ fn key_named(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<
 /// ints are taken as [`key`] takes them.
 pub fn engine_hash(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<Key> {
     if let Ok(b) = obj.cast::<PyBytes>() {
-        let b = b.as_bytes();
-        let tail = &b[b.len().saturating_sub(8)..];
-        let mut be = [0u8; 8];
-        be[8 - tail.len()..].copy_from_slice(tail);
-        return Ok(Key(u128::from(u64::from_be_bytes(be))));
+        return Ok(bytes_hash(b.as_bytes()));
     }
     key_named(obj, what)
 }
 
+/// The engine hash of a `bytes` value: the integer of its last 8 bytes, big-endian.
+fn bytes_hash(b: &[u8]) -> Key {
+    let mut be = [0u8; 8];
+    let tail = &b[b.len().saturating_sub(8)..];
+    be[8 - tail.len()..].copy_from_slice(tail);
+    Key(u128::from(u64::from_be_bytes(be)))
+}
+
 /// Extracts the engine hashes of a hash list (a list or a tuple) from position `start` on.
+///
+/// The hot path of every new request (a 6k-token prompt has 375 hashes): items that are exact
+/// `bytes` are read in place through the list's (or tuple's) item array, with no reference
+/// counting and no Python call; any other item takes [`engine_hash`] (which may call Python,
+/// so the length is read again before each item).
 pub fn engine_hashes_from(obj: &Bound<'_, PyAny>, start: usize, what: &str) -> PyResult<Vec<Key>> {
-    let one = |i: usize, item: &Bound<'_, PyAny>| engine_hash(item, || format!("{what}[{i}]"));
-    if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len().saturating_sub(start));
-        for i in start..list.len() {
-            out.push(one(i, &list.get_item(i)?)?);
-        }
-        Ok(out)
-    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
-        let mut out = Vec::with_capacity(tuple.len().saturating_sub(start));
-        for i in start..tuple.len() {
-            out.push(one(i, &tuple.get_item(i)?)?);
-        }
-        Ok(out)
-    } else {
-        Err(InvalidKeyError::new_err(format!(
+    let is_list = obj.cast::<PyList>().is_ok();
+    if !is_list && obj.cast::<PyTuple>().is_err() {
+        return Err(InvalidKeyError::new_err(format!(
             "{what} must be a list or tuple of hashes (bytes or int), got {}",
             describe(obj)
-        )))
+        )));
     }
+    let seq = obj.as_ptr();
+    // SAFETY: `seq` is a list (or a tuple) held by `obj` with the GIL attached; the length is
+    // read before every item and an item is used only while nothing can run Python code: the
+    // exact-`bytes` branch reads the immutable bytes in place, every other item is first
+    // turned into an owned reference (`from_borrowed_ptr`) before Python may run.
+    #[allow(unsafe_code)]
+    let len = || unsafe {
+        if is_list {
+            ffi::PyList_GET_SIZE(seq)
+        } else {
+            ffi::PyTuple_GET_SIZE(seq)
+        }
+        .unsigned_abs()
+    };
+    #[allow(unsafe_code)]
+    let item = |i: usize| unsafe {
+        if is_list {
+            ffi::PyList_GET_ITEM(seq, i as ffi::Py_ssize_t)
+        } else {
+            ffi::PyTuple_GET_ITEM(seq, i as ffi::Py_ssize_t)
+        }
+    };
+    let mut out = Vec::with_capacity(len().saturating_sub(start));
+    let mut i = start;
+    while i < len() {
+        let p = item(i);
+        // SAFETY: see above; `p` is a live item of `seq`.
+        #[allow(unsafe_code)]
+        unsafe {
+            if ffi::PyBytes_CheckExact(p) != 0 {
+                let n = ffi::Py_SIZE(p).unsigned_abs();
+                let data = std::slice::from_raw_parts(ffi::PyBytes_AS_STRING(p).cast::<u8>(), n);
+                out.push(bytes_hash(data));
+            } else {
+                let item = Bound::from_borrowed_ptr(obj.py(), p);
+                out.push(engine_hash(&item, || format!("{what}[{i}]"))?);
+            }
+        }
+        i += 1;
+    }
+    Ok(out)
 }
 
 /// Extracts a sequence of pool keys (a list, tuple or any iterable of keys; not a lone `str`,

@@ -188,7 +188,7 @@ impl Scheduler {
         }
         let written = match args.written {
             Some(w) if !w.is_none() => {
-                let mut w = convert::blocks(w, "written")?;
+                let mut w = convert::engine_blocks(w, "written")?;
                 w.append(&mut fresh);
                 Some(w)
             }

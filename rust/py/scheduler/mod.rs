@@ -265,10 +265,10 @@ impl Scheduler {
     /// tables, of which the blocks beyond the core's are appended; `hashes` maps ids to their
     /// whole, growing hash lists (read where the core lacks hashes). Appended blocks, and the
     /// blocks `allocate` handed out beyond the prefix hit since the previous step, count as
-    /// written; `written` adds the others (`None`: the conservative fence). Returns `(load job
-    /// ids, their request ids, store job ids, flush, runs, tier jobs, tier flush)`, the tier
-    /// jobs packed for `TierWorker.submit_packed` (`tier::encode_tier_jobs`), the tier flush
-    /// the tier jobs a reset flushed (not in `flush`).
+    /// written; `written` adds the others (block ids or engine blocks; `None`: the conservative
+    /// fence). Returns `(load job ids, their request ids, store job ids, flush, runs, tier jobs,
+    /// tier flush)`, the tier jobs packed for `TierWorker.submit_packed`
+    /// (`tier::encode_tier_jobs`), the tier flush the tier jobs a reset flushed (not in `flush`).
     #[pyo3(signature = (
         scheduled, computed, *, added = None, appended = None, tables = None, hashes = None,
         finished = None, aborted = None, preempted = None, written = None

@@ -91,7 +91,7 @@ class SchedulerSide:
         self.reqs: dict[str, Request] = {}
         self.hashes: dict[str, Any] = {}  # request id -> vLLM's live block_hashes list
         self.hit: dict[str, int] = {}  # block-aligned local hit passed to this step's lookup
-        self.written: list[int] = []
+        self.written: list[Any] = []  # block ids or vLLM's KVCacheBlocks written this step
         self.conservative = False
         self.cancelled: list[int] = []  # loads cancelled by a reset, for the next plan
         self.stats = KvOffloadStats()
@@ -147,15 +147,18 @@ class SchedulerSide:
         rid = request.request_id
         try:
             tables = blocks.blocks  # the core reads each KVCacheBlock's block_id itself
-            if self.sched.status(rid) == "running":
-                # Second call after an asynchronous load: the new blocks arrive with the
-                # scheduler output. After a failed load vLLM kept the valid prefix and
-                # recomputes from the first invalid block: those blocks are written again.
+            hit = self.hit.pop(rid, None)
+            # A call without this step's lookup is the second one after an asynchronous load
+            # (the core holds the request as running), or an allocation the adapter cannot
+            # tell written blocks of (the conservative fence).
+            if hit is None and self.sched.status(rid) == "running":
+                # The new blocks arrive with the scheduler output. After a failed load vLLM
+                # kept the valid prefix and recomputes from the first invalid block: those
+                # blocks are written again (the core reads their block ids).
                 first = request.num_computed_tokens // self.block_size
                 for tb in tables:
-                    self.written += [b.block_id for b in tb[first:]]
+                    self.written.extend(tb[first:])
                 return
-            hit = self.hit.pop(rid, None)
             if hit is None:
                 self.conservative = True
                 hit = 0
