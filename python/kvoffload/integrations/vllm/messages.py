@@ -182,6 +182,8 @@ TIER_COUNTERS = (
 _TIER_KEYS = tuple(
     f"{m}_{k}" for m in ("disk", "remote") for k in (*TIER_COUNTERS, "bytes_written", "bytes_read")
 )
+# Every counter at 0: a new interval's counters (built once per step).
+_ZERO = dict.fromkeys((*_STAT_KEYS, *_TIER_KEYS), 0)
 
 
 @dataclass
@@ -190,12 +192,11 @@ class KvOffloadStats(KVConnectorStats):
     tiers' per medium (``disk_*``, ``remote_*``: :data:`TIER_COUNTERS` and bytes)."""
 
     def __post_init__(self) -> None:
-        for k in (*_STAT_KEYS, *_TIER_KEYS):
-            self.data.setdefault(k, 0)
+        self.data.update({**_ZERO, **self.data})
 
     def reset(self) -> None:
         """Zeroes every counter."""
-        self.data = dict.fromkeys((*_STAT_KEYS, *_TIER_KEYS), 0)
+        self.data = dict(_ZERO)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Adds ``other``'s counters."""
@@ -213,4 +214,4 @@ class KvOffloadStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """Whether nothing was counted."""
-        return not any(self.data.get(k) for k in (*_STAT_KEYS, *_TIER_KEYS))
+        return not any(map(self.data.get, _ZERO))
