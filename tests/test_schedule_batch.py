@@ -335,7 +335,11 @@ def test_a_request_both_scheduled_and_finished_fails_the_step_and_gets_its_tail_
     s.allocate("a", [[1, 2, 3, 4, 5]], 0, 0)
     with pytest.raises(KvOffloadError, match="scheduled and released"):
         s.schedule_batch(["a"], [0], added={"a": 20}, hashes={"a": ha}, finished=["a"])
-    # The tail (a fact of the engine) was appended once: three hashes, three chunks stored
-    # (twice would give five hashes, and five chunks).
-    _, _, stores, _, runs, _, _ = s.schedule_batch(["a"], [0], added={"a": 20}, written=[])
-    assert decode(runs, stores) == {stores[0]: [(0, [1, 2, 3], [0, 1, 2])]}
+    # The tail (a fact of the engine) was appended once: the core holds three hashes, so the
+    # engine's list grown to five appends the last two and all five chunks are stored. Appended
+    # twice, the core would hold five (the last two repeating the second and third) and take
+    # nothing from the grown list: only three distinct chunks.
+    _, _, stores, _, runs, _, _ = s.schedule_batch(
+        ["a"], [0], added={"a": 20}, hashes={"a": hashes(1, 5)}, written=[]
+    )
+    assert decode(runs, stores) == {stores[0]: [(0, [1, 2, 3, 4, 5], [0, 1, 2, 3, 4])]}
