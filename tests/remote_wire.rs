@@ -6,7 +6,10 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread::{self, sleep};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How long the fake server waits for the next command's lead before it replies.
+const LEAD_WAIT: Duration = Duration::from_secs(2);
 
 use kvoffload::tier::remote::{value_key, RemoteClient, RemoteConfig, WriteItem};
 use kvoffload::Key;
@@ -31,6 +34,29 @@ fn command_len(buf: &[u8]) -> Option<usize> {
     Some(at)
 }
 
+/// Whether `buf` holds exactly a lead: a command's framing up to its last argument's length
+/// line, and none of that argument's bytes.
+fn is_lead(buf: &[u8]) -> bool {
+    let line = |at: usize| -> Option<(usize, usize)> {
+        let end = buf.get(at..)?.windows(2).position(|w| w == b"\r\n")? + at;
+        let n = std::str::from_utf8(&buf[at + 1..end]).ok()?.parse().ok()?;
+        Some((n, end + 2))
+    };
+    let Some((args, mut at)) = line(0) else {
+        return false;
+    };
+    for arg in 0..args {
+        let Some((len, start)) = line(at) else {
+            return false;
+        };
+        if arg + 1 == args {
+            return start == buf.len();
+        }
+        at = start + len + 2;
+    }
+    false
+}
+
 /// What one connection of the fake server saw.
 #[derive(Debug, Default)]
 struct Seen {
@@ -39,8 +65,10 @@ struct Seen {
 }
 
 /// A fake server for `connections` connections, one after the other: it answers each
-/// complete command `+OK` after `pause`, and closes a connection after `replies[i]` replies
-/// (`None`: when the client does).
+/// complete command `+OK` once the next command's lead has arrived (or `LEAD_WAIT` passed
+/// without one) and then `pause` more, and closes a connection after `replies[i]` replies
+/// (`None`: when the client does). Waiting for the lead, not for a fixed time, keeps a slow
+/// client (a loaded machine) from reading as one that sent nothing ahead.
 fn fake_server(
     replies: Vec<Option<usize>>,
     pause: Duration,
@@ -66,14 +94,26 @@ fn serve(s: &mut TcpStream, limit: Option<usize>, pause: Duration) -> Seen {
     loop {
         if let Some(n) = (!buf.is_empty()).then(|| command_len(&buf)).flatten() {
             buf.drain(..n);
-            sleep(pause);
-            // Everything the client sent before it could have seen this reply.
+            // Everything the client sent before it could have seen this reply: the next lead
+            // (waited for), then whatever else arrives within `pause`.
+            let waited = Instant::now();
+            let mut lead_seen = false;
             s.set_nonblocking(true).unwrap();
-            while let Ok(k) = s.read(&mut chunk) {
-                if k == 0 {
-                    break;
+            loop {
+                match s.read(&mut chunk) {
+                    Ok(0) => break,
+                    Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                    Err(_) => {
+                        if !lead_seen && (is_lead(&buf) || waited.elapsed() > LEAD_WAIT) {
+                            lead_seen = true;
+                            sleep(pause);
+                        } else if lead_seen {
+                            break;
+                        } else {
+                            sleep(Duration::from_millis(1));
+                        }
+                    }
                 }
-                buf.extend_from_slice(&chunk[..k]);
             }
             s.set_nonblocking(false).unwrap();
             seen.ahead.push(buf.clone());
