@@ -384,6 +384,11 @@ def _pm(mean: float, se: float) -> str:
     return f"{mean:+.2%} ± {2 * se:.2%}"
 
 
+def _per_gb(mean: float, se: float, gb_s: float) -> str:
+    """The loss per GB/s moved, ``mean ± 2 se`` over ``gb_s``."""
+    return _pm(mean / gb_s, se / gb_s) if gb_s > 0 else "nothing moved"
+
+
 def _rate(mbps: float) -> str:
     return f"{mbps:g} MB/s" if mbps else "flat out"
 
@@ -422,19 +427,31 @@ def report(f: dict[str, Any]) -> str:
         rate, d = _rate(row["mbps"]), row["disk"]
         dv = _decide(d["mean"] - 2 * d["se"], d["mean"] + 2 * d["se"])
         lines += _lines("disk", f"the tier's jobs, {rate}", d, f"goal < 1%: {dv}")
+        d_gb = d["b"]["mb_s"] / 1e3
         cells = f"  {rate:>10}  {d['b']['mb_s']:6.0f}  {_pm(d['mean'], d['se']):>17}"
+        cells += f"  {_per_gb(d['mean'], d['se'], d_gb):>17}"
         verdict = (
-            f"  at {rate} ({d['b']['mb_s']:.0f} MB/s moved): the tier's loss "
+            f"  at {rate} ({d_gb * 1e3:.0f} MB/s moved): the tier's loss "
             f"{_pm(d['mean'], d['se'])} < 1%: {dv}"
         )
         if "floor" in row:
             fl = row["floor"]
             lines += _lines("floor", f"a plain loop moving the same bytes, {rate}", fl, "")
-            diff, se = d["mean"] - fl["mean"], math.hypot(d["se"], fl["se"])
+            # The floor's loss at the tier's bytes per second (taken as proportional to them:
+            # paced phases of the two may move somewhat different amounts).
+            k = d_gb / max(fl["b"]["mb_s"] / 1e3, 1e-9)
+            diff, se = d["mean"] - k * fl["mean"], math.hypot(d["se"], k * fl["se"])
             own = _decide(diff - 2 * se, diff + 2 * se)
-            lines.append(f"  tier over floor at {rate}: {_pm(diff, se)}; goal < 1%: {own}")
+            raw = _pm(d["mean"] - fl["mean"], math.hypot(d["se"], fl["se"]))
+            lines.append(
+                f"  tier over floor at {rate}: {_pm(diff, se)} (the floor's loss scaled by "
+                f"{k:.2f} to the tier's MB/s; unscaled {raw}); "
+                f"goal < 1%: {own}"
+            )
             cells += (
-                f"  {fl['b']['mb_s']:6.0f}  {_pm(fl['mean'], fl['se']):>17}  {_pm(diff, se):>17}"
+                f"  {fl['b']['mb_s']:6.0f}  {_pm(fl['mean'], fl['se']):>17}"
+                f"  {_per_gb(fl['mean'], fl['se'], fl['b']['mb_s'] / 1e3):>17}"
+                f"  {_pm(diff, se):>17}"
             )
             verdict += (
                 f"; the floor's loss {_pm(fl['mean'], fl['se'])}; the tier over the floor "
@@ -443,9 +460,10 @@ def report(f: dict[str, Any]) -> str:
         table.append(cells)
         verdicts.append(verdict)
     lines.append(
-        "  table (MB/s moved in B phases; losses ± 2 s.e.):\n"
-        f"  {'rate':>10}  {'disk':>6}  {'disk loss':>17}  {'floor':>6}  {'floor loss':>17}  "
-        f"{'tier over floor':>17}"
+        "  table (MB/s moved in B phases; losses ± 2 s.e.; per GB/s: the loss over the GB/s "
+        "moved; tier over floor: the floor's loss scaled to the tier's MB/s):\n"
+        f"  {'rate':>10}  {'disk':>6}  {'disk loss':>17}  {'per GB/s':>17}  {'floor':>6}  "
+        f"{'floor loss':>17}  {'per GB/s':>17}  {'tier over floor':>17}"
     )
     lines += table
     valid = unbiased and seen
