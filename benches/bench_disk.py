@@ -18,7 +18,8 @@ or as part of ``make bench`` (``pytest -s benches/bench_disk.py``). Three measur
   pool, header and checksum verified) against ``os.preadv`` of the same slots.
 * **engine-thread stall**: the probe of ``disk_stall.py`` (its documentation says how it works)
   on the same worker, after the throughput rounds: a control, a validation with a known stall,
-  and the disk tier's loss.
+  the disk tier's loss, and the floor's (the same bytes moved by a plain loop in a child
+  process), flat out.
 
 The plain loop runs on a thread at the tier's I/O threads' CPU priority (nice 19 where the
 system allows it): a loop at the engine's priority gets the CPU first on a loaded machine and
@@ -39,7 +40,7 @@ import time
 from typing import Any
 
 import disk_stall
-from disk_jobs import CHUNK, HEADER, PER_JOB, SLOT, aligned, jobs, pool, run, worker
+from disk_jobs import CHUNK, HEADER, PER_JOB, SLOT, Floor, aligned, jobs, pool, run, worker
 
 
 class _Plain:
@@ -122,7 +123,11 @@ def measure(
     }
     for name, secs in times.items():
         out[name + "_gb_s"] = [gb / x for x in secs]
-    out["stall"] = disk_stall.measure(w, n, next_id, rounds, pairs, phase_s)
+    floor = Floor(os.path.join(root, "floor.bin"), n, direct, nice)
+    try:
+        out["stall"] = disk_stall.measure(w, n, next_id, rounds, pairs, phase_s, floor=floor)
+    finally:
+        floor.close()
     out["direct"] = direct
     out["nice"] = nice
     out["cpus"] = os.cpu_count() or 1

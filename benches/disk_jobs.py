@@ -1,9 +1,13 @@
 """What the disk benches share: the slot layout, a registered pool and a ``DiskWorker`` over it,
-and tier jobs of 16 chunks of 2 MiB (``bench_disk.py``, ``disk_stall.py``)."""
+and tier jobs of 16 chunks of 2 MiB (``bench_disk.py``, ``disk_stall.py``), and the floor
+(the same bytes moved by a plain loop in a child process, ``disk_stall.py``)."""
 
 from __future__ import annotations
 
+import collections
 import mmap
+import os
+import subprocess
 import time
 
 import numpy as np
@@ -61,3 +65,59 @@ def run(w: DiskWorker, batch: list[tuple], ok: bool = True) -> float:
     assert len(done) == len(batch), done
     assert all(r == ok for _, r in done), done
     return dt
+
+
+def floor_exe() -> str:
+    """The floor's binary (``examples/disk_floor.rs``), built first (a no-op when up to date)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = ["cargo", "build", "--release", "-q", "--example", "disk_floor"]
+    subprocess.run(cmd, cwd=root, check=True)
+    return os.path.join(root, "target", "release", "examples", "disk_floor")
+
+
+class Floor:
+    """The floor (``examples/disk_floor.rs``): the tier's jobs' bytes moved by a plain
+    positioned write / read loop with CRC-32C, in a child process at CPU priority ``nice``, over
+    a slab file of ``n`` slots at ``path``; jobs are submitted and polled like a worker's."""
+
+    def __init__(self, path: str, n: int, direct: bool, nice: int) -> None:
+        args = [floor_exe(), path, str(n), "1" if direct else "0"]
+        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, self.p.pid, nice)
+        assert self.p.stdin is not None
+        assert self.p.stdout is not None
+        self.tx, self.rx = self.p.stdin.fileno(), self.p.stdout.fileno()
+        ready = self.p.stdout.readline()
+        if ready != b"ready\n":
+            raise RuntimeError(f"disk_floor did not start: {ready!r}, rc {self.p.wait()}")
+        os.set_blocking(self.rx, False)
+        self.pending: collections.deque[int] = collections.deque()
+        self.buf = b""
+
+    def submit(self, job_id: int, kind: str, slots: range) -> None:
+        os.write(
+            self.tx, f"{'w' if kind == 'write' else 'r'} {slots.start} {len(slots)}\n".encode()
+        )
+        self.pending.append(job_id)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        """Jobs finished since the last poll, as ``(job id, ok)``."""
+        try:
+            data = os.read(self.rx, 4096)
+        except BlockingIOError:
+            return []
+        if not data:
+            raise RuntimeError(f"disk_floor ended: rc {self.p.wait()}")
+        *lines, self.buf = (self.buf + data).split(b"\n")
+        return [(self.pending.popleft(), line == b"ok") for line in lines]
+
+    def cpu_ns(self) -> int:
+        """CPU nanoseconds the child has used so far (schedstat)."""
+        with open(f"/proc/{self.p.pid}/schedstat") as f:
+            return int(f.read().split()[0])
+
+    def close(self) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.close()
+        self.p.wait(timeout=60)
