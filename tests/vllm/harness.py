@@ -417,7 +417,8 @@ class Harness:
         assert core.armed_pairs == 0
         assert core.num_requests == 0
         assert core.loading_requests == 0
-        assert not s.reqs
+        assert not s.hashes
+        assert not s.aborted
         assert late_reports or core.stats()["late_reports"] == 0
         assert not self.conn.has_pending_push_work()
         for w in self.workers:

@@ -50,6 +50,31 @@ def test_reload_after_prefix_cache_reset_loads_correct_kv(async_sched: bool) -> 
     assert core.armed_pairs == 0
 
 
+def test_aborted_and_finished_requests_are_released_as_such(async_sched: bool) -> None:
+    # The adapter keeps no Request objects: vLLM's request_finished tells it which of the freed
+    # requests were aborted. With the copies held, both requests stay in the core (pending
+    # stores) under the status vLLM gave them; an abort of a request the connector never saw
+    # changes nothing.
+    h = Harness(64, async_scheduling=async_sched)
+    h.gates[0].clear()
+    h.add("a", prompt(3, 64), max_tokens=40)
+    h.add("b", prompt(4, 64), max_tokens=2)
+    core = h.conn.scheduler_side.sched
+    h.step_until(lambda: "b" in h.finished(), "b to finish")
+    h.step()
+    h.step()
+    assert core.status("b") == "finished"
+    h.sched.finish_requests(["a", "never-added"], RequestStatus.FINISHED_ABORTED)
+    assert h.conn.scheduler_side.aborted == {"a"}
+    h.step()
+    assert core.status("a") == "aborted"
+    assert not h.conn.scheduler_side.aborted
+    assert "a" not in h.conn.scheduler_side.hashes
+    h.gates[0].set()
+    h.drain()
+    h.assert_clean()
+
+
 def test_finished_request_blocks_reallocated_flush_its_pending_store(async_sched: bool) -> None:
     # Few blocks and no prefix hit: the second request gets the first one's freed blocks
     # while the first one's last store is still pending (stores start a step late).

@@ -169,12 +169,14 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Blocks are freed at once: the fence protects pending stores."""
+        self._s().request_finished(request)
         return False, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Blocks are freed at once: the fence protects pending stores."""
+        self._s().request_finished(request)
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
