@@ -4,15 +4,17 @@
 //! Run with `cargo bench --bench workload`; arguments after `--`: measured steps (default
 //! 2000), warmup steps (default 4000: the CPU pool is full by then), `b` (default 512), CPU
 //! pool chunks (default 393,216). It prints the thread CPU time per measured step of each call
-//! kind (`schedule`, `complete`, `lookup_request`, `allocate`), their sum and the median step,
-//! in µs, plus the workload's counts per step. Other processes on a shared machine still evict
-//! the caches: compare builds in alternated runs. Shape: `b` requests in flight out of `2b`
-//! conversations, 4 shared system prompts of 512–1.5k tokens, first prompts of 2–5.5k tokens
-//! growing to at most 8k, 64–256 decoded tokens per turn, up to 8 turns, 10–100 idle steps
-//! between turns, 16-token blocks, chunked prefill at 8,192 tokens per step, a 200k-block GPU
-//! pool and a full CPU pool. Every lookup reports no engine prefix hit (the CPU tier serves
-//! every reused prefix: more loads than in vLLM, where its own prefix cache serves some). Jobs
-//! complete one step after their plan. Seeded: every run makes the same calls.
+//! kind (`schedule`, `complete`, `lookup_request`, `allocate`), and their sum, in µs, plus the
+//! workload's counts per step. That clock may advance by scheduler ticks only (then single
+//! calls read 0 or a tick): only sums over many steps mean anything, and other processes on a
+//! shared machine still evict the caches, so compare builds in alternated runs. Shape: `b`
+//! requests in flight out of `2b` conversations, 4 shared system prompts of 512–1.5k tokens,
+//! first prompts of 2–5.5k tokens growing to at most 8k, 64–256 decoded tokens per turn, up to
+//! 8 turns, 10–100 idle steps between turns, 16-token blocks, chunked prefill at 8,192 tokens
+//! per step, a 200k-block GPU pool and a full CPU pool. Every lookup reports no engine prefix
+//! hit (the CPU tier serves every reused prefix: more loads than in vLLM, where its own prefix
+//! cache serves some). Jobs complete one step after their plan. Seeded: every run makes the
+//! same calls.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -76,9 +78,8 @@ fn key(convs: &[Conv], c: usize, p: u32) -> Key {
     }
 }
 
-/// This thread's CPU time (`/proc/thread-self/schedstat`, precise to the nanosecond), so time
-/// the thread spends preempted on a shared machine is not counted; wall time where that file
-/// is missing.
+/// This thread's CPU time (`/proc/thread-self/schedstat`), so time the thread spends
+/// preempted on a shared machine is not counted; wall time where that file is missing.
 struct Clock {
     schedstat: Option<File>,
     start: Instant,
@@ -122,8 +123,6 @@ struct Times {
     stores: u64,
     loads: u64,
     finished: u64,
-    /// Per measured step, the core time of all its calls.
-    per_step: Vec<Duration>,
 }
 
 #[allow(clippy::too_many_lines, clippy::many_single_char_names)]
@@ -170,7 +169,6 @@ fn main() {
         if step == u64::from(warmup) {
             t = Times::default();
         }
-        let before = t.schedule + t.complete + t.lookup + t.allocate;
         // Jobs of the previous plan complete.
         let t0 = clock.now();
         for j in to_complete.drain(..) {
@@ -308,8 +306,6 @@ fn main() {
         let t0 = clock.now();
         let plan = s.schedule(black_box(&input)).unwrap();
         t.schedule += clock.since(t0);
-        t.per_step
-            .push((t.schedule + t.complete + t.lookup + t.allocate).saturating_sub(before));
         t.stores += plan.stores.len() as u64;
         t.loads += plan.loads.len() as u64;
         to_complete.extend(plan.loads.iter().chain(&plan.stores).map(|j| j.id));
@@ -330,11 +326,9 @@ fn main() {
     let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(steps);
     let total = t.schedule + t.complete + t.lookup + t.allocate;
     let n = f64::from(steps);
-    t.per_step.sort_unstable();
-    let median = t.per_step[t.per_step.len() / 2].as_secs_f64() * 1e6;
     println!(
         "workload b={b} steps={steps}: schedule {:.1} complete {:.1} lookup {:.1} allocate {:.1} \
-         total {:.1} µs/step (median step {median:.1}); per step: {:.2} lookups {:.2} allocs \
+         total {:.1} µs/step ; per step: {:.2} lookups {:.2} allocs \
          {:.2} stores {:.2} loads {:.2} finished; pool {} chunks",
         per(t.schedule),
         per(t.complete),
