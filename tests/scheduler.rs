@@ -499,3 +499,60 @@ fn stale_handles_resolve_by_id() {
     s.extend_hashes_many(&[(b, keys_from(51, 1))]).unwrap();
     assert_eq!(s.num_hashes("b").unwrap(), 2);
 }
+
+/// Store keys of each store job of a plan.
+fn store_keys(plan: &kvoffload::scheduler::StepPlan) -> Vec<Vec<Key>> {
+    plan.stores
+        .iter()
+        .map(|j| j.transfers[0].keys.clone())
+        .collect()
+}
+
+#[test]
+fn decode_stores_each_chunk_in_the_step_that_fills_it_and_again_after_a_failed_load() {
+    // Store planning skips a request whose watermark is below its next chunk without reading
+    // its block tables: hashes arriving early, tokens one at a time, a finished store and a
+    // failed load's rewind must not make it miss (or repeat) a chunk.
+    let mut s = Scheduler::new(config(None)).unwrap();
+    s.add_request("a", 9, keys(2)).unwrap();
+    assert_eq!(s.lookup("a", 0).unwrap(), Some(0));
+    s.allocate("a", &[bl(&[1, 2, 3, 4, 5])], 0, 0).unwrap();
+    let plan = s.schedule(&step(&[("a", 9)], &[], &[1, 2, 3])).unwrap();
+    assert_eq!(store_keys(&plan), vec![keys(2)]);
+    s.complete(plan.stores[0].id, 0, true).unwrap();
+    // Chunk 2's hash arrives before its tokens are computed (10, 11): nothing to store yet.
+    s.extend_hashes("a", &keys_from(1002, 1)).unwrap();
+    for computed in [10, 11] {
+        let plan = s.schedule(&step(&[("a", computed)], &[], &[3])).unwrap();
+        assert!(plan.stores.is_empty(), "{computed}: {plan:?}");
+    }
+    let plan = s.schedule(&step(&[("a", 12)], &[], &[3])).unwrap();
+    assert_eq!(store_keys(&plan), vec![keys_from(1002, 1)]);
+    for computed in [13, 14, 15] {
+        let plan = s.schedule(&step(&[("a", computed)], &[], &[4])).unwrap();
+        assert!(plan.stores.is_empty(), "{computed}: {plan:?}");
+    }
+    // Computed before its hash arrives: stored in the step that brings the hash.
+    let plan = s.schedule(&step(&[("a", 16)], &[], &[4])).unwrap();
+    assert!(plan.stores.is_empty());
+    s.extend_hashes("a", &keys_from(1003, 1)).unwrap();
+    let plan = s.schedule(&step(&[("a", 16)], &[], &[])).unwrap();
+    assert_eq!(store_keys(&plan), vec![keys_from(1003, 1)]);
+    let plan = s.schedule(&step(&[("a", 17)], &[], &[5])).unwrap();
+    assert!(plan.stores.is_empty());
+
+    // b loads a's prefix; the load fails, the engine recomputes it: both chunks are stored
+    // again (the failed load dropped them), once.
+    s.add_request("b", 9, keys(2)).unwrap();
+    assert_eq!(s.lookup("b", 0).unwrap(), Some(8));
+    let load = s.allocate("b", &[bl(&[6, 7, 8])], 0, 8).unwrap().unwrap();
+    let plan = s.schedule(&step(&[("a", 18)], &[], &[5])).unwrap();
+    assert_eq!(plan.loads.len(), 1);
+    assert!(!s.complete(load, 0, false).unwrap().unwrap().ok);
+    let plan = s.schedule(&step(&[("b", 4)], &[], &[6])).unwrap();
+    assert_eq!(store_keys(&plan), vec![keys(1)]);
+    let plan = s.schedule(&step(&[("b", 9)], &[], &[7, 8])).unwrap();
+    assert_eq!(store_keys(&plan), vec![keys_from(1001, 1)]);
+    let plan = s.schedule(&step(&[("b", 10)], &[], &[8])).unwrap();
+    assert!(plan.stores.is_empty());
+}

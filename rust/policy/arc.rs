@@ -246,8 +246,7 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn clear(&mut self) {
-        self.links.prev.fill(NIL);
-        self.links.next.fill(NIL);
+        self.links.clear();
         self.in_t2.fill(false);
         self.t1 = List::EMPTY;
         self.t2 = List::EMPTY;

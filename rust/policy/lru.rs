@@ -1,7 +1,7 @@
 //! [`LruPolicy`]: least recently used, one intrusive recency list over the slots.
 
-use super::links::{Links, List, NIL};
-use super::{Evictable, EvictionPolicy, PolicyKind, PolicySnapshot};
+use super::links::{Links, List};
+use super::{Evictable, EvictionPolicy, PolicyKind, PolicySnapshot, Touch};
 use crate::ids::{Key, SlotId};
 
 /// Least recently used: one recency list; a touch moves the entry to the most recent end.
@@ -34,6 +34,26 @@ impl EvictionPolicy for LruPolicy {
         self.links.move_to_back(&mut self.list, slot.0);
     }
 
+    fn touch_many(&mut self, touches: &[Touch]) {
+        // Each move misses the cache on the slot's node and its two neighbours: load them a
+        // few moves ahead so the misses overlap (loads only: the moves are `touch`'s, in order).
+        let slot = |t: Option<&Touch>| match t {
+            Some(Touch::Resident { slot, .. }) => Some(slot.0),
+            _ => None,
+        };
+        for (i, t) in touches.iter().enumerate() {
+            if let Some(ahead) = slot(touches.get(i + 8)) {
+                self.links.warm(ahead);
+            }
+            if let Some(ahead) = slot(touches.get(i + 4)) {
+                self.links.warm_neighbours(ahead);
+            }
+            if let Touch::Resident { slot, .. } = t {
+                self.links.move_to_back(&mut self.list, slot.0);
+            }
+        }
+    }
+
     fn choose_victims(&self, n: usize, evictable: Evictable<'_>, out: &mut Vec<SlotId>) -> bool {
         let start = out.len();
         let mut cursor = self.list.head;
@@ -56,8 +76,7 @@ impl EvictionPolicy for LruPolicy {
     }
 
     fn clear(&mut self) {
-        self.links.prev.fill(NIL);
-        self.links.next.fill(NIL);
+        self.links.clear();
         self.list = List::EMPTY;
     }
 

@@ -99,6 +99,20 @@ pub struct PolicySnapshot {
 /// Whether a resident slot may be evicted now (ready and unpinned), as the pool decides.
 pub type Evictable<'a> = &'a dyn Fn(SlotId) -> bool;
 
+/// One access of a batch ([`EvictionPolicy::touch_many`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Touch {
+    /// An access to the resident entry in `slot`; `ready` says whether it is readable yet.
+    Resident {
+        /// The slot.
+        slot: SlotId,
+        /// Whether the entry is readable yet.
+        ready: bool,
+    },
+    /// An access to a key that is not resident.
+    Absent(Key),
+}
+
 /// An eviction policy over the slots of one pool.
 ///
 /// The pool calls [`insert`](EvictionPolicy::insert) when a key gets a slot (it is then
@@ -116,6 +130,18 @@ pub trait EvictionPolicy: Send + fmt::Debug {
 
     /// An access to the resident entry in `slot`; `ready` says whether it is readable yet.
     fn touch(&mut self, slot: SlotId, ready: bool);
+
+    /// Applies `touches` in order, as the matching [`touch`](EvictionPolicy::touch) and
+    /// [`touch_absent`](EvictionPolicy::touch_absent) calls would: one call per batch, so a
+    /// policy can overlap the batch's cache misses.
+    fn touch_many(&mut self, touches: &[Touch]) {
+        for t in touches {
+            match *t {
+                Touch::Resident { slot, ready } => self.touch(slot, ready),
+                Touch::Absent(key) => self.touch_absent(key),
+            }
+        }
+    }
 
     /// An access to a key that is not resident (a policy with history may learn from it).
     fn touch_absent(&mut self, _key: Key) {}

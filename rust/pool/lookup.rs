@@ -2,8 +2,12 @@
 //! `touch` (an access) and `refresh` (recency only).
 
 use crate::ids::{Key, SlotId};
+use crate::policy::Touch;
 
 use super::{Entry, KeyState, Pool};
+
+/// Keys whose index probes [`Pool::lookup_slots`] issues together.
+const PROBE_BATCH: usize = 16;
 
 impl Pool {
     fn entry_state(&self, slot: SlotId) -> KeyState {
@@ -65,8 +69,19 @@ impl Pool {
         let full_scan = filter || (states.is_some() && !stop_at_absent);
         let mut prefix = 0;
         let mut in_prefix = true;
-        for &key in keys {
-            let slot = self.index.get(&key).copied();
+        // The index is probed a batch of keys ahead of the scan: the probes of a batch are
+        // independent, so their cache misses overlap (at most a batch's probes are wasted
+        // past the key where the scan stops).
+        let mut probed = [None; PROBE_BATCH];
+        let mut batch = 0..0;
+        for (i, &key) in keys.iter().enumerate() {
+            if !batch.contains(&i) {
+                batch = i..(i + PROBE_BATCH).min(keys.len());
+                for (p, k) in probed.iter_mut().zip(&keys[batch.clone()]) {
+                    *p = self.index.get(k).copied();
+                }
+            }
+            let slot = probed[i - batch.start];
             let state = slot.map_or(KeyState::Absent, |s| self.entry_state(s));
             if in_prefix {
                 if matches!(state, KeyState::Ready { .. }) {
@@ -109,15 +124,30 @@ impl Pool {
     /// [`SlotId::NONE`] hints are fine): see [`Pool::hinted_slot`]. Same effect as
     /// `touch(keys)`, fewer index probes.
     pub fn touch_hinted(&mut self, keys: &[Key], hints: &[SlotId]) {
+        self.touch_batch(keys, hints, true);
+    }
+
+    /// The touches of `keys` (`hints` as in [`Pool::touch_hinted`]), walked from last to first
+    /// and applied in that order in one batch; `access`: a use (absent keys inform the policy),
+    /// else a refresh (present keys only, none ready). Two passes, the same effect as one
+    /// touch per key: the slots first (independent loads, whose cache misses overlap), then the
+    /// policy's moves.
+    fn touch_batch(&mut self, keys: &[Key], hints: &[SlotId], access: bool) {
+        let mut touches = Vec::with_capacity(keys.len());
         for (i, &key) in keys.iter().enumerate().rev() {
+            if let Some(&ahead) = i.checked_sub(8).and_then(|a| hints.get(a)) {
+                self.warm(ahead);
+            }
             match self.hinted_slot(key, hints.get(i).copied()) {
-                Some(slot) => {
-                    let ready = matches!(self.entries[slot.0 as usize], Entry::Ready(_));
-                    self.policy.touch(slot, ready);
-                }
-                None => self.policy.touch_absent(key),
+                Some(slot) => touches.push(Touch::Resident {
+                    slot,
+                    ready: access && matches!(self.entries[slot.0 as usize], Entry::Ready(_)),
+                }),
+                None if access => touches.push(Touch::Absent(key)),
+                None => {}
             }
         }
+        self.policy.touch_many(&touches);
     }
 
     /// Recency only, no access: walks the present `keys` from last to first, so the earliest
@@ -137,11 +167,15 @@ impl Pool {
     /// [`SlotId::NONE`] hints are fine): see [`Pool::hinted_slot`]. Same effect as
     /// `refresh(keys)`, fewer index probes.
     pub fn refresh_hinted(&mut self, keys: &[Key], hints: &[SlotId]) {
-        for (i, &key) in keys.iter().enumerate().rev() {
-            if let Some(slot) = self.hinted_slot(key, hints.get(i).copied()) {
-                self.policy.touch(slot, false);
-            }
-        }
+        self.touch_batch(keys, hints, false);
+    }
+
+    /// Loads the entry and key of `slot` (if any) into the cache ahead of a hint check;
+    /// changes nothing.
+    fn warm(&self, slot: SlotId) {
+        let s = slot.0 as usize;
+        std::hint::black_box(self.entries.get(s).copied());
+        std::hint::black_box(self.keys.get(s).copied());
     }
 
     /// The slot of `key` (as [`Pool::slot`]), trying `hint` first: a hinted slot that holds

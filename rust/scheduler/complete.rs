@@ -107,6 +107,7 @@ impl Scheduler {
                     // The engine recomputes what the load should have brought: rewind the
                     // store cursors so those chunks are stored again.
                     let mut rewound = Vec::new();
+                    r.store_due = 0;
                     for (t, &c) in j.payload.transfers.iter().zip(&j.payload.first_chunks) {
                         let rg = &mut r.groups[t.group as usize];
                         if c < rg.cursor {

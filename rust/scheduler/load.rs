@@ -127,6 +127,7 @@ impl Scheduler {
             rg.cursor = cursor;
         }
         let r = self.req_mut(i);
+        r.store_due = 0;
         r.epoch += 1;
         r.status = Status::Running;
         r.computed = hit_tokens;

@@ -81,6 +81,11 @@ pub(super) struct Request {
     pub(super) lookup: Option<LookupResult>,
     /// Step at which it was last queued for store planning (dedup of the work list).
     pub(super) queued: u64,
+    /// The watermark (tokens) from which some group has a full chunk past its store cursor,
+    /// as [`Scheduler::store_due`] computes it from the cursors; 0: not known (every write of
+    /// a cursor resets it). Store planning skips a request whose watermark is below it
+    /// without reading its block tables (one cache miss per running request and step).
+    pub(super) store_due: u32,
     /// Bumped whenever the block table is replaced, so older index entries die.
     pub(super) epoch: u32,
 }
@@ -166,6 +171,7 @@ impl Scheduler {
             wait_on: Vec::new(),
             lookup: None,
             queued: u64::MAX,
+            store_due: 0,
             epoch: 0,
         };
         let i = if let Some(i) = self.free.pop() {

@@ -69,6 +69,7 @@ impl Scheduler {
             r.tier_pending = false;
             r.wait_on.clear();
             r.lookup = None;
+            r.store_due = 0;
             match r.status {
                 Status::Finished | Status::Aborted => {
                     let id = r.id.clone();

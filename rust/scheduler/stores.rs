@@ -54,8 +54,15 @@ impl Scheduler {
             return;
         }
         let wm = self.watermark(r);
-        if !self.below_watermark(r, wm) {
-            // Nothing to store (most running requests in most steps): no planning at all.
+        if wm < r.store_due {
+            // Nothing to store (most running requests in most steps), known without reading
+            // the block tables.
+            debug_assert!(!self.below_watermark(r, wm));
+            return;
+        }
+        let due = self.store_due(r);
+        if wm < due {
+            self.req_mut(i).store_due = due;
             return;
         }
         let bpc = self.cfg.blocks_per_chunk;
@@ -154,6 +161,8 @@ impl Scheduler {
         for &(g, c) in &sc.cursors {
             self.req_mut(i).groups[g].cursor = c;
         }
+        let due = self.store_due(self.req(i));
+        self.req_mut(i).store_due = due;
         self.store_scratch = sc;
         if retry {
             self.retry.push(i);
@@ -200,6 +209,17 @@ impl Scheduler {
     pub(super) fn has_stores_to_plan(&self, i: u32) -> bool {
         let r = self.req(i);
         self.below_watermark(r, self.watermark(r))
+    }
+
+    /// The lowest watermark at which some group of `r` has a full chunk past its store cursor:
+    /// `below_watermark(r, wm)` holds exactly when `wm` reaches it.
+    pub(super) fn store_due(&self, r: &super::requests::Request) -> u32 {
+        r.groups
+            .iter()
+            .enumerate()
+            .map(|(g, rg)| (rg.cursor.saturating_add(1)).saturating_mul(self.cfg.chunk_tokens(g)))
+            .min()
+            .unwrap_or(u32::MAX)
     }
 
     /// Whether some group of `r` has a store cursor below the watermark `wm`.
