@@ -33,10 +33,17 @@ def pool(n: int) -> tuple[mmap.mmap, np.ndarray]:
     return mem, view
 
 
-def worker(path: str, n: int, view: np.ndarray) -> DiskWorker:
-    """A worker with one I/O thread over ``n`` slots of ``view``, a slab file of ``n`` slots."""
+def worker(path: str, n: int, view: np.ndarray, io_cpus: list[int] | None = None) -> DiskWorker:
+    """A worker with one I/O thread over ``n`` slots of ``view``, a slab file of ``n`` slots
+    (the thread pinned to ``io_cpus`` when given)."""
     return DiskWorker(
-        path, n * SLOT, [view], [(n, 16, [(0, 0, CHUNK, CHUNK)])], blocks_per_chunk=1, threads=1
+        path,
+        n * SLOT,
+        [view],
+        [(n, 16, [(0, 0, CHUNK, CHUNK)])],
+        blocks_per_chunk=1,
+        threads=1,
+        io_cpus=io_cpus,
     )
 
 
@@ -77,14 +84,19 @@ def floor_exe() -> str:
 
 class Floor:
     """The floor (``examples/disk_floor.rs``): the tier's jobs' bytes moved by a plain
-    positioned write / read loop with CRC-32C, in a child process at CPU priority ``nice``, over
-    a slab file of ``n`` slots at ``path``; jobs are submitted and polled like a worker's."""
+    positioned write / read loop with CRC-32C, in a child process at CPU priority ``nice``
+    (and on CPUs ``cpus`` when given, as the tier's pinned I/O threads), over a slab file of
+    ``n`` slots at ``path``; jobs are submitted and polled like a worker's."""
 
-    def __init__(self, path: str, n: int, direct: bool, nice: int) -> None:
+    def __init__(
+        self, path: str, n: int, direct: bool, nice: int, cpus: list[int] | None = None
+    ) -> None:
         args = [floor_exe(), path, str(n), "1" if direct else "0"]
         self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         if nice:
             os.setpriority(os.PRIO_PROCESS, self.p.pid, nice)
+        if cpus is not None:  # single-threaded: its one thread is the process
+            os.sched_setaffinity(self.p.pid, cpus)
         assert self.p.stdin is not None
         assert self.p.stdout is not None
         self.tx, self.rx = self.p.stdin.fileno(), self.p.stdout.fileno()

@@ -7,6 +7,7 @@ adds about 1 minute; longer on a loaded one, where the drains wait for the starv
 threads' jobs). The long reading, the one that decides::
 
     cd benches && ../.venv/bin/python disk_stall.py --pairs 1000 --mbps 250 500 0
+    cd benches && ../.venv/bin/python disk_stall.py --pairs 1000 --mbps 250 0 --io-cpus 1
 
 **The probe.** This thread is the engine: it runs steps of 5 ms, each a busy loop standing for
 the model's work, then what an engine does between forward passes: it polls for finished jobs
@@ -43,6 +44,11 @@ prefills produce. The report ends with a table by rate and the verdicts: the pro
 the tier's loss, and the tier's own part over the floor, lie below 1% (met, NOT met, or not
 decided by this run).
 
+``--io-cpus N`` (``io_cpus``) pins the tier's I/O thread (and its checksum helper) and the
+floor's process to CPU(s) N, and this thread (the engine, and the GIL-stall thread it starts)
+to the other CPUs this process may use, for every experiment alike; the report's header says
+which CPUs each runs on, as read back from the threads. Without it nothing is pinned.
+
 Per condition the report gives what explains a loss: the engine thread's share of the wall time
 on a CPU and waiting for one (schedstat), and the cores used by the tier's I/O threads (and
 their checksum helpers), this process, the floor's process, other processes with the kernel,
@@ -63,7 +69,8 @@ from typing import Any
 
 from disk_jobs import CHUNK, PER_JOB, Floor, job, jobs, pool, run, worker
 
-from kvoffload._core import DiskWorker
+from kvoffload._core import DiskWorker, check_io_cpus
+from kvoffload.errors import ConfigError
 
 STEP_S = 0.005
 KINDS = ("write", "promote")
@@ -410,7 +417,8 @@ def report(f: dict[str, Any]) -> str:
         f"engine-thread stall probe: {f['pairs']} pairs of {f['phase_s']:g} s phases per "
         f"experiment, steps of {STEP_S * 1e3:g} ms; loss = 1 - rate(B) / rate(A) of busy-loop "
         "iterations per wall second, geometric mean over the pairs ± 2 s.e. (median); the "
-        "goal is decided when the whole interval lies on one side of 1%"
+        "goal is decided when the whole interval lies on one side of 1%",
+        f"  CPUs: {f.get('pinning', 'not recorded')}",
     ]
     c, st = f["control"], f["stall"]
     unbiased = abs(c["mean"]) <= 2 * c["se"]
@@ -478,6 +486,37 @@ def report(f: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cpus(tid: int) -> str:
+    """The CPUs thread (or process) ``tid`` may run on, as read back (``?``: it ended)."""
+    try:
+        return ",".join(map(str, sorted(os.sched_getaffinity(tid))))
+    except OSError:
+        return "?"
+
+
+def _pinning(io_cpus: list[int] | None, floor: Floor) -> str:
+    """Where the engine thread, the tier's I/O threads and the floor's process may run, read
+    back from them (the report's header)."""
+    tier = sorted(
+        {_cpus(int(t)) for t in os.listdir("/proc/self/task") if _name(t).startswith("kvoffload")}
+    )
+    where = (
+        f"engine thread on {_cpus(threading.get_native_id())}, tier I/O threads on "
+        f"{' / '.join(tier) or '?'}, floor process on {_cpus(floor.p.pid)}"
+    )
+    if io_cpus is None:
+        return f"not pinned (--io-cpus not given): {where}"
+    return f"pinned with --io-cpus {','.join(map(str, io_cpus))}: {where}"
+
+
+def _name(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", help="directory on the file system to measure (default: a temp dir)")
@@ -492,21 +531,43 @@ def main() -> None:
         default=[0.0],
         help="rates to submit disk and floor jobs at, MB/s (0: flat out)",
     )
+    p.add_argument(
+        "--io-cpus",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="pin the tier's I/O thread and the floor's process to these CPUs and this (the "
+        "engine's) thread to the others (default: nothing pinned)",
+    )
     args = p.parse_args()
     if any(r < 0 for r in args.mbps):
         p.error(f"--mbps: rates are >= 0 (0: flat out), got {args.mbps}")
+    engine_cpus = None
+    if args.io_cpus is not None:
+        try:
+            check_io_cpus(args.io_cpus)
+        except ConfigError as e:
+            p.error(f"--io-cpus: {e}")
+        engine_cpus = sorted(os.sched_getaffinity(0) - set(args.io_cpus))
+        if not engine_cpus:
+            p.error(f"--io-cpus {args.io_cpus}: no CPU would be left for the engine thread")
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         _, view = pool(args.chunks)
-        w = worker(os.path.join(d, "tier"), args.chunks, view)
+        w = worker(os.path.join(d, "tier"), args.chunks, view, args.io_cpus)
         floor = None
         try:
             run(w, jobs("write", 1, 1 << 30, 1))  # the I/O thread has started (its priority set)
             st = w.stats()[0]
             nice = 19 if st["io_threads_low_priority"] else 0
-            floor = Floor(os.path.join(d, "floor"), args.chunks, bool(st["direct"]), nice)
+            direct = bool(st["direct"])
+            floor = Floor(os.path.join(d, "floor"), args.chunks, direct, nice, args.io_cpus)
+            if engine_cpus is not None:  # after the worker opened: it checks against our CPUs
+                os.sched_setaffinity(0, engine_cpus)
+            pinning = _pinning(args.io_cpus, floor)
             f = measure(
                 w, args.chunks, 1, 0, args.pairs, args.phase_s, args.stall_ms, floor, args.mbps
             )
+            f["pinning"] = pinning
         finally:
             if floor is not None:
                 floor.close()

@@ -45,6 +45,7 @@ __all__ = [
     "UnknownKeyError",
     "UnknownRequestError",
     "__version__",
+    "check_io_cpus",
     "check_runs",
     "disk_inspect",
     "namespace_digest",
@@ -444,6 +445,7 @@ class DiskWorker(TierWorker):
         threads: int = 2,
         direct: bool = True,
         sync: bool = True,
+        io_cpus: Iterable[int] | None = None,
     ) -> DiskWorker: ...
     def stats(self) -> list[dict[str, Any]]: ...
 
@@ -463,7 +465,9 @@ class RemoteWorker(TierWorker):
         world_size: int = 1,
         threads: int = 2,
         deadline_ms: float = 1000.0,
+        io_cpus: Iterable[int] | None = None,
     ) -> RemoteWorker: ...
     def stats(self) -> dict[str, int]: ...
 
+def check_io_cpus(io_cpus: Iterable[int] | None) -> list[int] | None: ...
 def disk_inspect(path: str | os.PathLike[str], verify: bool = False) -> list[dict[str, Any]]: ...

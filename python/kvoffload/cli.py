@@ -51,6 +51,17 @@ _positive_float = _number(float, lambda v: v > 0 and math.isfinite(v), "a finite
 _non_negative_float = _number(float, lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0")
 
 
+def _cpu_ids(text: str) -> tuple[int, ...]:
+    """``--io-cpus``: comma-separated CPU ids (which ones the process may use is checked with
+    the rest of the configuration)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected CPU ids separated by commas (e.g. 1,2), got {text!r}"
+        ) from None
+
+
 def _rate(text: str) -> float:
     v = _non_negative_float(text)
     if v > 1:
@@ -217,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the workload at the same time against the same server, B starting once A finished a "
         "quarter of it; the table is engine B's (it promotes what A wrote behind). With --disk: "
         "one engine with both tiers",
+    )
+    s.add_argument(
+        "--io-cpus",
+        dest="io_cpus",
+        type=_cpu_ids,
+        metavar="IDS",
+        help="pin the lower tiers' I/O threads to these CPUs, e.g. 1,2 (Linux; default: not "
+        "pinned); keep the engine off them",
     )
     _add_disk_parser(sub)
     return p

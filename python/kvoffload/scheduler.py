@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvoffload._core import CompletedJob, Scheduler, StepPlan, TransferJob
+from kvoffload._core import CompletedJob, Scheduler, StepPlan, TransferJob, check_io_cpus
 from kvoffload.errors import ConfigError, StepInputError
 
 __all__ = [
@@ -107,6 +107,11 @@ class OffloadConfig:
             loaded from the CPU pool this many times (0: as soon as it is stored).
         remote_min_hits: The same for the shared tier. ``1`` sends only reused chunks (system
             prompts, documents) to the fleet's server, not every request's private tail.
+        io_cpus: CPU ids the lower tiers' I/O threads (and their checksum helpers and
+            connections) are pinned to on each worker (None: not pinned). Keep the engine's
+            thread off them: on a small machine the tier's checksums and copies then cannot
+            take its CPU. Linux only; each id must be one this process may run on
+            (``os.sched_getaffinity(0)``), none twice.
     """
 
     groups: tuple[KvGroup, ...]
@@ -135,6 +140,7 @@ class OffloadConfig:
     remote_deadline_ms: float = 1000.0
     disk_min_hits: int = 0
     remote_min_hits: int = 0
+    io_cpus: Sequence[int] | None = None
 
     def _core_kwargs(self) -> dict[str, Any]:
         """The core's constructor arguments, values as given (the core checks them)."""
@@ -175,6 +181,11 @@ class OffloadConfig:
         """CPU slots per group, from ``cpu_chunks`` or ``cpu_bytes``; validates the config."""
         return Scheduler.check_config(**self._core_kwargs())[0]
 
+    def checked_io_cpus(self) -> list[int] | None:
+        """``io_cpus`` checked as the tier workers check it when they open (None: not
+        pinned); raises :class:`ConfigError` naming the offending id."""
+        return check_io_cpus(self.io_cpus)
+
     def to_core(self) -> Scheduler:
         """Builds the Rust core, which validates every value (:class:`ConfigError` naming the
         field and the value), and attaches the disk tier if ``disk_path`` is set and the shared
@@ -183,6 +194,7 @@ class OffloadConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 32:
                 raise ConfigError(f"{name} must be an integer in 0..2**32-1, got {v!r}")
+        self.checked_io_cpus()
         if self.remote_url is not None:
             for name in ("remote_url", "remote_model", "cache_salt"):
                 value = getattr(self, name)

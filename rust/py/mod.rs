@@ -35,7 +35,7 @@ mod _core {
     #[pymodule_export]
     use super::scheduler::{CompletedJob, Scheduler, StepPlan, TransferJob};
     #[pymodule_export]
-    use super::tier_worker::{disk_inspect, DiskWorker, TierWorker};
+    use super::tier_worker::{check_io_cpus, disk_inspect, DiskWorker, TierWorker};
     #[pymodule_export]
     use super::tracker::JobTracker;
 

@@ -14,7 +14,7 @@ use pyo3::types::PyDict;
 
 use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
-use super::tier_worker::{RegionArg, TierWorker};
+use super::tier_worker::{io_cpus_arg, RegionArg, TierWorker};
 use crate::ids::Key;
 use crate::tier::io::RemoteGroup;
 use crate::tier::namespace::Namespace;
@@ -140,7 +140,8 @@ impl RemoteWorker {
     /// `model` and `cache_salt` must match the scheduler's.
     #[new]
     #[pyo3(signature = (url, buffers, groups, blocks_per_chunk = 1, model = "", cache_salt = "",
-                        rank = 0, world_size = 1, threads = 2, deadline_ms = 1000.0))]
+                        rank = 0, world_size = 1, threads = 2, deadline_ms = 1000.0,
+                        io_cpus = None))]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         url: &str,
@@ -153,7 +154,9 @@ impl RemoteWorker {
         world_size: u32,
         threads: usize,
         deadline_ms: f64,
+        io_cpus: Option<Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let cpus = io_cpus_arg(io_cpus.as_ref())?;
         let client = Arc::new(client(url, deadline_ms)?);
         let base = TierWorker::open(
             "RemoteWorker",
@@ -165,6 +168,7 @@ impl RemoteWorker {
             rank,
             world_size,
             threads,
+            cpus,
             |ns, _| {
                 let remote = RemoteGroup {
                     client: Arc::clone(&client),

@@ -23,6 +23,7 @@ use super::errors::{to_py, ConfigError, KvOffloadError};
 use super::tier::{decode_tier_jobs, set_counters, worker_jobs, TierJobArg};
 use crate::copy::RowSpace;
 use crate::ids::JobId;
+use crate::tier::affinity::CpuSet;
 use crate::tier::disk::{engine_namespace, inspect, SlabFile, SlabLayout, MEDIUM as DISK};
 use crate::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker as Io};
 use crate::tier::namespace::Namespace;
@@ -45,6 +46,45 @@ pub fn cpu_regions(regions: Vec<RegionArg>) -> Vec<CpuRegion> {
         .collect()
 }
 
+/// `io_cpus` as given (`None`, or an iterable of CPU ids) as a checked [`CpuSet`]: a
+/// [`ConfigError`] naming the offending value otherwise (checked before anything opens).
+pub fn io_cpus_arg(io_cpus: Option<&Bound<'_, PyAny>>) -> PyResult<Option<CpuSet>> {
+    let Some(obj) = io_cpus.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let not_ids = || {
+        ConfigError::new_err(format!(
+            "invalid configuration: io_cpus must be a collection of CPU ids (integers), got \
+             {obj:?}"
+        ))
+    };
+    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>()
+    {
+        return Err(not_ids());
+    }
+    let mut ids = Vec::new();
+    for item in obj.try_iter().map_err(|_| not_ids())? {
+        let item = item?;
+        if item.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(not_ids());
+        }
+        let id: i64 = item.extract().map_err(|_| {
+            ConfigError::new_err(format!(
+                "invalid configuration: io_cpus: {item:?} is not a CPU id (an integer)"
+            ))
+        })?;
+        ids.push(id);
+    }
+    Ok(Some(CpuSet::new(&ids).map_err(to_py)?))
+}
+
+/// Checks `io_cpus` as the tier workers do when they open (`None`: no pinning); returns the
+/// CPU ids, or raises [`ConfigError`] naming the offending id.
+#[pyfunction]
+pub fn check_io_cpus(io_cpus: &Bound<'_, PyAny>) -> PyResult<Option<Vec<usize>>> {
+    Ok(io_cpus_arg(Some(io_cpus))?.map(|s| s.ids().to_vec()))
+}
+
 /// One group's tier as a worker opens it: its slab file or its shared-tier client.
 pub type OpenGroup = (Option<SlabFile>, Option<RemoteGroup>);
 
@@ -61,7 +101,8 @@ pub struct TierWorker {
 
 impl TierWorker {
     /// Registers `buffers` and `groups` (`(cpu_rows, block_size, regions)` each) and starts the
-    /// threads; `open(namespace, chunk_bytes)` opens each group's tier, given the group's
+    /// threads (pinned to `cpus` when given, checked by [`io_cpus_arg`] before anything
+    /// opened); `open(namespace, chunk_bytes)` opens each group's tier, given the group's
     /// engine namespace on this rank (`model` names the weights: [`engine_namespace`]). `what`
     /// names the class in errors.
     #[allow(clippy::too_many_arguments)]
@@ -75,6 +116,7 @@ impl TierWorker {
         rank: u32,
         world_size: u32,
         threads: usize,
+        cpus: Option<CpuSet>,
         mut open: impl FnMut(Namespace, u64) -> PyResult<OpenGroup>,
     ) -> PyResult<Self> {
         if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
@@ -111,7 +153,7 @@ impl TierWorker {
         #[allow(unsafe_code)]
         // SAFETY: each span is the memory of a buffer held in `_buffers` for the worker's whole
         // lifetime; a held buffer export keeps its exporter from freeing or resizing it.
-        let inner = unsafe { Io::new(&spans, tgroups, threads) }.map_err(to_py)?;
+        let inner = unsafe { Io::new(&spans, tgroups, threads, cpus) }.map_err(to_py)?;
         Ok(Self {
             inner: RwLock::new(Some(inner)),
             medium,
@@ -209,7 +251,7 @@ impl DiskWorker {
     /// of `world_size`, and registers the CPU pool: `buffers`, and per group
     /// `(cpu_rows, block_size, regions)` with regions `(buffer, offset, stride, row_bytes)`.
     #[new]
-    #[pyo3(signature = (path, disk_bytes, buffers, groups, blocks_per_chunk = 1, model = "", rank = 0, world_size = 1, threads = 2, direct = true, sync = true))]
+    #[pyo3(signature = (path, disk_bytes, buffers, groups, blocks_per_chunk = 1, model = "", rank = 0, world_size = 1, threads = 2, direct = true, sync = true, io_cpus = None))]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         path: PathBuf,
@@ -223,7 +265,9 @@ impl DiskWorker {
         threads: usize,
         direct: bool,
         sync: bool,
+        io_cpus: Option<Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let cpus = io_cpus_arg(io_cpus.as_ref())?;
         let base = TierWorker::open(
             "DiskWorker",
             DISK,
@@ -234,6 +278,7 @@ impl DiskWorker {
             rank,
             world_size,
             threads,
+            cpus,
             |ns, chunk| {
                 let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
                 let file = SlabFile::open(&path, &ns, layout, direct, sync).map_err(to_py)?;
@@ -243,8 +288,9 @@ impl DiskWorker {
         Ok(PyClassInitializer::from(base).add_subclass(Self {}))
     }
 
-    /// Per group: whether `O_DIRECT` is in use, its I/O counters, and how many of the
-    /// worker's I/O threads run at the lowest CPU priority (empty once closed).
+    /// Per group: whether `O_DIRECT` is in use, its I/O counters, how many of the worker's
+    /// I/O threads run at the lowest CPU priority and the CPUs they are pinned to
+    /// (`io_cpus`, `None`: not pinned) (empty once closed).
     fn stats<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let py = slf.py();
         slf.as_super().get().with(|w| {
@@ -255,6 +301,7 @@ impl DiskWorker {
                 d.set_item("group", g)?;
                 d.set_item("io_threads", threads)?;
                 d.set_item("io_threads_low_priority", low)?;
+                d.set_item("io_cpus", w.and_then(Io::cpus))?;
                 if let Some(f) = &grp.file {
                     let s = f.io_stats();
                     d.set_item("path", f.path())?;

@@ -22,6 +22,11 @@
 //! [`TierWorker::low_priority_threads`] says how many got it (a sandbox may refuse). A worker
 //! of the shared tier alone keeps the engine's priority: its threads mostly wait on the
 //! network, and at nice 19 on a loaded machine they starved.
+//!
+//! With a [`CpuSet`] (`io_cpus`), every I/O thread pins itself to it before it takes a job,
+//! and the threads it starts (checksum helpers, the shared tier's connections) inherit it;
+//! [`TierWorker::new`] returns only once every thread is pinned (or fails, with the threads
+//! stopped). Without one nothing is pinned.
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc;
@@ -29,6 +34,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::affinity::CpuSet;
 use super::disk::{ChunkRead, SlabFile, WriteItem};
 use super::remote::{ReadItem, ReadOutcome, RemoteClient, WriteItem as RemoteWrite};
 use super::Location;
@@ -116,6 +122,7 @@ pub struct TierWorker {
     shared: Arc<Shared>,
     tx: Option<mpsc::Sender<WorkerJob>>,
     threads: Vec<JoinHandle<()>>,
+    cpus: Option<CpuSet>,
 }
 
 impl TierGroup {
@@ -281,7 +288,8 @@ impl Shared {
 
 impl TierWorker {
     /// Registers `buffers` and `groups` (each region's rows checked to lie in its buffer) and
-    /// starts `threads` I/O threads.
+    /// starts `threads` I/O threads, each pinned to `cpus` when given (an error if a thread
+    /// cannot be pinned: the threads are stopped).
     ///
     /// # Safety
     /// Every span must be memory that stays allocated, readable and writable for the whole
@@ -291,6 +299,7 @@ impl TierWorker {
         buffers: &[Span],
         mut groups: Vec<TierGroup>,
         threads: usize,
+        cpus: Option<CpuSet>,
     ) -> Result<Self> {
         for (gi, g) in groups.iter_mut().enumerate() {
             if g.rows_per_chunk == 0 {
@@ -329,12 +338,20 @@ impl TierWorker {
         });
         let (tx, rx) = mpsc::channel::<WorkerJob>();
         let rx = Arc::new(Mutex::new(rx));
+        let (pinned_tx, pinned) = mpsc::channel::<Result<()>>();
         let threads = (0..threads.max(1))
             .map(|i| {
                 let (shared, rx) = (Arc::clone(&shared), Arc::clone(&rx));
+                let (cpus, pinned_tx) = (cpus.clone(), pinned_tx.clone());
                 std::thread::Builder::new()
                     .name(format!("kvoffload-tier-{i}"))
                     .spawn(move || {
+                        let pin = cpus.as_ref().map_or(Ok(()), CpuSet::pin_current_thread);
+                        let failed = pin.is_err();
+                        let _ = pinned_tx.send(pin);
+                        if failed {
+                            return;
+                        }
                         if lower && lower_thread_priority() {
                             shared.low_priority.fetch_add(1, Relaxed);
                         }
@@ -348,12 +365,19 @@ impl TierWorker {
                     })
                     .expect("spawn a tier I/O thread")
             })
-            .collect();
-        Ok(Self {
+            .collect::<Vec<_>>();
+        let n = threads.len();
+        let worker = Self {
             shared,
             tx: Some(tx),
             threads,
-        })
+            cpus,
+        };
+        for _ in 0..n {
+            // On an error the worker is dropped: its threads stop and are joined.
+            pinned.recv().expect("every I/O thread reports")?;
+        }
+        Ok(worker)
     }
 
     /// The registered groups.
@@ -366,6 +390,11 @@ impl TierWorker {
     /// still grow).
     pub fn low_priority_threads(&self) -> (usize, usize) {
         (self.shared.low_priority.load(Relaxed), self.threads.len())
+    }
+
+    /// The CPUs the I/O threads are pinned to (`None`: not pinned).
+    pub fn cpus(&self) -> Option<&[usize]> {
+        self.cpus.as_ref().map(CpuSet::ids)
     }
 
     /// Queues `jobs`; returns at once.
@@ -474,7 +503,7 @@ mod tests {
         };
         #[allow(unsafe_code)]
         // SAFETY: `cpu` outlives the worker (dropped after it) and never moves.
-        let w = unsafe { TierWorker::new(&[span], vec![group], 1) }.unwrap();
+        let w = unsafe { TierWorker::new(&[span], vec![group], 1, None) }.unwrap();
         let loc = |place| Location {
             place,
             generation: 1,

@@ -26,6 +26,7 @@
 //! Shared pieces: [`header`] (chunk header, checksums), [`namespace`] (which bytes a process may
 //! read), [`TierEvent`] (events with the tier's medium) and [`TierStats`].
 
+pub mod affinity;
 mod counters;
 pub mod disk;
 pub mod events;

@@ -192,7 +192,7 @@ impl CpuTier {
         #[allow(unsafe_code)]
         // SAFETY: `cpu` is boxed (it never moves) and lives in the same struct as the worker,
         // which is dropped (its threads joined) before it.
-        let worker = unsafe { TierWorker::new(&[span], vec![group], 2) }.unwrap();
+        let worker = unsafe { TierWorker::new(&[span], vec![group], 2, None) }.unwrap();
         Self { worker, cpu }
     }
 

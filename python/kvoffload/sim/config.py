@@ -82,6 +82,8 @@ class SimConfig:
         remote_url: A shared tier (Redis) below the CPU pool at this URL (None: none); with
             ``disk_path`` too, both tiers (lookups promote from the disk first). A run
             against a server an earlier run (another engine) filled finds its chunks there.
+        io_cpus: CPU ids the lower tiers' I/O threads are pinned to (None: not pinned; the
+            scheduler's ``io_cpus``).
     """
 
     workload: str = "mixed"
@@ -117,6 +119,7 @@ class SimConfig:
     disk_probation_ms: float = 5000.0
     remote_url: str | None = None
     remote_deadline_ms: float = 1000.0
+    io_cpus: tuple[int, ...] | None = None
 
     @property
     def windows(self) -> list[int | None]:
@@ -153,6 +156,7 @@ class SimConfig:
             remote_url=self.remote_url,
             remote_model="kvoffload-sim",
             remote_deadline_ms=self.remote_deadline_ms,
+            io_cpus=self.io_cpus,
         )
 
     def validate(self) -> None:
@@ -187,7 +191,9 @@ class SimConfig:
             raise ConfigError(f"remote_url must be a string, got {self.remote_url!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' was asked for, but CUDA is not available here")
-        self.offload_config().resolved_cpu_chunks()  # the core checks the scheduler's values
+        cfg = self.offload_config()
+        cfg.resolved_cpu_chunks()  # the core checks the scheduler's values
+        cfg.checked_io_cpus()  # and io_cpus, as the tier workers will
 
 
 _POSITIVE = (

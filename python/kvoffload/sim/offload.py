@@ -87,7 +87,12 @@ class Offload:
         block_sizes = [cfg.block_size] * len(cfg.windows)
         if cfg.disk_path is not None:
             self.tiers["disk"] = open_disk_worker(
-                self.xfer, cfg.disk_path, cfg.disk_bytes, block_sizes, model=MODEL
+                self.xfer,
+                cfg.disk_path,
+                cfg.disk_bytes,
+                block_sizes,
+                model=MODEL,
+                io_cpus=cfg.io_cpus,
             )
         if cfg.remote_url is not None:
             self.tiers["remote"] = open_remote_worker(
@@ -96,6 +101,7 @@ class Offload:
                 block_sizes,
                 model=MODEL,
                 deadline_ms=cfg.remote_deadline_ms,
+                io_cpus=cfg.io_cpus,
             )
 
     def _inject_fault(self, job_id: int) -> None:

@@ -79,6 +79,7 @@ def open_disk_worker(
     threads: int = 2,
     direct: bool = True,
     sync: bool = True,
+    io_cpus: Sequence[int] | None = None,
 ) -> DiskWorker:
     """Opens the disk tier of ``engine``'s CPU pool.
 
@@ -93,6 +94,8 @@ def open_disk_worker(
         threads: I/O threads.
         direct: Use ``O_DIRECT`` where the file system allows it.
         sync: Make every batch durable before its headers are written.
+        io_cpus: CPU ids to pin the I/O threads to (the scheduler's ``io_cpus``; None: not
+            pinned).
 
     Raises:
         ConfigError: ``block_sizes`` does not match the engine's groups, or the tier cannot be
@@ -110,4 +113,5 @@ def open_disk_worker(
         threads=threads,
         direct=direct,
         sync=sync,
+        io_cpus=io_cpus,
     )

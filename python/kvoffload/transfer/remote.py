@@ -27,10 +27,12 @@ def open_remote_worker(
     world_size: int = 1,
     threads: int = 2,
     deadline_ms: float = 1000.0,
+    io_cpus: Sequence[int] | None = None,
 ) -> RemoteWorker:
     """Opens the shared tier at ``url`` for ``engine``'s CPU pool.
 
-    ``engine``, ``block_sizes``, ``model``, ``rank``, ``world_size`` and ``threads`` are those
+    ``engine``, ``block_sizes``, ``model``, ``rank``, ``world_size``, ``threads`` and
+    ``io_cpus`` are those
     of :func:`~kvoffload.transfer.disk.open_disk_worker` (``model`` is the scheduler's
     ``remote_model``).
 
@@ -54,4 +56,5 @@ def open_remote_worker(
         world_size=world_size,
         threads=threads,
         deadline_ms=deadline_ms,
+        io_cpus=io_cpus,
     )

@@ -136,4 +136,5 @@ def build_offload_config(
         **kwargs,
     )
     cfg.resolved_cpu_chunks()  # the core validates every value now, naming the field
+    cfg.checked_io_cpus()  # and io_cpus, as the workers will when they open their tiers
     return cfg, exact

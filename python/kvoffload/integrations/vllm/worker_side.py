@@ -160,6 +160,7 @@ class WorkerSide:
                         os.fspath(c.disk_path),
                         c.disk_bytes,
                         model=c.disk_model,
+                        io_cpus=c.io_cpus,
                         **where,
                     )
                 )
@@ -173,6 +174,7 @@ class WorkerSide:
                         model=c.remote_model,
                         cache_salt=c.cache_salt,
                         deadline_ms=c.remote_deadline_ms,
+                        io_cpus=c.io_cpus,
                         **where,
                     )
                 )
