@@ -210,13 +210,21 @@ def _timed(f: Any) -> float:
     return time.perf_counter() - t
 
 
+def _name(tid: str) -> str:
+    """Thread ``tid``'s name (empty: it ended)."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _threads_cpu() -> dict[str, int]:
     """CPU nanoseconds used so far by this process's threads, by name (schedstat)."""
     out: dict[str, int] = {}
     for tid in os.listdir("/proc/self/task"):
+        name = _name(tid)
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 ns = int(f.read().split()[0])
         except OSError:  # a thread that ended meanwhile
@@ -507,14 +515,6 @@ def _pinning(io_cpus: list[int] | None, floor: Floor) -> str:
     if io_cpus is None:
         return f"not pinned (--io-cpus not given): {where}"
     return f"pinned with --io-cpus {','.join(map(str, io_cpus))}: {where}"
-
-
-def _name(tid: str) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def main() -> None:
