@@ -343,3 +343,88 @@ def test_a_request_both_scheduled_and_finished_fails_the_step_and_gets_its_tail_
         ["a"], [0], added={"a": 20}, hashes={"a": hashes(1, 5)}, written=[]
     )
     assert decode(runs, stores) == {stores[0]: [(0, [1, 2, 3, 4, 5], [0, 1, 2, 3, 4])]}
+
+
+# The binding resolves the scheduled ids by object identity (rust/py/scheduler/ids.rs): the
+# previous step's id objects, held, with their handles. These steps try to make it wrong.
+
+
+def fresh(text: str) -> str:
+    """A new ``str`` object equal to ``text`` (never an interned one)."""
+    return "".join([text[:1], text[1:]])
+
+
+def two_requests(s: Scheduler) -> tuple[str, str]:
+    """Registers ``req-a`` (blocks 1, 2) and ``req-b`` (blocks 3, 4), 8-token prompts."""
+    a, b = fresh("req-a"), fresh("req-b")
+    for k, rid in enumerate((a, b)):
+        s.sync_request(rid, 8, hashes(k, 2))
+        s.allocate(rid, [[1 + 2 * k, 2 + 2 * k]], 0, 0)
+    return a, b
+
+
+def stored(s: Scheduler, ids: list[str], added: dict[str, int]) -> list[list[int]]:
+    """One step of ``ids`` (``added``: their tokens after it): the GPU blocks each store reads."""
+    _, _, stores, _, runs, _, _ = s.schedule_batch(ids, [0] * len(ids), added=added, written=[])
+    return sorted(gpu for ts in decode(runs, stores).values() for _, gpu, _ in ts)
+
+
+def test_an_equal_id_as_another_object_or_a_str_subclass_names_the_same_request() -> None:
+    class Rid(str):
+        __slots__ = ()
+
+    s = core(cpu_chunks=16)
+    a, b = two_requests(s)
+    assert stored(s, [a, b], {a: 4, b: 4}) == [[1], [3]]  # both now kept by the cache
+    a2, b2 = Rid(fresh(a)), fresh(b)
+    assert a2 is not a
+    assert b2 is not b
+    # New objects in swapped order: each id still names its own request (its second chunk).
+    assert stored(s, [b2, a2], {b2: 8, a2: 8}) == [[2], [4]]
+    before = snapshot(s)
+    with pytest.raises(KvOffloadError, match=r"req-a.*scheduled twice"):
+        s.schedule_batch([a2, Rid(a)], [8, 8], written=[])
+    assert snapshot(s) == before
+
+
+def test_an_id_released_and_registered_again_between_steps_is_the_new_request() -> None:
+    s = core(cpu_chunks=16)
+    a, b = two_requests(s)
+    assert stored(s, [a], {a: 8}) == [[1, 2]]  # the cache keeps a's object with its handle
+    # Released through the plain step, its store completed, dropped, and registered again
+    # under the same object: a new request (new owner) that may reuse the old slab index.
+    s.schedule([], [], None, None, [a], None, None, [])
+    for job in s.pending_jobs():
+        s.complete(job)
+    with pytest.raises(KvOffloadError, match="req-a"):
+        s.status(a)
+    s.sync_request(a, 12, hashes(7, 3))
+    s.allocate(a, [[9, 10, 11]], 0, 0)
+    assert stored(s, [a, b], {a: 12, b: 4}) == [[3], [9, 10, 11]]
+    # And unknown again: the kept handle is stale, the id lookup fails naming it.
+    s.schedule([], [], None, None, [a], None, None, [])
+    for job in s.pending_jobs():
+        s.complete(job)
+    before = snapshot(s)
+    with pytest.raises(KvOffloadError, match="req-a"):
+        s.schedule_batch([b, a], [4, 12], written=[])
+    assert snapshot(s) == before
+
+
+def test_a_kept_id_object_is_held_so_no_other_id_takes_its_address() -> None:
+    s = core(cpu_chunks=16)
+    a, _ = two_requests(s)
+    addr = id(a)
+    assert stored(s, [a], {a: 4}) == [[1]]
+    del a  # the cache holds the only reference left
+    same_size = [fresh("req-b") for _ in range(2000)]
+    assert addr not in {id(x) for x in same_size}
+    b = same_size[-1]
+    assert stored(s, [b], {b: 4}) == [[3]]
+    # Once a step no longer schedules it, the object is freed: an object at its address now
+    # is whatever id it holds.
+    s.schedule_batch([], [], written=[])
+    del same_size, b
+    reused = [fresh("req-b") for _ in range(2000)]
+    b = next((x for x in reused if id(x) == addr), reused[-1])
+    assert stored(s, [b], {b: 8}) == [[4]]

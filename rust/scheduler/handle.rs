@@ -85,6 +85,24 @@ impl Scheduler {
         Resolved { id, handle }
     }
 
+    /// `id` resolved by `kept`, a handle the caller kept from an earlier [`Self::resolved`] of
+    /// this very id (the caller vouches for that: the binding keys its cache by the identity
+    /// of an immutable `str` it holds): `kept` where its request is still live, else `id`
+    /// looked up again. The id's string is not read on the fast path.
+    pub fn resolved_as<S: AsRef<str>>(&self, id: S, kept: RequestHandle) -> Resolved<S> {
+        let live = self.reqs.get(kept.idx as usize).and_then(Option::as_ref);
+        match live {
+            Some(r) if r.owner == kept.owner => {
+                debug_assert_eq!(r.id, id.as_ref(), "a kept handle names another id");
+                Resolved {
+                    id,
+                    handle: Some(kept),
+                }
+            }
+            _ => self.resolved(id),
+        }
+    }
+
     /// The slab index of `r`: by its handle where that is still current, else by its id.
     pub(super) fn idx_of<R: RequestRef + ?Sized>(&self, r: &R) -> Result<u32> {
         if let Some(h) = r.handle() {

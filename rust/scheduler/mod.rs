@@ -137,6 +137,9 @@ pub struct Scheduler {
     stamps: Vec<u32>,
     /// Generation stamps per request slab index.
     req_stamps: Vec<u32>,
+    /// Per slab index, the step at which its request was last queued for store planning
+    /// (dedup of the work list; dense, so the dedup reads no request).
+    queued: Vec<u64>,
     /// Current generation of `stamps`.
     stamp: u32,
     /// Current generation of `req_stamps`.
@@ -195,6 +198,7 @@ impl Scheduler {
             reallocated: Vec::new(),
             stamps: vec![0; cfg.num_gpu_blocks as usize],
             req_stamps: Vec::new(),
+            queued: Vec::new(),
             req_stamp: 0,
             stamp: 0,
             loading: FxHashMap::default(),

@@ -29,14 +29,14 @@ impl Scheduler {
     /// that have nothing left.
     pub(super) fn plan_all(&mut self, work: &[u32], stores: &mut Vec<PlannedJob>) {
         let step = self.step;
+        if self.queued.len() < self.reqs.len() {
+            self.queued.resize(self.reqs.len(), u64::MAX);
+        }
         for &i in work {
-            let Some(r) = self.reqs[i as usize].as_mut() else {
-                continue;
-            };
-            if r.queued == step {
+            if self.queued[i as usize] == step || self.reqs[i as usize].is_none() {
                 continue;
             }
-            r.queued = step;
+            self.queued[i as usize] = step;
             self.plan_stores(i, stores);
             self.maybe_drop(i);
         }

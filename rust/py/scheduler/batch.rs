@@ -114,10 +114,20 @@ impl Scheduler {
         }
         let [scheduled, finished, aborted, preempted, tables] =
             <[_; 5]>::try_from(ranges).expect("five ranges");
-        let (ids, sizes, seen) = {
+        let mut cache = super::super::sync::lock(&self.ids);
+        let (ids, sizes, seen, kept) = {
             let core = self.lock();
-            let ids: Vec<Resolved<PyBackedStr>> =
-                all.into_iter().map(|id| core.resolved(id)).collect();
+            // The scheduled ids through the identity cache (`ids.rs`), the others by id.
+            let mut pass = cache.pass(scheduled.len());
+            let ids: Vec<Resolved<PyBackedStr>> = all
+                .into_iter()
+                .enumerate()
+                .map(|(k, id)| match k.checked_sub(scheduled.start) {
+                    Some(s) if k < scheduled.end => pass.resolve(&core, &objs[s], id),
+                    _ => core.resolved(id),
+                })
+                .collect();
+            let kept = pass.into_entries();
             let sizes = sizes(
                 &core,
                 &ids,
@@ -125,8 +135,11 @@ impl Scheduler {
                 &(finished.start..aborted.end),
                 &tables,
             );
-            (ids, sizes, self.locks.load(Ordering::Relaxed))
+            (ids, sizes, self.locks.load(Ordering::Relaxed), kept)
         };
+        let dropped = cache.replace(kept);
+        drop(cache);
+        drop(dropped);
 
         let mut hash_tails = Vec::new();
         if let Some(lists) = hashes {

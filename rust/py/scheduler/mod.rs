@@ -13,6 +13,7 @@
 
 mod batch;
 mod config;
+mod ids;
 mod input;
 mod plan;
 mod stats;
@@ -39,6 +40,9 @@ pub struct Scheduler {
     /// How many times the lock was taken (bumped under it): a call that converts its input
     /// between two locks sees whether anyone else had the core meanwhile.
     locks: AtomicU64,
+    /// `schedule_batch`'s scheduled ids of the previous step, by object (`ids`); taken before
+    /// the core lock, never while holding it.
+    ids: Mutex<ids::IdCache>,
 }
 
 impl Scheduler {
@@ -110,6 +114,7 @@ impl Scheduler {
         Ok(Self {
             inner: Mutex::new(Core::new(resolve(args, kwargs)?).map_err(to_py)?),
             locks: AtomicU64::new(0),
+            ids: Mutex::default(),
         })
     }
 
