@@ -262,6 +262,7 @@ mod index {
                 namespaces: vec![11],
                 ttl: Duration::from_secs(60),
                 retry: Duration::from_secs(30),
+                cpus: None,
             },
         )
         .unwrap()

@@ -40,6 +40,7 @@ impl Engine {
             salt,
             Duration::from_secs(60),
             Duration::from_millis(50),
+            None,
         )
         .unwrap();
         let remote = RemoteGroup {

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvoffload.sim.offload
-from kvoffload._core import DiskWorker, RemoteWorker, check_io_cpus
+from kvoffload._core import DiskWorker, RemoteWorker, Scheduler, check_io_cpus
 from kvoffload.cli import main
 from kvoffload.errors import ConfigError
 from kvoffload.scheduler import KvGroup, OffloadConfig
@@ -194,3 +194,53 @@ def test_simulate_cli_pins_the_disk_threads(
         main([*args, "--io-cpus", "one"])
     assert len(seen) == 1, "no worker opened for a bad set"
     assert SimConfig(io_cpus=(LAST,)).offload_config().io_cpus == (LAST,)
+
+
+def _lookup_threads() -> dict[int, set[int]]:
+    """The shared tier's scheduler-side lookup threads (``kvoffload-remote-lookup``, whose
+    name the kernel keeps as its first 15 bytes): tid -> CPUs."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "kvoffload-remot":
+                    out[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:
+            continue
+    return out
+
+
+def _remote(io_cpus: object, groups: int = 2) -> OffloadConfig:
+    return OffloadConfig(
+        groups=tuple(KvGroup(block_size=16, bytes_per_block=1024) for _ in range(groups)),
+        num_gpu_blocks=32,
+        cpu_chunks=8,
+        remote_url="redis://127.0.0.1:1",  # the lookup threads connect on the first question
+        io_cpus=io_cpus,  # type: ignore[arg-type]
+    )
+
+
+def test_the_shared_tier_lookup_threads_are_pinned_too() -> None:
+    """The scheduler's own shared-tier threads (one lookup thread per group) run on the set
+    when the config names one; the calling thread keeps its CPUs."""
+    before = set(_lookup_threads())
+    core = _remote([LAST]).to_core()
+    mine = {t: c for t, c in _lookup_threads().items() if t not in before}
+    assert len(mine) == 2
+    assert all(c == {LAST} for c in mine.values())
+    assert sorted(os.sched_getaffinity(0)) == ALLOWED
+    del core
+    unpinned = _remote(None, groups=1).to_core()
+    new = {t: c for t, c in _lookup_threads().items() if t not in before and t not in mine}
+    assert list(new.values()) == [set(ALLOWED)]
+    del unpinned
+
+
+@pytest.mark.parametrize("bad", [[NOT_ALLOWED], [-1], [], [LAST, LAST]])
+def test_attach_remote_refuses_a_bad_set_nothing_attached(bad: list[int]) -> None:
+    sched = Scheduler(**_remote(None)._core_kwargs())  # the same shape, no tier yet
+    before = set(_lookup_threads())
+    with pytest.raises(ConfigError, match="io_cpus"):
+        sched.attach_remote("redis://127.0.0.1:1", io_cpus=bad)
+    assert set(_lookup_threads()) <= before
+    assert sched.tier_stats() == []

@@ -347,6 +347,7 @@ class Scheduler:
         deadline_ms: float = 1000.0,
         ttl_s: float = 60.0,
         retry_s: float = 1.0,
+        io_cpus: Iterable[int] | None = None,
     ) -> None: ...
     def attach_disk(
         self,

@@ -233,6 +233,7 @@ class OffloadConfig:
                 model=self.remote_model,
                 cache_salt=self.cache_salt,
                 deadline_ms=float(self.remote_deadline_ms),
+                io_cpus=self.io_cpus,
             )
             core.set_tier_admission("remote", self.remote_min_hits)
         return core

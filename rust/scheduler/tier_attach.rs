@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::tier::affinity::CpuSet;
 use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
 use crate::tier::health::Health;
 use crate::tier::namespace::Namespace;
@@ -184,7 +185,8 @@ impl Scheduler {
     /// Attaches the shared tier of `client` to every group: present chunks are promoted into
     /// the CPU pool, chunks stored in the CPU pool are written behind. Existence answers are
     /// trusted for `ttl` (present) and `retry` (absent). All or nothing. A group may have a
-    /// disk tier too: lookups promote from the disk first.
+    /// disk tier too: lookups promote from the disk first. Each group's lookup thread runs
+    /// on `cpus` when given (`io_cpus`).
     pub fn attach_remote(
         &mut self,
         client: &Arc<RemoteClient>,
@@ -192,6 +194,7 @@ impl Scheduler {
         cache_salt: &str,
         ttl: Duration,
         retry: Duration,
+        cpus: Option<&CpuSet>,
     ) -> Result<()> {
         let mut indexes = Vec::with_capacity(self.cfg.groups.len());
         for g in 0..self.cfg.groups.len() {
@@ -207,6 +210,7 @@ impl Scheduler {
                 namespaces,
                 ttl,
                 retry,
+                cpus: cpus.cloned(),
             };
             indexes.push(RemoteIndex::new(Arc::clone(client), rc)?);
         }

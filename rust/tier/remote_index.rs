@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 
+use super::affinity::CpuSet;
 use super::events::TierEvents;
 use super::remote::RemoteClient;
 use super::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
@@ -45,6 +46,8 @@ pub struct RemoteIndexConfig {
     /// How long an "absent" answer (or a check that got none in time) stands before the key
     /// is asked about again.
     pub retry: Duration,
+    /// The CPUs the lookup thread runs on (`io_cpus`; `None`: not pinned).
+    pub cpus: Option<CpuSet>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,7 +77,8 @@ pub struct RemoteIndex {
 }
 
 impl RemoteIndex {
-    /// An index over `client` for `cfg.namespaces`, with its lookup thread.
+    /// An index over `client` for `cfg.namespaces`, with its lookup thread (pinned to
+    /// `cfg.cpus` before `new` returns; an error if it cannot be).
     pub fn new(client: Arc<RemoteClient>, cfg: RemoteIndexConfig) -> Result<Self> {
         if cfg.ttl.is_zero() || cfg.retry.is_zero() || cfg.namespaces.is_empty() {
             return Err(Error::Config(format!(
@@ -88,9 +92,17 @@ impl RemoteIndex {
         let (tell, answers) = channel::<Answer>();
         let worker = Arc::clone(&client);
         let ns = cfg.namespaces.clone();
+        let cpus = cfg.cpus.clone();
+        let (pinned_tx, pinned) = channel::<Result<()>>();
         std::thread::Builder::new()
             .name("kvoffload-remote-lookup".into())
             .spawn(move || {
+                let pin = cpus.as_ref().map_or(Ok(()), CpuSet::pin_current_thread);
+                let failed = pin.is_err();
+                let _ = pinned_tx.send(pin);
+                if failed {
+                    return;
+                }
                 // Ends when the index (the only sender) is dropped.
                 for (keys, due) in questions {
                     // A question nobody waits for any more is not sent.
@@ -105,6 +117,7 @@ impl RemoteIndex {
                 }
             })
             .map_err(|e| Error::Config(format!("remote tier: cannot start a thread: {e}")))?;
+        pinned.recv().expect("the lookup thread reports")?;
         Ok(Self {
             cfg,
             client,

@@ -475,8 +475,9 @@ impl Scheduler {
     /// Attaches the shared (Redis) tier at `url` to every group: chunks stored in the CPU pool
     /// are written behind, lookups that miss the CPU pool ask the server (batched, within
     /// `deadline_ms`) and promote what it holds. `model` and `cache_salt` are part of the
-    /// namespace: other models or tenants never share chunks. Call it before the first request.
-    #[pyo3(signature = (url, model = "", cache_salt = "", deadline_ms = 1000.0, ttl_s = 60.0, retry_s = 1.0))]
+    /// namespace: other models or tenants never share chunks. The lookup threads run on
+    /// `io_cpus` when given (as the tier workers' I/O threads). Call it before the first request.
+    #[pyo3(signature = (url, model = "", cache_salt = "", deadline_ms = 1000.0, ttl_s = 60.0, retry_s = 1.0, io_cpus = None))]
     #[allow(clippy::too_many_arguments)]
     fn attach_remote(
         &self,
@@ -486,7 +487,9 @@ impl Scheduler {
         deadline_ms: f64,
         ttl_s: f64,
         retry_s: f64,
+        io_cpus: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let cpus = super::tier_worker::io_cpus_arg(io_cpus)?;
         let client = super::remote::client(url, deadline_ms)?;
         let secs = |field: &str, v: f64| {
             if v.is_finite() && v > 0.0 && v <= 1e6 {
@@ -502,7 +505,14 @@ impl Scheduler {
             secs("remote_retry_s", retry_s)?,
         );
         self.lock()
-            .attach_remote(&std::sync::Arc::new(client), model, cache_salt, ttl, retry)
+            .attach_remote(
+                &std::sync::Arc::new(client),
+                model,
+                cache_salt,
+                ttl,
+                retry,
+                cpus.as_ref(),
+            )
             .map_err(to_py)
     }
 
