@@ -154,6 +154,10 @@ impl Scheduler {
         if first_ask {
             r.first_ask = Some(self.step);
         }
+        if !first_ask && !r.tier_pending && self.must_wait(r) && self.run_beyond(r, hit) {
+            // A re-ask that must wait anyway: the full scan below would answer "later" too.
+            return None;
+        }
         let (end, storing) = self.hit_end(r, hit);
         // Promote on the first ask only (or while a tier's answer to it is pending): later asks
         // wait for those chunks (being stored in the CPU pool) and load what is there; they
@@ -204,6 +208,43 @@ impl Scheduler {
         });
         self.touch_prefix(r, hit, end);
         Some(end - hit)
+    }
+
+    /// Whether a lookup of `r` must answer "ask again later" if anything is loadable: loads
+    /// it waits for are still pending, or too many requests are loading. Drops the finished
+    /// loads from its wait list.
+    fn must_wait(&self, r: &mut Request) -> bool {
+        let tracker = &self.tracker;
+        r.wait_on.retain(|j| tracker.jobs().get(*j).is_some());
+        let backpressure = self.cfg.max_loading_requests > 0
+            && self.loading_requests >= self.cfg.max_loading_requests;
+        backpressure || !r.wait_on.is_empty()
+    }
+
+    /// Whether [`Self::hit_end`] would find chunks (ready or being stored) for an aligned
+    /// step beyond `hit`, i.e. whether its answer is anything but "nothing, nothing coming",
+    /// probing only the chunks of that first step. Exact where every group has full attention
+    /// (a run from the hit) and no admission filter must see every absent key; elsewhere it
+    /// says `false` and the caller makes the full scan.
+    fn run_beyond(&mut self, r: &Request, hit: u32) -> bool {
+        if self.cfg.has_window() || self.cfg.store_threshold > 1 {
+            return false;
+        }
+        let cap = self.lookup_cap(r);
+        // The lowest end point `best_end` may answer.
+        let first = (hit + self.align).div_ceil(self.align) * self.align;
+        if first > cap {
+            return false;
+        }
+        let mut states = Vec::new();
+        let mut slots = Vec::new();
+        (0..self.cfg.groups.len()).all(|g| {
+            let keys = self.chunk_keys(r, g, hit, first);
+            states.clear();
+            slots.clear();
+            self.pools[g].lookup_slots(&keys, &mut states, &mut slots, true);
+            states.len() == keys.len() && states.iter().all(|&st| st != KeyState::Absent)
+        })
     }
 
     /// Refreshes the recency of every chunk the request re-uses: the engine's own prefix hit

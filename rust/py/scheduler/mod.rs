@@ -74,13 +74,14 @@ impl Scheduler {
         }
     }
 
-    /// One worker's report applied, all or nothing (see `complete_many`): the jobs completed.
-    fn report(
+    /// One worker's report applied by `apply`, all or nothing (see `complete_many`).
+    fn report<T>(
         &self,
         finished: &Bound<'_, PyAny>,
         failed: Option<&Bound<'_, PyAny>>,
         worker: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<crate::scheduler::CompletedJob>> {
+        apply: impl FnOnce(&mut Core, &[(crate::JobId, u32, bool)]) -> Result<T, Error>,
+    ) -> PyResult<T> {
         // The rank is checked even for an empty report.
         let (_, clamped, w) =
             convert::completion(&0u8.into_pyobject(finished.py())?.into_any(), worker)?;
@@ -91,7 +92,7 @@ impl Scheduler {
                 reports.push((id, clamped, ok));
             }
         }
-        self.lock().complete_many(&reports).map_err(|e| match e {
+        apply(&mut self.lock(), &reports).map_err(|e| match e {
             Error::WorkerOutOfRange { job, .. } => convert::completion_error(e, job, w, clamped),
             e => to_py(e),
         })
@@ -400,7 +401,7 @@ impl Scheduler {
         failed: Option<&Bound<'_, PyAny>>,
         worker: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<CompletedJob>> {
-        let done = self.report(finished, failed, worker)?;
+        let done = self.report(finished, failed, worker, Core::complete_many)?;
         Ok(done.into_iter().map(CompletedJob::from).collect())
     }
 
@@ -413,9 +414,7 @@ impl Scheduler {
         failed: Option<&Bound<'_, PyAny>>,
         worker: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(usize, usize)> {
-        let done = self.report(finished, failed, worker)?;
-        let ok = done.iter().filter(|j| j.ok).count();
-        Ok((ok, done.len() - ok))
+        self.report(finished, failed, worker, Core::complete_counts)
     }
 
     /// Forgets every pending job and empties the CPU tier. Returns `(flushed job ids,
