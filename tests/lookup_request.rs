@@ -187,3 +187,25 @@ fn a_running_request_sent_a_bad_list_is_not_released() {
     assert!(s.lookup_request("a", 13, &hs, 0, 0).is_ok());
     assert_eq!(s.status("a").unwrap(), Status::Preempted);
 }
+
+#[test]
+fn a_waiting_re_ask_answers_later_until_its_load_is_done_and_zero_when_nothing_is_left() {
+    let mut s = core();
+    store(&mut s, "a", 1, 4, &[1, 2, 3, 4]);
+    let hs = keys(1, 4);
+    assert_eq!(s.lookup_request("b", 17, &hs, 0, 0).unwrap(), Some(16));
+    let load = s
+        .allocate("b", &[bl(&[5, 6, 7, 8, 9])], 0, 16)
+        .unwrap()
+        .expect("a load job");
+    // "c" wants the same chunks: it waits for b's load, asked again and again.
+    for _ in 0..3 {
+        assert_eq!(s.lookup_request("c", 17, &hs, 0, 0).unwrap(), None);
+    }
+    // The engine's own prefix cache now serves all 16 tokens: nothing is left to load, and
+    // the answer is 0 at once, waiting or not.
+    assert_eq!(s.lookup_request("c", 17, &hs, 4, 16).unwrap(), Some(0));
+    assert_eq!(s.lookup_request("d", 17, &hs, 0, 0).unwrap(), None);
+    s.complete(load, 0, true).unwrap();
+    assert_eq!(s.lookup_request("d", 17, &hs, 0, 0).unwrap(), Some(16));
+}
