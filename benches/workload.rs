@@ -232,7 +232,9 @@ fn main() {
                 .map(|p| key(&convs, r.conv, p))
                 .collect();
             let t0 = clock.now();
-            let n = s.lookup_request(&r.id, r.prompt, hashes, 0).unwrap();
+            let n = s
+                .lookup_request(&r.id, r.prompt, &hashes, held as usize, 0)
+                .unwrap();
             t.lookup += clock.since(t0);
             t.lookups += 1;
             let Some(n) = n else {

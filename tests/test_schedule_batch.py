@@ -205,11 +205,11 @@ def test_sync_request_keys_are_the_engine_ints_and_only_the_tail_is_read() -> No
     (kind, group, keys, medium) = s.take_events()[0]
     assert (kind, group, medium) == ("stored", 0, "cpu")
     assert keys == [engine_int(h) for h in hs]
-    # The core holds three hashes: earlier items are not read again (not even checked).
-    s.sync_request("a", 12, [None, None, None, hashes(2, 1)[0]])
+    # The core holds three hashes: earlier items but the last held one (checked) are not read.
+    s.sync_request("a", 12, [None, None, hs[2], hashes(2, 1)[0]])
     before = snapshot(s)
     with pytest.raises(InvalidKeyError, match=r"block_hashes\[5\]"):
-        s.sync_request("a", 12, [*hs, None, b"x" * 32, "not a hash"])
+        s.sync_request("a", 12, [*hs, hashes(2, 1)[0], b"x" * 32, "not a hash"])
     assert snapshot(s) == before
 
 

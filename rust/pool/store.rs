@@ -171,7 +171,10 @@ impl Pool {
             };
             slots.push(slot);
         }
+        // The stored keys are gathered only for a queue with room (none when events are off).
+        let record = self.event_keys < self.event_limit;
         let mut stored = Vec::new();
+        let mut n = 0;
         for (&key, &slot) in keys.iter().zip(&slots) {
             // A duplicate of a key this call already handled is no longer storing.
             if self.entries[slot.0 as usize] != Entry::Storing {
@@ -180,7 +183,10 @@ impl Pool {
             self.storing -= 1;
             if ok {
                 self.entries[slot.0 as usize] = Entry::Ready(0);
-                stored.push(key);
+                n += 1;
+                if record {
+                    stored.push(key);
+                }
             } else {
                 self.policy.remove(slot);
                 self.index.remove(&key);
@@ -190,9 +196,13 @@ impl Pool {
             }
         }
         self.scratch = slots;
-        if !stored.is_empty() {
-            self.stats.stores += stored.len() as u64;
-            self.emit(PoolEventKind::Stored, stored);
+        if n > 0 {
+            self.stats.stores += n;
+            if record {
+                self.emit(PoolEventKind::Stored, stored);
+            } else {
+                self.stats.events_dropped += 1;
+            }
         }
         Ok(())
     }

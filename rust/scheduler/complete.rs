@@ -4,7 +4,7 @@
 //! with nothing pending is dropped.
 
 use crate::error::{Error, Result};
-use crate::ids::JobId;
+use crate::ids::{BlockId, JobId};
 use crate::jobs::{Completion, JobKind};
 
 use super::plan::CompletedJob;
@@ -16,6 +16,32 @@ impl Scheduler {
     /// validated (a duplicate within the batch included) before any is applied. Returns the
     /// jobs that completed.
     pub fn complete_many(&mut self, reports: &[(JobId, u32, bool)]) -> Result<Vec<CompletedJob>> {
+        self.validate_reports(reports)?;
+        let mut done = Vec::new();
+        for &(job, worker, ok) in reports {
+            if let Some(d) = self.complete(job, worker, ok).expect("validated") {
+                done.push(d);
+            }
+        }
+        Ok(done)
+    }
+
+    /// [`Self::complete_many`] for a caller that needs no job objects (vLLM's connector):
+    /// returns how many jobs completed `(ok, failed)`, and copies no request id.
+    pub fn complete_counts(&mut self, reports: &[(JobId, u32, bool)]) -> Result<(usize, usize)> {
+        self.validate_reports(reports)?;
+        let (mut ok, mut failed) = (0, 0);
+        for &(job, worker, report) in reports {
+            if let Some(done) = self.finish(job, worker, report, false).expect("validated") {
+                ok += usize::from(done.ok);
+                failed += usize::from(!done.ok);
+            }
+        }
+        Ok((ok, failed))
+    }
+
+    /// Checks a batch of reports, a duplicate within the batch included; changes nothing.
+    fn validate_reports(&self, reports: &[(JobId, u32, bool)]) -> Result<()> {
         let jobs = self.tracker.jobs();
         let mut live = Vec::with_capacity(reports.len());
         for &(job, worker, _) in reports {
@@ -28,13 +54,7 @@ impl Scheduler {
             let (job, worker) = w[0];
             return Err(Error::DuplicateReport { job, worker });
         }
-        let mut done = Vec::new();
-        for &(job, worker, ok) in reports {
-            if let Some(d) = self.complete(job, worker, ok).expect("validated") {
-                done.push(d);
-            }
-        }
-        Ok(done)
+        Ok(())
     }
 
     /// Records worker `worker`'s report for `job` (`ok == false`: the worker failed it). When
@@ -44,6 +64,24 @@ impl Scheduler {
     /// `Ok(None)`, as do reports that leave the job pending. A second report from the same
     /// worker is an error and changes nothing.
     pub fn complete(&mut self, job: JobId, worker: u32, ok: bool) -> Result<Option<CompletedJob>> {
+        Ok(self.finish(job, worker, ok, true)?.map(|d| CompletedJob {
+            id: job,
+            kind: d.kind,
+            request: d.request.unwrap_or_default(),
+            ok: d.ok,
+            invalid_blocks: d.invalid_blocks,
+        }))
+    }
+
+    /// [`Self::complete`], with the request id only if `named` (it is read before the
+    /// request may be dropped).
+    fn finish(
+        &mut self,
+        job: JobId,
+        worker: u32,
+        ok: bool,
+        named: bool,
+    ) -> Result<Option<Finished>> {
         let Completion::Done(j) = self.tracker.complete(job, worker, ok)? else {
             return Ok(None);
         };
@@ -129,14 +167,21 @@ impl Scheduler {
                 }
             }
         }
-        let done = CompletedJob {
-            id: job,
+        let done = Finished {
             kind: j.kind,
-            request: self.req(i).id.clone(),
+            request: named.then(|| self.req(i).id.clone()),
             ok,
             invalid_blocks,
         };
         self.maybe_drop(i);
         Ok(Some(done))
     }
+}
+
+/// What [`Scheduler::finish`] says of a completed job.
+struct Finished {
+    kind: JobKind,
+    request: Option<String>,
+    ok: bool,
+    invalid_blocks: Vec<BlockId>,
 }

@@ -39,16 +39,18 @@ impl Scheduler {
     }
 
     /// An engine's ask in one call (vLLM's `get_num_new_matched_tokens`): registers the request
-    /// with `prompt_len` and `hashes` if it is not tracked, else appends `hashes` (the ones
-    /// beyond the [`Self::num_hashes`] it holds); releases a running request the engine queued
+    /// with `prompt_len` and `hashes` if it is not tracked, else appends the hashes beyond those
+    /// it holds (see [`Self::sync_request`]); releases a running request the engine queued
     /// again (it dropped the blocks of a failed load, as [`Self::preempt`]); then looks it up.
-    /// A `hit` that is not a multiple of every group's block size is refused
-    /// ([`Error::RequestState`] naming the request and the value) before anything changes.
+    /// A `hit` that is not a multiple of every group's block size, or hashes that contradict
+    /// the held ones, are refused ([`Error::RequestState`] naming the request and the value)
+    /// before anything changes.
     pub fn lookup_request(
         &mut self,
         id: &str,
         prompt_len: u32,
-        hashes: Vec<Key>,
+        hashes: &[Key],
+        from: usize,
         hit: u32,
     ) -> Result<Option<u32>> {
         if let Some(g) = self.cfg.groups.iter().find(|g| hit % g.block_size != 0) {
@@ -62,17 +64,83 @@ impl Scheduler {
             });
         }
         match self.index.get(id).copied() {
-            None => self.add_request(id, prompt_len, hashes)?,
+            None => self.sync_request(id, prompt_len, hashes, from)?,
             Some(i) => {
+                let new = self.new_hashes(i, id, hashes, from)?;
                 if self.req(i).status == Status::Running {
                     self.preempt(id)?;
                 } else {
                     self.waiting(id, "only waiting requests are looked up")?;
                 }
-                self.req_mut(i).hashes.extend_from_slice(&hashes);
+                self.req_mut(i).hashes.extend_from_slice(&hashes[new..]);
             }
         }
         self.lookup(id, hit)
+    }
+
+    /// Registers request `id` with `prompt_len` and `hashes` if it is not tracked, else appends
+    /// the hashes beyond those it holds. `hashes` are the items `from..` of the request's whole
+    /// hash list as the engine has it now (an engine that knows what the core holds sends only
+    /// the tail, or the tail and the last held hash as a check): items the request holds are
+    /// compared, not appended again. A list that leaves a gap, is shorter than the held one or
+    /// differs from it is refused ([`Error::RequestState`] naming the request), nothing
+    /// changed; so is a `from` other than 0 for an untracked request.
+    pub fn sync_request(
+        &mut self,
+        id: &str,
+        prompt_len: u32,
+        hashes: &[Key],
+        from: usize,
+    ) -> Result<()> {
+        let Some(i) = self.index.get(id).copied() else {
+            if from != 0 {
+                return Err(Error::RequestState {
+                    request: id.to_owned(),
+                    reason: format!(
+                        "is not tracked, yet its hashes were given from position {from} on"
+                    ),
+                });
+            }
+            return self.add_request(id, prompt_len, hashes.to_vec());
+        };
+        let new = self.new_hashes(i, id, hashes, from)?;
+        self.req_mut(i).hashes.extend_from_slice(&hashes[new..]);
+        Ok(())
+    }
+
+    /// How many leading items of `hashes` (items `from..` of request `i`'s whole hash list)
+    /// the request already holds; an error when the list contradicts the held hashes.
+    fn new_hashes(&self, i: u32, id: &str, hashes: &[Key], from: usize) -> Result<usize> {
+        let held = &self.req(i).hashes;
+        let given = from + hashes.len();
+        let refuse = |reason: String| {
+            Err(Error::RequestState {
+                request: id.to_owned(),
+                reason,
+            })
+        };
+        if from > held.len() {
+            return refuse(format!(
+                "holds {} hashes, yet its hashes were given from position {from} on",
+                held.len()
+            ));
+        }
+        if given < held.len() {
+            return refuse(format!(
+                "holds {} hashes, yet a hash list of {given} was given (hash lists only grow)",
+                held.len()
+            ));
+        }
+        let overlap = held.len() - from;
+        if let Some(p) = (0..overlap).find(|&p| hashes[p] != held[from + p]) {
+            return refuse(format!(
+                "holds hash {:#x} at position {}, yet {:#x} was given there",
+                held[from + p].0,
+                from + p,
+                hashes[p].0
+            ));
+        }
+        Ok(overlap)
     }
 
     /// The lookup of a request taken out of the slab: remembers its first ask and the loads
@@ -85,6 +153,10 @@ impl Scheduler {
         let first_ask = r.first_ask.is_none();
         if first_ask {
             r.first_ask = Some(self.step);
+        }
+        if !first_ask && !r.tier_pending && self.must_wait(r) && self.run_beyond(r, hit) {
+            // A re-ask that must wait anyway: the full scan below would answer "later" too.
+            return None;
         }
         let (end, storing) = self.hit_end(r, hit);
         // Promote on the first ask only (or while a tier's answer to it is pending): later asks
@@ -136,6 +208,43 @@ impl Scheduler {
         });
         self.touch_prefix(r, hit, end);
         Some(end - hit)
+    }
+
+    /// Whether a lookup of `r` must answer "ask again later" if anything is loadable: loads
+    /// it waits for are still pending, or too many requests are loading. Drops the finished
+    /// loads from its wait list.
+    fn must_wait(&self, r: &mut Request) -> bool {
+        let tracker = &self.tracker;
+        r.wait_on.retain(|j| tracker.jobs().get(*j).is_some());
+        let backpressure = self.cfg.max_loading_requests > 0
+            && self.loading_requests >= self.cfg.max_loading_requests;
+        backpressure || !r.wait_on.is_empty()
+    }
+
+    /// Whether [`Self::hit_end`] would find chunks (ready or being stored) for an aligned
+    /// step beyond `hit`, i.e. whether its answer is anything but "nothing, nothing coming",
+    /// probing only the chunks of that first step. Exact where every group has full attention
+    /// (a run from the hit) and no admission filter must see every absent key; elsewhere it
+    /// says `false` and the caller makes the full scan.
+    fn run_beyond(&mut self, r: &Request, hit: u32) -> bool {
+        if self.cfg.has_window() || self.cfg.store_threshold > 1 {
+            return false;
+        }
+        let cap = self.lookup_cap(r);
+        // The lowest end point `best_end` may answer.
+        let first = (hit + self.align).div_ceil(self.align) * self.align;
+        if first > cap {
+            return false;
+        }
+        let mut states = Vec::new();
+        let mut slots = Vec::new();
+        (0..self.cfg.groups.len()).all(|g| {
+            let keys = self.chunk_keys(r, g, hit, first);
+            states.clear();
+            slots.clear();
+            self.pools[g].lookup_slots(&keys, &mut states, &mut slots, true);
+            states.len() == keys.len() && states.iter().all(|&st| st != KeyState::Absent)
+        })
     }
 
     /// Refreshes the recency of every chunk the request re-uses: the engine's own prefix hit
@@ -223,9 +332,10 @@ impl Scheduler {
     /// `cap`.
     pub(super) fn chunk_keys(&self, r: &Request, g: usize, hit: u32, cap: u32) -> Vec<Key> {
         let ct = self.cfg.chunk_tokens(g);
-        (hit / ct..cap / ct)
-            .filter_map(|c| self.key(r, g, c))
-            .collect()
+        let chunks = hit / ct..cap / ct;
+        let mut keys = Vec::with_capacity(chunks.len());
+        keys.extend(chunks.map_while(|c| self.key(r, g, c)));
+        keys
     }
 
     /// Highest aligned end point `p` with `hit < p <= cap` at which every group's needed

@@ -53,34 +53,39 @@ impl Scheduler {
         core
     }
 
-    /// The hashes of `block_hashes` (a request's whole hash list) beyond those the core holds
-    /// for `id` (`None`: not tracked), and the lock under which that count still holds. The
-    /// conversion runs unlocked (it may call Python, which may call back in and change the
-    /// request); if the count changed meanwhile it is converted again, so the tail is never
-    /// appended at the wrong position.
+    /// The hashes of `block_hashes` (a request's whole hash list) from the last one the core
+    /// holds for `id` on (all of them if it does not track `id`), their position in the list,
+    /// and the lock under which the held count still holds. The held hash converted again
+    /// lets the core check the list against the ones it holds: hashes are chained, so the
+    /// last one stands for the whole prefix. The conversion runs unlocked (it may call
+    /// Python, which may call back in and change the request); if the count changed
+    /// meanwhile it is converted again, so the tail is never appended at the wrong position.
     fn tail_under_lock(
         &self,
         id: &str,
         block_hashes: &Bound<'_, PyAny>,
-    ) -> PyResult<(MutexGuard<'_, Core>, Option<usize>, Vec<crate::Key>)> {
+    ) -> PyResult<(MutexGuard<'_, Core>, usize, Vec<crate::Key>)> {
         loop {
             let held = self.lock().num_hashes(id).ok();
-            let tail =
-                convert::engine_hashes_from(block_hashes, held.unwrap_or(0), "block_hashes")?;
+            // (A `block_hashes` that is no sequence fails in the conversion, as it should.)
+            let len = block_hashes.len().unwrap_or(usize::MAX);
+            let from = held.map_or(0, |n| n.saturating_sub(1).min(len));
+            let tail = convert::engine_hashes_from(block_hashes, from, "block_hashes")?;
             let core = self.lock();
             if core.num_hashes(id).ok() == held {
-                return Ok((core, held, tail));
+                return Ok((core, from, tail));
             }
         }
     }
 
-    /// One worker's report applied, all or nothing (see `complete_many`): the jobs completed.
-    fn report(
+    /// One worker's report applied by `apply`, all or nothing (see `complete_many`).
+    fn report<T>(
         &self,
         finished: &Bound<'_, PyAny>,
         failed: Option<&Bound<'_, PyAny>>,
         worker: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<crate::scheduler::CompletedJob>> {
+        apply: impl FnOnce(&mut Core, &[(crate::JobId, u32, bool)]) -> Result<T, Error>,
+    ) -> PyResult<T> {
         // The rank is checked even for an empty report.
         let (_, clamped, w) =
             convert::completion(&0u8.into_pyobject(finished.py())?.into_any(), worker)?;
@@ -91,7 +96,7 @@ impl Scheduler {
                 reports.push((id, clamped, ok));
             }
         }
-        self.lock().complete_many(&reports).map_err(|e| match e {
+        apply(&mut self.lock(), &reports).map_err(|e| match e {
             Error::WorkerOutOfRange { job, .. } => convert::completion_error(e, job, w, clamped),
             e => to_py(e),
         })
@@ -330,7 +335,10 @@ impl Scheduler {
     /// Registers a request (prompt length and hashes) if the core does not track it, else
     /// appends the hashes beyond those it holds. `block_hashes` is the request's whole hash list
     /// so far; `bytes` hashes are keyed by the int of their last 8 bytes, big-endian (the
-    /// 64-bit ints vLLM publishes in its KV events). Only the new hashes are converted.
+    /// 64-bit ints vLLM publishes in its KV events). Only the new hashes and the last held one
+    /// are converted: a list shorter than the held one, or whose hash at that position differs
+    /// (hashes are chained: the whole prefix differs), raises `RequestStateError`, nothing
+    /// changed.
     fn sync_request(
         &self,
         request_id: &Bound<'_, PyAny>,
@@ -339,19 +347,16 @@ impl Scheduler {
     ) -> PyResult<()> {
         let id = convert::request_id(request_id, "request_id")?;
         let n = request_tokens(prompt_len, "prompt_len")?;
-        let (mut core, held, tail) = self.tail_under_lock(id, block_hashes)?;
-        match held {
-            None => core.add_request(id, n, tail).map_err(to_py),
-            Some(_) if tail.is_empty() => Ok(()),
-            Some(_) => core.extend_hashes(id, &tail).map_err(to_py),
-        }
+        let (mut core, from, tail) = self.tail_under_lock(id, block_hashes)?;
+        core.sync_request(id, n, &tail, from).map_err(to_py)
     }
 
     /// An engine's ask in one call (vLLM's `get_num_new_matched_tokens`): [`Self::sync_request`]
     /// (registers the request with `prompt_len`, or appends the hashes of `block_hashes`, its
     /// whole hash list so far, beyond those the core holds), a running request is released as
     /// by `preempt` (the engine queued it again), then [`Self::lookup`]. A `num_computed_tokens`
-    /// that is not a multiple of the block size raises `RequestStateError`, nothing changed.
+    /// that is not a multiple of the block size, or a hash list that contradicts the held one
+    /// (as in `sync_request`), raises `RequestStateError`, nothing changed.
     fn lookup_request(
         &self,
         request_id: &Bound<'_, PyAny>,
@@ -362,8 +367,8 @@ impl Scheduler {
         let id = convert::request_id(request_id, "request_id")?;
         let n = request_tokens(prompt_len, "prompt_len")?;
         let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
-        let (mut core, _, tail) = self.tail_under_lock(id, block_hashes)?;
-        core.lookup_request(id, n, tail, hit).map_err(to_py)
+        let (mut core, from, tail) = self.tail_under_lock(id, block_hashes)?;
+        core.lookup_request(id, n, &tail, from, hit).map_err(to_py)
     }
 
     /// Bounds each CPU pool's event queue to `limit` keys; 0 records no events (for an engine
@@ -401,7 +406,7 @@ impl Scheduler {
         failed: Option<&Bound<'_, PyAny>>,
         worker: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<CompletedJob>> {
-        let done = self.report(finished, failed, worker)?;
+        let done = self.report(finished, failed, worker, Core::complete_many)?;
         Ok(done.into_iter().map(CompletedJob::from).collect())
     }
 
@@ -414,9 +419,7 @@ impl Scheduler {
         failed: Option<&Bound<'_, PyAny>>,
         worker: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(usize, usize)> {
-        let done = self.report(finished, failed, worker)?;
-        let ok = done.iter().filter(|j| j.ok).count();
-        Ok((ok, done.len() - ok))
+        self.report(finished, failed, worker, Core::complete_counts)
     }
 
     /// Forgets every pending job and empties the CPU tier. Returns `(flushed job ids,
