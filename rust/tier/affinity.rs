@@ -57,6 +57,16 @@ impl CpuSet {
     }
 }
 
+/// The first thing a thread started for `cpus` does: pins itself to the set (nothing without
+/// one) and tells its starter how it went on `report`, which waits for it before it returns.
+/// Returns whether the thread may go on (`false`: it could not be pinned and must end).
+pub fn pin_and_report(cpus: Option<&CpuSet>, report: &std::sync::mpsc::Sender<Result<()>>) -> bool {
+    let pin = cpus.map_or(Ok(()), CpuSet::pin_current_thread);
+    let ok = pin.is_ok();
+    let _ = report.send(pin);
+    ok
+}
+
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 fn allowed_cpus() -> Result<Vec<usize>> {

@@ -34,7 +34,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::affinity::CpuSet;
+use super::affinity::{pin_and_report, CpuSet};
 use super::disk::{ChunkRead, SlabFile, WriteItem};
 use super::remote::{ReadItem, ReadOutcome, RemoteClient, WriteItem as RemoteWrite};
 use super::Location;
@@ -346,10 +346,7 @@ impl TierWorker {
                 std::thread::Builder::new()
                     .name(format!("kvoffload-tier-{i}"))
                     .spawn(move || {
-                        let pin = cpus.as_ref().map_or(Ok(()), CpuSet::pin_current_thread);
-                        let failed = pin.is_err();
-                        let _ = pinned_tx.send(pin);
-                        if failed {
+                        if !pin_and_report(cpus.as_ref(), &pinned_tx) {
                             return;
                         }
                         if lower && lower_thread_priority() {

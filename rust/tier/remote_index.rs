@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 
-use super::affinity::CpuSet;
+use super::affinity::{pin_and_report, CpuSet};
 use super::events::TierEvents;
 use super::remote::RemoteClient;
 use super::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
@@ -97,10 +97,7 @@ impl RemoteIndex {
         std::thread::Builder::new()
             .name("kvoffload-remote-lookup".into())
             .spawn(move || {
-                let pin = cpus.as_ref().map_or(Ok(()), CpuSet::pin_current_thread);
-                let failed = pin.is_err();
-                let _ = pinned_tx.send(pin);
-                if failed {
+                if !pin_and_report(cpus.as_ref(), &pinned_tx) {
                     return;
                 }
                 // Ends when the index (the only sender) is dropped.
