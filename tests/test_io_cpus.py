@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,16 @@ def _io_threads() -> dict[int, set[int]]:
     return out
 
 
+def _io_threads_after_join() -> dict[int, set[int]]:
+    """``_io_threads()`` once the joined threads are gone: the kernel lists a thread in
+    ``/proc/self/task`` a little after ``pthread_join`` returned (its task is reaped after the
+    join's wake-up), so a thread still listed is waited for, up to 10 s."""
+    deadline = time.monotonic() + 10
+    while (threads := _io_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads
+
+
 @pytest.fixture
 def pool() -> np.ndarray:
     """Page-aligned memory of ``SLOTS`` chunks (freed with the last worker holding it)."""
@@ -62,7 +73,7 @@ def _disk(path: Path, view: np.ndarray, **kw: Any) -> DiskWorker:
 def test_disk_threads_run_on_the_set_only_and_the_engine_keeps_its_cpus(
     tmp_path: Path, pool: np.ndarray
 ) -> None:
-    assert _io_threads() == {}
+    assert _io_threads_after_join() == {}
     w = _disk(tmp_path / "t", pool, threads=3, io_cpus=[LAST])
     threads = _io_threads()
     assert len(threads) == 3
@@ -77,7 +88,7 @@ def test_disk_threads_run_on_the_set_only_and_the_engine_keeps_its_cpus(
     assert w.wait([2], timeout=30) == [(2, True)]
     assert (pool[3 * CHUNK :] == 7).all()
     w.close()
-    assert _io_threads() == {}
+    assert _io_threads_after_join() == {}
     # Reopened without a set: nothing pinned (the default), the stats say so.
     w = _disk(tmp_path / "t", pool, threads=2)
     assert [sorted(c) for c in _io_threads().values()] == [ALLOWED, ALLOWED]
@@ -90,6 +101,7 @@ def test_a_set_of_several_cpus_in_any_order_and_from_a_set(
     tmp_path: Path, pool: np.ndarray
 ) -> None:
     ids = ALLOWED[::-1]
+    assert _io_threads_after_join() == {}
     w = _disk(tmp_path / "t", pool, io_cpus=set(ids))
     assert all(sorted(c) == ALLOWED for c in _io_threads().values())
     assert sorted(w.stats()[0]["io_cpus"]) == ALLOWED
@@ -119,6 +131,7 @@ def test_a_bad_set_is_refused_at_open_naming_the_id_nothing_started(
     tmp_path: Path, pool: np.ndarray, io_cpus: object, match: str
 ) -> None:
     path = tmp_path / "never"
+    assert _io_threads_after_join() == {}
     with pytest.raises(ConfigError, match=match):
         _disk(path, pool, io_cpus=io_cpus)
     assert not path.exists(), "no slab file was opened"
@@ -139,6 +152,7 @@ def test_a_bad_set_is_refused_at_open_naming_the_id_nothing_started(
 def test_shared_tier_threads_are_pinned_too(pool: np.ndarray) -> None:
     """The shared tier's workers are the same pool of I/O threads (no server is needed: the
     client connects when the first job runs)."""
+    assert _io_threads_after_join() == {}
     w = RemoteWorker(
         "redis://127.0.0.1:1", [pool], [(SLOTS, 16, [(0, 0, CHUNK, CHUNK)])], io_cpus=[LAST]
     )
@@ -146,7 +160,7 @@ def test_shared_tier_threads_are_pinned_too(pool: np.ndarray) -> None:
     assert len(threads) == 2
     assert all(c == {LAST} for c in threads.values())
     w.close()
-    assert _io_threads() == {}
+    assert _io_threads_after_join() == {}
 
 
 def _offload(tmp_path: Path, io_cpus: object) -> OffloadConfig:
@@ -184,6 +198,7 @@ def test_simulate_cli_pins_the_disk_threads(
     args = ["simulate", "--quiet", "--no-baseline", "--workload", "sysprompt", "--requests", "8"]
     args += ["--scale", "0.25", "--cpu-chunks", "64", "--disk", str(tmp_path)]
     args += ["--disk-bytes", str(4 << 20)]
+    assert _io_threads_after_join() == {}
     assert main([*args, "--io-cpus", str(LAST)]) == 0
     assert seen
     assert seen[0]
