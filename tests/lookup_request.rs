@@ -3,9 +3,12 @@
 //! a list that leaves a gap. Every refusal names the request and changes nothing (hashes,
 //! status, counters), and a later good call behaves as if the bad one never came.
 
+mod step_support;
+use step_support::{bl, step};
+
 use kvoffload::config::{GroupConfig, SchedulerConfig};
-use kvoffload::scheduler::{Scheduler, Status, StepInput};
-use kvoffload::{BlockId, Error, Key};
+use kvoffload::scheduler::{Scheduler, Status};
+use kvoffload::{Error, Key};
 
 fn core() -> Scheduler {
     let groups = vec![GroupConfig {
@@ -14,23 +17,6 @@ fn core() -> Scheduler {
         bytes_per_chunk: 64,
     }];
     Scheduler::new(SchedulerConfig::new(groups, 64, 16)).unwrap()
-}
-
-fn bl(ids: &[u32]) -> Vec<BlockId> {
-    ids.iter().copied().map(BlockId).collect()
-}
-
-fn step(scheduled: &[(&str, u32)], finished: &[&str], written: &[u32]) -> StepInput {
-    StepInput {
-        scheduled: scheduled.iter().map(|(r, _)| (*r).to_owned()).collect(),
-        computed: scheduled.iter().map(|(_, c)| *c).collect(),
-        new_blocks: Vec::new(),
-        resumed: Vec::new(),
-        finished: finished.iter().map(|r| (*r).to_owned()).collect(),
-        aborted: Vec::new(),
-        preempted: Vec::new(),
-        written: Some(bl(written)),
-    }
 }
 
 fn keys(first: u128, n: u128) -> Vec<Key> {

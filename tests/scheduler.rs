@@ -2,6 +2,9 @@
 //! assertions are on). The full behaviour is covered from Python (scenario tests and the
 //! differential test against the model); these check the same paths compile and hold in Rust.
 
+mod step_support;
+use step_support::{bl, step};
+
 use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::jobs::JobKind;
 use kvoffload::jobs::JobStats;
@@ -9,7 +12,7 @@ use kvoffload::policy::PolicyKind;
 use kvoffload::pool::KeyState;
 use kvoffload::scheduler::{CompletedJob, Scheduler, SchedulerStats, Status, StepInput};
 use kvoffload::tracker::FenceStats;
-use kvoffload::{BlockId, Error, JobId, Key};
+use kvoffload::{Error, JobId, Key};
 
 fn config(window: Option<u32>) -> SchedulerConfig {
     let mut groups = vec![GroupConfig {
@@ -25,11 +28,6 @@ fn config(window: Option<u32>) -> SchedulerConfig {
         });
     }
     SchedulerConfig::new(groups, 64, 16)
-}
-
-/// Block ids from plain integers.
-fn bl(ids: &[u32]) -> Vec<BlockId> {
-    ids.iter().copied().map(BlockId).collect()
 }
 
 fn keys(n: u128) -> Vec<Key> {
@@ -98,19 +96,6 @@ type Batch = Vec<(JobId, u32, bool)>;
 
 fn ids(done: &[CompletedJob]) -> Vec<JobId> {
     done.iter().map(|d| d.id).collect()
-}
-
-fn step(scheduled: &[(&str, u32)], finished: &[&str], written: &[u32]) -> StepInput<String> {
-    StepInput {
-        scheduled: scheduled.iter().map(|(r, _)| (*r).to_owned()).collect(),
-        computed: scheduled.iter().map(|(_, c)| *c).collect(),
-        new_blocks: Vec::new(),
-        resumed: Vec::new(),
-        finished: finished.iter().map(|r| (*r).to_owned()).collect(),
-        aborted: Vec::new(),
-        preempted: Vec::new(),
-        written: Some(bl(written)),
-    }
 }
 
 #[test]
