@@ -9,6 +9,13 @@ threads' jobs). The long reading, the one that decides::
     cd benches && ../.venv/bin/python disk_stall.py --pairs 1000 --mbps 250 500 0
     cd benches && ../.venv/bin/python disk_stall.py --pairs 1000 --mbps 250 0 --io-cpus 1
 
+To narrow the tier's interval alone (±2 s.e. shrinks as 1/sqrt(pairs): 4000 pairs halve the
+±1% of 1000), ``--no-floor`` leaves out the floor's experiments and ``--check-pairs`` runs the
+control and the stall, which only validate the probe, on fewer pairs::
+
+    cd benches && ../.venv/bin/python disk_stall.py --pairs 3500 --check-pairs 1500 \
+        --mbps 250 0 --io-cpus 1 --no-floor
+
 **The probe.** This thread is the engine: it runs steps of 5 ms, each a busy loop standing for
 the model's work, then what an engine does between forward passes: it polls for finished jobs
 and submits the next ones (two jobs of 16 chunks of 2 MiB in flight: a write-behind, then a
@@ -351,19 +358,21 @@ def measure(
     stall_ms: float = 1.0,
     floor: Floor | None = None,
     rates: tuple[float, ...] = (0.0,),
+    check_pairs: int | None = None,
 ) -> dict[str, Any]:
     """The experiments on worker ``w`` (``n`` slots whose generation is ``gen``): control and
-    stall, then per rate in ``rates`` (MB/s, 0: flat out) disk, and floor when ``floor`` is
-    given (a floor over ``n`` slots)."""
+    stall (``check_pairs`` pairs each, default ``pairs``), then per rate in ``rates`` (MB/s, 0:
+    flat out) disk, and floor when ``floor`` is given (a floor over ``n`` slots)."""
+    checks = pairs if check_pairs is None else check_pairs
     e = Engine(w, n, first_id, gen, floor)
     for source in ("disk", "floor") if floor is not None else ("disk",):
         while e.pos[source] < 2 * e.ranges:  # warm up: each slab written once, the code hot
             e.step(source)
         e.drain()
-    out: dict[str, Any] = {"control": experiment(e, "idle", pairs, phase_s)}
+    out: dict[str, Any] = {"control": experiment(e, "idle", checks, phase_s)}
     gil = GilStall(stall_ms / 1e3)
     try:
-        out["stall"] = experiment(e, "idle", pairs, phase_s, gil)
+        out["stall"] = experiment(e, "idle", checks, phase_s, gil)
     finally:
         gil.close()
     out["rates"] = []
@@ -376,7 +385,8 @@ def measure(
             row["floor"] = experiment(e, "floor", pairs, phase_s, None, mbps)
         out["rates"].append(row)
     out["disk"] = out["rates"][0]["disk"]  # what bench_disk.py and older readers look for
-    out["pairs"], out["phase_s"], out["stall_ms"] = pairs, phase_s, stall_ms
+    out["pairs"], out["check_pairs"] = pairs, checks
+    out["phase_s"], out["stall_ms"] = phase_s, stall_ms
     return out
 
 
@@ -423,7 +433,8 @@ def report(f: dict[str, Any]) -> str:
     """The experiments' results, each with its verdict, a table by rate and the verdicts."""
     lines = [
         f"engine-thread stall probe: {f['pairs']} pairs of {f['phase_s']:g} s phases per "
-        f"experiment, steps of {STEP_S * 1e3:g} ms; loss = 1 - rate(B) / rate(A) of busy-loop "
+        f"disk and floor experiment ({f.get('check_pairs', f['pairs'])} for control and "
+        f"stall), steps of {STEP_S * 1e3:g} ms; loss = 1 - rate(B) / rate(A) of busy-loop "
         "iterations per wall second, geometric mean over the pairs ± 2 s.e. (median); the "
         "goal is decided when the whole interval lies on one side of 1%",
         f"  CPUs: {f.get('pinning', 'not recorded')}",
@@ -502,7 +513,7 @@ def _cpus(tid: int) -> str:
         return "?"
 
 
-def _pinning(io_cpus: list[int] | None, floor: Floor) -> str:
+def _pinning(io_cpus: list[int] | None, floor: Floor | None) -> str:
     """Where the engine thread, the tier's I/O threads and the floor's process may run, read
     back from them (the report's header)."""
     tier = sorted(
@@ -510,7 +521,8 @@ def _pinning(io_cpus: list[int] | None, floor: Floor) -> str:
     )
     where = (
         f"engine thread on {_cpus(threading.get_native_id())}, tier I/O threads on "
-        f"{' / '.join(tier) or '?'}, floor process on {_cpus(floor.p.pid)}"
+        f"{' / '.join(tier) or '?'}, floor process on "
+        f"{_cpus(floor.p.pid) if floor is not None else 'none (--no-floor)'}"
     )
     if io_cpus is None:
         return f"not pinned (--io-cpus not given): {where}"
@@ -523,6 +535,16 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=128, help="2 MiB chunks in the slab")
     p.add_argument("--pairs", type=int, default=120, help="pairs of phases per experiment")
     p.add_argument("--phase-s", type=float, default=0.1, help="seconds of one phase")
+    p.add_argument(
+        "--check-pairs",
+        type=int,
+        help="pairs of phases for the control and stall experiments (default: --pairs)",
+    )
+    p.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="measure only our tier: no floor experiments (the floor's reading needs its own run)",
+    )
     p.add_argument("--stall-ms", type=float, default=1.0, help="GIL held per 10 ms (stall)")
     p.add_argument(
         "--mbps",
@@ -560,12 +582,22 @@ def main() -> None:
             st = w.stats()[0]
             nice = 19 if st["io_threads_low_priority"] else 0
             direct = bool(st["direct"])
-            floor = Floor(os.path.join(d, "floor"), args.chunks, direct, nice, args.io_cpus)
+            if not args.no_floor:
+                floor = Floor(os.path.join(d, "floor"), args.chunks, direct, nice, args.io_cpus)
             if engine_cpus is not None:  # after the worker opened: it checks against our CPUs
                 os.sched_setaffinity(0, engine_cpus)
             pinning = _pinning(args.io_cpus, floor)
             f = measure(
-                w, args.chunks, 1, 0, args.pairs, args.phase_s, args.stall_ms, floor, args.mbps
+                w,
+                args.chunks,
+                1,
+                0,
+                args.pairs,
+                args.phase_s,
+                args.stall_ms,
+                floor,
+                args.mbps,
+                args.check_pairs,
             )
             f["pinning"] = pinning
         finally:
