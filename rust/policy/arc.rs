@@ -4,7 +4,7 @@
 
 use rustc_hash::FxHashMap;
 
-use super::links::{Links, List, NIL};
+use super::links::{self, LinkNode, List, NIL, UNLINKED};
 use super::{Evictable, EvictionPolicy, PolicyKind, PolicySnapshot};
 use crate::ids::{Key, SlotId};
 
@@ -16,7 +16,7 @@ const B2: usize = 1;
 /// of ghosts held at once (bounded by the capacity per list).
 #[derive(Clone, Debug, Default)]
 struct Ghosts {
-    links: Links,
+    links: Vec<[u32; 2]>,
     keys: Vec<Key>,
     which: Vec<u8>,
     spare: Vec<u32>,
@@ -36,12 +36,13 @@ impl Ghosts {
             self.which[n as usize] = which as u8;
             n
         } else {
-            let n = self.links.grow();
+            let n = self.links.len() as u32;
+            self.links.push(UNLINKED);
             self.keys.push(key);
             self.which.push(which as u8);
             n
         };
-        self.links.push_back(&mut self.lists[which], node);
+        self.lists[which].push_back(&mut self.links, node);
         self.index.insert(key, node);
     }
 
@@ -49,7 +50,7 @@ impl Ghosts {
     fn remove(&mut self, key: Key) -> Option<usize> {
         let node = self.index.remove(&key)?;
         let which = usize::from(self.which[node as usize]);
-        self.links.unlink(&mut self.lists[which], node);
+        self.lists[which].unlink(&mut self.links, node);
         self.spare.push(node);
         Some(which)
     }
@@ -58,7 +59,7 @@ impl Ghosts {
     fn touch(&mut self, key: Key) -> Option<usize> {
         let node = *self.index.get(&key)?;
         let which = usize::from(self.which[node as usize]);
-        self.links.move_to_back(&mut self.lists[which], node);
+        self.lists[which].move_to_back(&mut self.links, node);
         Some(which)
     }
 
@@ -72,8 +73,8 @@ impl Ghosts {
     }
 
     fn keys_of(&self, which: usize) -> Vec<Key> {
-        self.links
-            .iter(&self.lists[which])
+        self.lists[which]
+            .iter(&self.links)
             .map(|n| self.keys[n as usize])
             .collect()
     }
@@ -103,7 +104,6 @@ impl Ghosts {
 pub struct ArcPolicy {
     capacity: u32,
     target: u32,
-    links: Links,
     in_t2: Vec<bool>,
     t1: List,
     t2: List,
@@ -111,12 +111,11 @@ pub struct ArcPolicy {
 }
 
 impl ArcPolicy {
-    /// An empty ARC over `capacity` slots, target 0.
+    /// An empty ARC over `capacity` slots, target 0 (its links live in the slots' nodes).
     pub fn new(capacity: u32) -> Self {
         Self {
             capacity,
             target: 0,
-            links: Links::with_len(capacity),
             in_t2: vec![false; capacity as usize],
             t1: List::EMPTY,
             t2: List::EMPTY,
@@ -132,10 +131,8 @@ impl ArcPolicy {
         }
     }
 
-    fn unlink(&mut self, slot: u32) {
-        let mut list = *self.list_of(slot);
-        self.links.unlink(&mut list, slot);
-        *self.list_of(slot) = list;
+    fn unlink<N: LinkNode>(&mut self, nodes: &mut [N], slot: u32) {
+        self.list_of(slot).unlink(nodes, slot);
     }
 
     /// Restores the ghost bounds, dropping the least recent ghosts first.
@@ -161,32 +158,32 @@ impl ArcPolicy {
     }
 }
 
-impl EvictionPolicy for ArcPolicy {
+impl<N: LinkNode> EvictionPolicy<N> for ArcPolicy {
     fn kind(&self) -> PolicyKind {
         PolicyKind::Arc
     }
 
-    fn insert(&mut self, slot: SlotId, key: Key) {
+    fn insert(&mut self, nodes: &mut [N], slot: SlotId, key: Key) {
         let seen_before = self.ghosts.remove(key).is_some();
         self.in_t2[slot.0 as usize] = seen_before;
         if seen_before {
-            self.links.push_back(&mut self.t2, slot.0);
+            self.t2.push_back(nodes, slot.0);
         } else {
-            self.links.push_back(&mut self.t1, slot.0);
+            self.t1.push_back(nodes, slot.0);
         }
         self.trim();
     }
 
-    fn touch(&mut self, slot: SlotId, ready: bool) {
+    fn touch(&mut self, nodes: &mut [N], slot: SlotId, ready: bool) {
         let i = slot.0;
         if self.in_t2[i as usize] {
-            self.links.move_to_back(&mut self.t2, i);
+            self.t2.move_to_back(nodes, i);
         } else if ready {
-            self.links.unlink(&mut self.t1, i);
-            self.links.push_back(&mut self.t2, i);
+            self.t1.unlink(nodes, i);
+            self.t2.push_back(nodes, i);
             self.in_t2[i as usize] = true;
         } else {
-            self.links.move_to_back(&mut self.t1, i);
+            self.t1.move_to_back(nodes, i);
         }
     }
 
@@ -204,7 +201,13 @@ impl EvictionPolicy for ArcPolicy {
         }
     }
 
-    fn choose_victims(&self, n: usize, evictable: Evictable<'_>, out: &mut Vec<SlotId>) -> bool {
+    fn choose_victims(
+        &self,
+        nodes: &[N],
+        n: usize,
+        evictable: Evictable<'_>,
+        out: &mut Vec<SlotId>,
+    ) -> bool {
         let start = out.len();
         let (mut c1, mut c2) = (self.t1.head, self.t2.head);
         let mut t1_len = self.t1.len;
@@ -215,12 +218,9 @@ impl EvictionPolicy for ArcPolicy {
             } else {
                 (&mut c2, &mut c1)
             };
-            let victim = match self.links.next_matching(first, evictable) {
+            let victim = match List::next_matching(nodes, first, evictable) {
                 Some(i) => Some((i, prefer_t1)),
-                None => self
-                    .links
-                    .next_matching(second, evictable)
-                    .map(|i| (i, !prefer_t1)),
+                None => List::next_matching(nodes, second, evictable).map(|i| (i, !prefer_t1)),
             };
             let Some((i, from_t1)) = victim else {
                 out.truncate(start);
@@ -234,19 +234,19 @@ impl EvictionPolicy for ArcPolicy {
         true
     }
 
-    fn evict(&mut self, slot: SlotId, key: Key) {
+    fn evict(&mut self, nodes: &mut [N], slot: SlotId, key: Key) {
         let ghost = if self.in_t2[slot.0 as usize] { B2 } else { B1 };
-        self.unlink(slot.0);
+        self.unlink(nodes, slot.0);
         self.ghosts.push(ghost, key);
         self.trim();
     }
 
-    fn remove(&mut self, slot: SlotId) {
-        self.unlink(slot.0);
+    fn remove(&mut self, nodes: &mut [N], slot: SlotId) {
+        self.unlink(nodes, slot.0);
     }
 
-    fn clear(&mut self) {
-        self.links.clear();
+    fn clear(&mut self, nodes: &mut [N]) {
+        links::unlink_all(nodes);
         self.in_t2.fill(false);
         self.t1 = List::EMPTY;
         self.t2 = List::EMPTY;
@@ -262,8 +262,8 @@ impl EvictionPolicy for ArcPolicy {
         Some(self.target)
     }
 
-    fn snapshot(&self) -> PolicySnapshot {
-        let slots = |l: &List| self.links.iter(l).map(SlotId).collect();
+    fn snapshot(&self, nodes: &[N]) -> PolicySnapshot {
+        let slots = |l: &List| l.iter(nodes).map(SlotId).collect();
         PolicySnapshot {
             resident: vec![("t1", slots(&self.t1)), ("t2", slots(&self.t2))],
             ghosts: vec![
@@ -286,17 +286,18 @@ mod tests {
     #[test]
     fn arc_ghost_hit_enters_t2_and_adapts() {
         let mut p = ArcPolicy::new(2);
-        p.insert(SlotId(0), Key(10));
-        p.insert(SlotId(1), Key(11));
+        let mut nodes = [UNLINKED; 2];
+        p.insert(&mut nodes[..], SlotId(0), Key(10));
+        p.insert(&mut nodes[..], SlotId(1), Key(11));
         let mut out = vec![];
-        assert!(p.choose_victims(1, &all, &mut out));
+        assert!(p.choose_victims(&nodes[..], 1, &all, &mut out));
         assert_eq!(out, vec![SlotId(0)]);
-        p.evict(SlotId(0), Key(10));
-        p.touch_absent(Key(10));
-        assert_eq!(p.target(), Some(1));
-        p.insert(SlotId(0), Key(10));
-        let snap = p.snapshot();
+        p.evict(&mut nodes[..], SlotId(0), Key(10));
+        EvictionPolicy::<[u32; 2]>::touch_absent(&mut p, Key(10));
+        assert_eq!(EvictionPolicy::<[u32; 2]>::target(&p), Some(1));
+        p.insert(&mut nodes[..], SlotId(0), Key(10));
+        let snap = p.snapshot(&nodes[..]);
         assert_eq!(snap.resident[1], ("t2", vec![SlotId(0)]));
-        assert_eq!(p.ghost_len(), 0);
+        assert_eq!(EvictionPolicy::<[u32; 2]>::ghost_len(&p), 0);
     }
 }

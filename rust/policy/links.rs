@@ -1,31 +1,34 @@
-//! Intrusive doubly-linked lists over dense indices (slot numbers, ghost nodes): one array of
-//! `[prev, next]` pairs holds each index's neighbours (one cache line per index touched, not
-//! two: a move in a 400k-slot list is bound by its cache misses), so insert, touch, remove and
-//! evict are O(1) and allocate nothing. Several disjoint lists may share one [`Links`].
+//! Intrusive doubly-linked lists over dense indices (slot numbers, ghost nodes): each index's
+//! node holds its `[prev, next]` neighbours, so insert, touch, remove and evict are O(1) and
+//! allocate nothing. Several disjoint lists may thread through one slice of nodes.
+//!
+//! A node is anything that holds a pair of links ([`LinkNode`]): the pool's per-slot records
+//! hold them next to the slot's state and key, so a move in a 400k-slot list, bound by its
+//! cache misses, misses once per index it touches, not once for the links and again for the
+//! state. Ghost lists use bare `[u32; 2]` nodes.
 
 use crate::ids::SlotId;
 
 pub(super) const NIL: u32 = u32::MAX;
 
-/// One list threaded through [`Links`]: `head` is the least recent end, `tail` the most recent.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct List {
-    pub(super) head: u32,
-    pub(super) tail: u32,
-    pub(super) len: u32,
+/// A node of the policy's lists: storage for one index's `[prev, next]` neighbours. The
+/// policy alone reads and writes them; their owner only stores them ([`UNLINKED`] when new).
+pub trait LinkNode {
+    /// The `[prev, next]` neighbours.
+    fn links(&self) -> [u32; 2];
+    /// The `[prev, next]` neighbours, mutably.
+    fn links_mut(&mut self) -> &mut [u32; 2];
 }
 
-impl List {
-    pub(super) const EMPTY: List = List {
-        head: NIL,
-        tail: NIL,
-        len: 0,
-    };
-}
+/// The links of a node that is in no list.
+pub const UNLINKED: [u32; 2] = [NIL; 2];
 
-impl Default for List {
-    fn default() -> Self {
-        List::EMPTY
+impl LinkNode for [u32; 2] {
+    fn links(&self) -> [u32; 2] {
+        *self
+    }
+    fn links_mut(&mut self) -> &mut [u32; 2] {
+        self
     }
 }
 
@@ -34,87 +37,72 @@ const PREV: usize = 0;
 /// Index of the `next` neighbour in a node.
 const NEXT: usize = 1;
 
-/// `[prev, next]` neighbours per index; several disjoint lists may share one `Links`.
-#[derive(Clone, Debug, Default)]
-pub(super) struct Links {
-    nodes: Vec<[u32; 2]>,
+/// One list threaded through a slice of nodes: `head` is the least recent end, `tail` the most
+/// recent. Every operation takes the nodes it threads through.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct List {
+    pub(super) head: u32,
+    pub(super) tail: u32,
+    pub(super) len: u32,
 }
 
-impl Links {
-    pub(super) fn with_len(n: u32) -> Self {
-        Self {
-            nodes: vec![[NIL; 2]; n as usize],
-        }
+impl Default for List {
+    fn default() -> Self {
+        List::EMPTY
     }
+}
 
-    /// Adds one index at the end of the array and returns it.
-    pub(super) fn grow(&mut self) -> u32 {
-        self.nodes.push([NIL; 2]);
-        (self.nodes.len() - 1) as u32
-    }
+impl List {
+    pub(super) const EMPTY: List = List {
+        head: NIL,
+        tail: NIL,
+        len: 0,
+    };
 
-    /// Unlinks every index (the lists sharing these links must be reset too).
-    pub(super) fn clear(&mut self) {
-        self.nodes.fill([NIL; 2]);
-    }
-
-    pub(super) fn push_back(&mut self, list: &mut List, i: u32) {
-        self.nodes[i as usize] = [list.tail, NIL];
-        if list.tail == NIL {
-            list.head = i;
+    pub(super) fn push_back<N: LinkNode>(&mut self, nodes: &mut [N], i: u32) {
+        *nodes[i as usize].links_mut() = [self.tail, NIL];
+        if self.tail == NIL {
+            self.head = i;
         } else {
-            self.nodes[list.tail as usize][NEXT] = i;
+            nodes[self.tail as usize].links_mut()[NEXT] = i;
         }
-        list.tail = i;
-        list.len += 1;
+        self.tail = i;
+        self.len += 1;
     }
 
-    pub(super) fn unlink(&mut self, list: &mut List, i: u32) {
-        let [p, n] = self.nodes[i as usize];
+    pub(super) fn unlink<N: LinkNode>(&mut self, nodes: &mut [N], i: u32) {
+        let [p, n] = nodes[i as usize].links();
         if p == NIL {
-            list.head = n;
+            self.head = n;
         } else {
-            self.nodes[p as usize][NEXT] = n;
+            nodes[p as usize].links_mut()[NEXT] = n;
         }
         if n == NIL {
-            list.tail = p;
+            self.tail = p;
         } else {
-            self.nodes[n as usize][PREV] = p;
+            nodes[n as usize].links_mut()[PREV] = p;
         }
-        self.nodes[i as usize] = [NIL; 2];
-        list.len -= 1;
+        *nodes[i as usize].links_mut() = UNLINKED;
+        self.len -= 1;
     }
 
-    /// Loads the node of `i` (if any) into the cache ahead of a move; changes nothing.
-    pub(super) fn warm(&self, i: u32) {
-        std::hint::black_box(self.nodes.get(i as usize).copied());
-    }
-
-    /// Loads the nodes of `i`'s neighbours into the cache ahead of a move; changes nothing.
-    pub(super) fn warm_neighbours(&self, i: u32) {
-        if let Some(&[p, n]) = self.nodes.get(i as usize) {
-            std::hint::black_box(self.nodes.get(p as usize).copied());
-            std::hint::black_box(self.nodes.get(n as usize).copied());
+    pub(super) fn move_to_back<N: LinkNode>(&mut self, nodes: &mut [N], i: u32) {
+        if self.tail != i {
+            self.unlink(nodes, i);
+            self.push_back(nodes, i);
         }
     }
 
-    pub(super) fn move_to_back(&mut self, list: &mut List, i: u32) {
-        if list.tail != i {
-            self.unlink(list, i);
-            self.push_back(list, i);
-        }
-    }
-
-    /// The first index at or after `*cursor` (following `next`) for which `ok` holds; the cursor
-    /// moves past it. `None` once the list is exhausted.
-    pub(super) fn next_matching(
-        &self,
+    /// The first index at or after `*cursor` (following `next`) for which `ok` holds; the
+    /// cursor moves past it. `None` once the list is exhausted.
+    pub(super) fn next_matching<N: LinkNode>(
+        nodes: &[N],
         cursor: &mut u32,
         ok: &dyn Fn(SlotId) -> bool,
     ) -> Option<u32> {
         while *cursor != NIL {
             let i = *cursor;
-            *cursor = self.nodes[i as usize][NEXT];
+            *cursor = nodes[i as usize].links()[NEXT];
             if ok(SlotId(i)) {
                 return Some(i);
             }
@@ -122,14 +110,34 @@ impl Links {
         None
     }
 
-    pub(super) fn iter<'a>(&'a self, list: &List) -> impl Iterator<Item = u32> + 'a {
-        let mut cur = list.head;
+    pub(super) fn iter<'a, N: LinkNode>(&self, nodes: &'a [N]) -> impl Iterator<Item = u32> + 'a {
+        let mut cur = self.head;
         std::iter::from_fn(move || {
             (cur != NIL).then(|| {
                 let i = cur;
-                cur = self.nodes[i as usize][NEXT];
+                cur = nodes[i as usize].links()[NEXT];
                 i
             })
         })
+    }
+}
+
+/// Loads the node of `i` (if any) into the cache ahead of a move; changes nothing.
+pub(super) fn warm<N: LinkNode>(nodes: &[N], i: u32) {
+    std::hint::black_box(nodes.get(i as usize).map(LinkNode::links));
+}
+
+/// Loads the nodes of `i`'s neighbours into the cache ahead of a move; changes nothing.
+pub(super) fn warm_neighbours<N: LinkNode>(nodes: &[N], i: u32) {
+    if let Some([p, n]) = nodes.get(i as usize).map(LinkNode::links) {
+        warm(nodes, p);
+        warm(nodes, n);
+    }
+}
+
+/// Unlinks every node (the lists threaded through them must be reset too).
+pub(super) fn unlink_all<N: LinkNode>(nodes: &mut [N]) {
+    for n in nodes {
+        *n.links_mut() = UNLINKED;
     }
 }

@@ -1,40 +1,36 @@
 //! [`LruPolicy`]: least recently used, one intrusive recency list over the slots.
 
-use super::links::{Links, List};
+use super::links::{self, LinkNode, List};
 use super::{Evictable, EvictionPolicy, PolicyKind, PolicySnapshot, Touch};
 use crate::ids::{Key, SlotId};
 
 /// Least recently used: one recency list; a touch moves the entry to the most recent end.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct LruPolicy {
-    links: Links,
     list: List,
 }
 
 impl LruPolicy {
-    /// An empty LRU order over `capacity` slots.
-    pub fn new(capacity: u32) -> Self {
-        Self {
-            links: Links::with_len(capacity),
-            list: List::EMPTY,
-        }
+    /// An empty LRU order (its links live in the slots' nodes).
+    pub fn new() -> Self {
+        Self::default()
     }
 }
 
-impl EvictionPolicy for LruPolicy {
+impl<N: LinkNode> EvictionPolicy<N> for LruPolicy {
     fn kind(&self) -> PolicyKind {
         PolicyKind::Lru
     }
 
-    fn insert(&mut self, slot: SlotId, _key: Key) {
-        self.links.push_back(&mut self.list, slot.0);
+    fn insert(&mut self, nodes: &mut [N], slot: SlotId, _key: Key) {
+        self.list.push_back(nodes, slot.0);
     }
 
-    fn touch(&mut self, slot: SlotId, _ready: bool) {
-        self.links.move_to_back(&mut self.list, slot.0);
+    fn touch(&mut self, nodes: &mut [N], slot: SlotId, _ready: bool) {
+        self.list.move_to_back(nodes, slot.0);
     }
 
-    fn touch_many(&mut self, touches: &[Touch]) {
+    fn touch_many(&mut self, nodes: &mut [N], touches: &[Touch]) {
         // Each move misses the cache on the slot's node and its two neighbours: load them a
         // few moves ahead so the misses overlap (loads only: the moves are `touch`'s, in order).
         let slot = |t: Option<&Touch>| match t {
@@ -43,22 +39,28 @@ impl EvictionPolicy for LruPolicy {
         };
         for (i, t) in touches.iter().enumerate() {
             if let Some(ahead) = slot(touches.get(i + 8)) {
-                self.links.warm(ahead);
+                links::warm(nodes, ahead);
             }
             if let Some(ahead) = slot(touches.get(i + 4)) {
-                self.links.warm_neighbours(ahead);
+                links::warm_neighbours(nodes, ahead);
             }
             if let Touch::Resident { slot, .. } = t {
-                self.links.move_to_back(&mut self.list, slot.0);
+                self.list.move_to_back(nodes, slot.0);
             }
         }
     }
 
-    fn choose_victims(&self, n: usize, evictable: Evictable<'_>, out: &mut Vec<SlotId>) -> bool {
+    fn choose_victims(
+        &self,
+        nodes: &[N],
+        n: usize,
+        evictable: Evictable<'_>,
+        out: &mut Vec<SlotId>,
+    ) -> bool {
         let start = out.len();
         let mut cursor = self.list.head;
         while out.len() - start < n {
-            let Some(i) = self.links.next_matching(&mut cursor, evictable) else {
+            let Some(i) = List::next_matching(nodes, &mut cursor, evictable) else {
                 out.truncate(start);
                 return false;
             };
@@ -67,22 +69,22 @@ impl EvictionPolicy for LruPolicy {
         true
     }
 
-    fn evict(&mut self, slot: SlotId, _key: Key) {
-        self.links.unlink(&mut self.list, slot.0);
+    fn evict(&mut self, nodes: &mut [N], slot: SlotId, _key: Key) {
+        self.list.unlink(nodes, slot.0);
     }
 
-    fn remove(&mut self, slot: SlotId) {
-        self.links.unlink(&mut self.list, slot.0);
+    fn remove(&mut self, nodes: &mut [N], slot: SlotId) {
+        self.list.unlink(nodes, slot.0);
     }
 
-    fn clear(&mut self) {
-        self.links.clear();
+    fn clear(&mut self, nodes: &mut [N]) {
+        links::unlink_all(nodes);
         self.list = List::EMPTY;
     }
 
-    fn snapshot(&self) -> PolicySnapshot {
+    fn snapshot(&self, nodes: &[N]) -> PolicySnapshot {
         PolicySnapshot {
-            resident: vec![("lru", self.links.iter(&self.list).map(SlotId).collect())],
+            resident: vec![("lru", self.list.iter(nodes).map(SlotId).collect())],
             ghosts: Vec::new(),
             target: None,
         }
@@ -92,19 +94,21 @@ impl EvictionPolicy for LruPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::UNLINKED;
 
     #[test]
     fn lru_skips_unevictable_and_is_all_or_nothing() {
-        let mut p = LruPolicy::new(4);
+        let mut p = LruPolicy::new();
+        let mut nodes = [UNLINKED; 4];
         for s in 0..4 {
-            p.insert(SlotId(s), Key(u128::from(s)));
+            p.insert(&mut nodes[..], SlotId(s), Key(u128::from(s)));
         }
-        p.touch(SlotId(0), true);
+        p.touch(&mut nodes[..], SlotId(0), true);
         let mut out = vec![];
-        assert!(p.choose_victims(2, &|s| s != SlotId(1), &mut out));
+        assert!(p.choose_victims(&nodes[..], 2, &|s| s != SlotId(1), &mut out));
         assert_eq!(out, vec![SlotId(2), SlotId(3)]);
         out.clear();
-        assert!(!p.choose_victims(4, &|s| s != SlotId(1), &mut out));
+        assert!(!p.choose_victims(&nodes[..], 4, &|s| s != SlotId(1), &mut out));
         assert!(out.is_empty());
     }
 }

@@ -1,10 +1,12 @@
 //! Eviction policies of the CPU pool: which resident entry leaves when room is needed.
 //!
 //! A policy sees resident entries as slot indices (small dense integers, `0..capacity`) and keeps
-//! its recency order in *intrusive* doubly-linked lists: two `u32` arrays indexed by slot hold
-//! each entry's neighbours, so insert, touch, remove and evict are O(1) and allocate nothing.
-//! Ghost lists (ARC's history of evicted keys) hold keys only, in a slab with the same intrusive
-//! links and a key index, bounded by the capacity.
+//! its recency order in *intrusive* doubly-linked lists: each slot's `[prev, next]` neighbours
+//! live in a node ([`LinkNode`]) that the pool keeps in its per-slot record, next to the slot's
+//! state and key (one cache line per slot), and passes to every call; insert, touch, remove and
+//! evict are O(1) and allocate nothing. Ghost lists (ARC's history of evicted keys) hold keys
+//! only, in a slab of the policy's own nodes with the same intrusive links and a key index,
+//! bounded by the capacity.
 //!
 //! The pool owns the entry states (storing, ready, pins); the policy only orders entries. Victim
 //! selection is split in two so that a multi-eviction is atomic: [`EvictionPolicy::choose_victims`]
@@ -32,6 +34,7 @@ mod links;
 mod lru;
 
 pub use self::arc::ArcPolicy;
+pub use self::links::{LinkNode, UNLINKED};
 pub use self::lru::LruPolicy;
 
 /// The eviction policies a pool can be configured with.
@@ -53,10 +56,10 @@ impl PolicyKind {
         }
     }
 
-    /// A policy of this kind for `capacity` slots.
-    pub fn build(self, capacity: u32) -> Box<dyn EvictionPolicy> {
+    /// A policy of this kind for `capacity` slots whose nodes are `N`s.
+    pub fn build<N: LinkNode + 'static>(self, capacity: u32) -> Box<dyn EvictionPolicy<N>> {
         match self {
-            PolicyKind::Lru => Box::new(LruPolicy::new(capacity)),
+            PolicyKind::Lru => Box::new(LruPolicy::new()),
             PolicyKind::Arc => Box::new(ArcPolicy::new(capacity)),
         }
     }
@@ -113,31 +116,33 @@ pub enum Touch {
     Absent(Key),
 }
 
-/// An eviction policy over the slots of one pool.
+/// An eviction policy over the slots of one pool, whose nodes (one per slot, holding the
+/// slot's links in the policy's lists) are `N`s.
 ///
-/// The pool calls [`insert`](EvictionPolicy::insert) when a key gets a slot (it is then
+/// The pool owns the nodes (all [`UNLINKED`] at first) and passes them to every call that
+/// reads or changes the order; only the policy reads or writes their links. The pool calls [`insert`](EvictionPolicy::insert) when a key gets a slot (it is then
 /// *storing*), [`touch`](EvictionPolicy::touch) on an access, [`remove`](EvictionPolicy::remove)
 /// when an entry leaves without being evicted (failed store), and
 /// [`choose_victims`](EvictionPolicy::choose_victims) then [`evict`](EvictionPolicy::evict) when
 /// it needs room. Every resident slot is inserted exactly once before it is touched, removed or
 /// evicted.
-pub trait EvictionPolicy: Send + fmt::Debug {
+pub trait EvictionPolicy<N>: Send + fmt::Debug {
     /// Which policy this is.
     fn kind(&self) -> PolicyKind;
 
     /// A new resident entry: `key` now occupies `slot` (storing).
-    fn insert(&mut self, slot: SlotId, key: Key);
+    fn insert(&mut self, nodes: &mut [N], slot: SlotId, key: Key);
 
     /// An access to the resident entry in `slot`; `ready` says whether it is readable yet.
-    fn touch(&mut self, slot: SlotId, ready: bool);
+    fn touch(&mut self, nodes: &mut [N], slot: SlotId, ready: bool);
 
     /// Applies `touches` in order, as the matching [`touch`](EvictionPolicy::touch) and
     /// [`touch_absent`](EvictionPolicy::touch_absent) calls would: one call per batch, so a
     /// policy can overlap the batch's cache misses.
-    fn touch_many(&mut self, touches: &[Touch]) {
+    fn touch_many(&mut self, nodes: &mut [N], touches: &[Touch]) {
         for t in touches {
             match *t {
-                Touch::Resident { slot, ready } => self.touch(slot, ready),
+                Touch::Resident { slot, ready } => self.touch(nodes, slot, ready),
                 Touch::Absent(key) => self.touch_absent(key),
             }
         }
@@ -149,17 +154,23 @@ pub trait EvictionPolicy: Send + fmt::Debug {
     /// Appends to `out` exactly `n` victims, in eviction order, each a resident slot for which
     /// `evictable` is true, and returns `true`; or appends nothing and returns `false` when
     /// fewer than `n` are evictable. Changes nothing.
-    fn choose_victims(&self, n: usize, evictable: Evictable<'_>, out: &mut Vec<SlotId>) -> bool;
+    fn choose_victims(
+        &self,
+        nodes: &[N],
+        n: usize,
+        evictable: Evictable<'_>,
+        out: &mut Vec<SlotId>,
+    ) -> bool;
 
     /// The entry in `slot`, holding `key`, is evicted (a victim of
     /// [`choose_victims`](EvictionPolicy::choose_victims)); a policy with history remembers it.
-    fn evict(&mut self, slot: SlotId, key: Key);
+    fn evict(&mut self, nodes: &mut [N], slot: SlotId, key: Key);
 
     /// The entry in `slot` leaves without a trace (its store failed).
-    fn remove(&mut self, slot: SlotId);
+    fn remove(&mut self, nodes: &mut [N], slot: SlotId);
 
-    /// Forgets every entry and all history.
-    fn clear(&mut self);
+    /// Forgets every entry and all history (every node is [`UNLINKED`] after).
+    fn clear(&mut self, nodes: &mut [N]);
 
     /// Number of keys remembered in ghost lists.
     fn ghost_len(&self) -> usize {
@@ -172,7 +183,7 @@ pub trait EvictionPolicy: Send + fmt::Debug {
     }
 
     /// The current order (O(capacity)).
-    fn snapshot(&self) -> PolicySnapshot;
+    fn snapshot(&self, nodes: &[N]) -> PolicySnapshot;
 }
 
 #[cfg(test)]

@@ -68,12 +68,29 @@ impl Pool {
 
     /// Queues an event if it fits under the limit, else counts it as dropped.
     pub(super) fn emit(&mut self, kind: PoolEventKind, keys: Vec<Key>) {
-        if self.event_keys + keys.len() > self.event_limit {
-            self.stats.events_dropped += 1;
-            return;
+        if self.event_fits(keys.len()) {
+            self.events.push(PoolEvent { kind, keys });
         }
-        self.event_keys += keys.len();
-        self.events.push(PoolEvent { kind, keys });
+    }
+
+    /// [`Pool::emit`] of a copy of `keys`, made only when the event fits (no work when events
+    /// are off).
+    pub(super) fn emit_copy(&mut self, kind: PoolEventKind, keys: &[Key]) {
+        if self.event_fits(keys.len()) {
+            let keys = keys.to_vec();
+            self.events.push(PoolEvent { kind, keys });
+        }
+    }
+
+    /// Whether an event of `n` keys fits under the limit: if so its keys are counted as
+    /// queued, else the event is counted as dropped.
+    fn event_fits(&mut self, n: usize) -> bool {
+        if self.event_keys + n > self.event_limit {
+            self.stats.events_dropped += 1;
+            return false;
+        }
+        self.event_keys += n;
+        true
     }
 }
 

@@ -23,7 +23,7 @@ impl Pool {
         let mut slots = Vec::with_capacity(keys.len());
         for &key in keys {
             match self.index.get(&key) {
-                Some(&s) if self.entries[s.0 as usize] == Entry::Storing && !slots.contains(&s) => {
+                Some(&s) if self.entry(s) == Entry::Storing && !slots.contains(&s) => {
                     slots.push(s);
                 }
                 _ => return Err(Error::UnknownKey(key)),
@@ -31,7 +31,7 @@ impl Pool {
         }
         for (&key, &slot) in keys.iter().zip(&slots) {
             self.index.remove(&key);
-            self.policy.remove(slot);
+            self.policy.remove(&mut self.records, slot);
             self.storing -= 1;
             self.held += 1;
         }
@@ -42,15 +42,16 @@ impl Pool {
     /// error), else [`Error::Config`] names it and nothing changes.
     pub fn release_held(&mut self, slots: &[SlotId]) -> Result<()> {
         for (i, &s) in slots.iter().enumerate() {
-            let held = self.entries.get(s.0 as usize) == Some(&Entry::Storing)
-                && self.index.get(&self.keys[s.0 as usize]) != Some(&s)
-                && !slots[..i].contains(&s);
+            let held =
+                self.records.get(s.0 as usize).is_some_and(|r| {
+                    r.entry == Entry::Storing && self.index.get(&r.key) != Some(&s)
+                }) && !slots[..i].contains(&s);
             if !held {
                 return Err(Error::Config(format!("release_held: slot {s} is not held")));
             }
         }
         for &s in slots {
-            self.entries[s.0 as usize] = Entry::Free;
+            *self.entry_mut(s) = Entry::Free;
             self.free.release(s.0);
             self.held -= 1;
         }

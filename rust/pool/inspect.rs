@@ -1,6 +1,7 @@
 //! Occupancy, counters, the policy order with keys, and the consistency check for tests.
 
-use crate::ids::Key;
+use crate::ids::{Key, SlotId};
+use crate::policy::UNLINKED;
 
 use super::{Entry, Pool};
 
@@ -104,13 +105,13 @@ impl Pool {
     /// The policy's order with keys in place of slots, for tests and debugging
     /// (O(capacity)).
     pub fn order(&self) -> PoolOrder {
-        let snap = self.policy.snapshot();
+        let snap = self.policy.snapshot(&self.records);
         PoolOrder {
             resident: snap
                 .resident
                 .into_iter()
                 .map(|(name, slots)| {
-                    let keys = slots.iter().map(|s| self.keys[s.0 as usize]).collect();
+                    let keys = slots.iter().map(|&s| self.key_of(s)).collect();
                     (name, keys)
                 })
                 .collect(),
@@ -132,16 +133,26 @@ impl Pool {
         }
         let (mut storing, mut pinned) = (0, 0);
         for (&key, &slot) in &self.index {
-            match self.entries[slot.0 as usize] {
+            match self.entry(slot) {
                 Entry::Free => return Err(format!("key {key} maps to free slot {slot}")),
                 Entry::Storing => storing += 1,
                 Entry::Ready(p) => pinned += u32::from(p > 0),
             }
-            if self.keys[slot.0 as usize] != key {
+            if self.key_of(slot) != key {
                 return Err(format!("slot {slot} of key {key} holds another key"));
             }
         }
-        let occupied = self.entries.iter().filter(|e| **e != Entry::Free).count();
+        let occupied = (self.records.iter())
+            .filter(|r| r.entry != Entry::Free)
+            .count();
+        // A free slot is in no list of the policy.
+        if let Some(s) =
+            (self.records.iter()).position(|r| r.entry == Entry::Free && r.links != UNLINKED)
+        {
+            return Err(format!(
+                "free slot {s} is still linked in the policy's lists"
+            ));
+        }
         if occupied as u64 != self.index.len() as u64 + held {
             return Err(format!(
                 "{occupied} occupied slots, {} keys and {held} held",
@@ -165,7 +176,7 @@ impl Pool {
                     "free run at {start} overlaps or touches the previous"
                 ));
             }
-            if (start..start + len).any(|s| self.entries[s as usize] != Entry::Free) {
+            if (start..start + len).any(|s| self.entry(SlotId(s)) != Entry::Free) {
                 return Err(format!("free run {start}+{len} holds an occupied slot"));
             }
             prev_end = Some(start + len);
@@ -178,11 +189,11 @@ impl Pool {
             ));
         }
         // Policy: every occupied slot exactly once; ghosts bounded and not resident.
-        let snap = self.policy.snapshot();
+        let snap = self.policy.snapshot(&self.records);
         let mut listed = vec![false; cap as usize];
         for (name, slots) in &snap.resident {
             for s in slots {
-                if self.entries[s.0 as usize] == Entry::Free || listed[s.0 as usize] {
+                if self.entry(*s) == Entry::Free || listed[s.0 as usize] {
                     return Err(format!("policy list {name} holds slot {s} wrongly"));
                 }
                 listed[s.0 as usize] = true;

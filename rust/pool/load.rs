@@ -24,7 +24,7 @@ impl Pool {
             let slot = self
                 .hinted_slot(key, hints.get(i).copied())
                 .ok_or(Error::UnknownKey(key))?;
-            if self.entries[slot.0 as usize] == Entry::Storing {
+            if self.entry(slot) == Entry::Storing {
                 return Err(Error::KeyNotReady(key));
             }
             slots.push(slot);
@@ -37,7 +37,7 @@ impl Pool {
     }
 
     fn pin(&mut self, slot: SlotId) {
-        if let Entry::Ready(p) = &mut self.entries[slot.0 as usize] {
+        if let Entry::Ready(p) = &mut self.records[slot.0 as usize].entry {
             if *p == 0 {
                 self.pinned += 1;
             }
@@ -47,7 +47,7 @@ impl Pool {
 
     fn unpin(&mut self, key: Key, hint: Option<SlotId>) -> Result<()> {
         let slot = self.hinted_slot(key, hint).ok_or(Error::UnknownKey(key))?;
-        match &mut self.entries[slot.0 as usize] {
+        match &mut self.records[slot.0 as usize].entry {
             Entry::Ready(p) if *p > 0 => {
                 *p -= 1;
                 if *p == 0 {
@@ -91,18 +91,18 @@ impl Pool {
             let Some(&slot) = self.index.get(&key) else {
                 continue;
             };
-            if self.entries[slot.0 as usize] != Entry::Ready(0) {
+            if self.entry(slot) != Entry::Ready(0) {
                 continue;
             }
-            self.policy.remove(slot);
+            self.policy.remove(&mut self.records, slot);
             self.index.remove(&key);
-            self.entries[slot.0 as usize] = Entry::Free;
+            *self.entry_mut(slot) = Entry::Free;
             self.free.release(slot.0);
             dropped.push(key);
         }
         if !dropped.is_empty() {
             self.stats.discarded += dropped.len() as u64;
-            self.emit(PoolEventKind::Removed, dropped.clone());
+            self.emit_copy(PoolEventKind::Removed, &dropped);
         }
         dropped
     }

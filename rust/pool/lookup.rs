@@ -11,7 +11,7 @@ const PROBE_BATCH: usize = 16;
 
 impl Pool {
     fn entry_state(&self, slot: SlotId) -> KeyState {
-        match self.entries[slot.0 as usize] {
+        match self.entry(slot) {
             Entry::Free => KeyState::Absent,
             Entry::Storing => KeyState::Storing,
             Entry::Ready(pins) => KeyState::Ready { pins },
@@ -133,7 +133,8 @@ impl Pool {
     /// touch per key: the slots first (independent loads, whose cache misses overlap), then the
     /// policy's moves.
     fn touch_batch(&mut self, keys: &[Key], hints: &[SlotId], access: bool) {
-        let mut touches = Vec::with_capacity(keys.len());
+        let mut touches = std::mem::take(&mut self.touches);
+        touches.clear();
         for (i, &key) in keys.iter().enumerate().rev() {
             if let Some(&ahead) = i.checked_sub(8).and_then(|a| hints.get(a)) {
                 self.warm(ahead);
@@ -141,13 +142,14 @@ impl Pool {
             match self.hinted_slot(key, hints.get(i).copied()) {
                 Some(slot) => touches.push(Touch::Resident {
                     slot,
-                    ready: access && matches!(self.entries[slot.0 as usize], Entry::Ready(_)),
+                    ready: access && matches!(self.entry(slot), Entry::Ready(_)),
                 }),
                 None if access => touches.push(Touch::Absent(key)),
                 None => {}
             }
         }
-        self.policy.touch_many(&touches);
+        self.policy.touch_many(&mut self.records, &touches);
+        self.touches = touches;
     }
 
     /// Recency only, no access: walks the present `keys` from last to first, so the earliest
@@ -158,7 +160,7 @@ impl Pool {
     pub fn refresh(&mut self, keys: &[Key]) {
         for &key in keys.iter().rev() {
             if let Some(&slot) = self.index.get(&key) {
-                self.policy.touch(slot, false);
+                self.policy.touch(&mut self.records, slot, false);
             }
         }
     }
@@ -170,12 +172,10 @@ impl Pool {
         self.touch_batch(keys, hints, false);
     }
 
-    /// Loads the entry and key of `slot` (if any) into the cache ahead of a hint check;
-    /// changes nothing.
-    fn warm(&self, slot: SlotId) {
-        let s = slot.0 as usize;
-        std::hint::black_box(self.entries.get(s).copied());
-        std::hint::black_box(self.keys.get(s).copied());
+    /// Loads the record of `slot` (if any) into the cache ahead of a hint check; changes
+    /// nothing.
+    pub(super) fn warm(&self, slot: SlotId) {
+        std::hint::black_box(self.records.get(slot.0 as usize).map(|r| r.entry));
     }
 
     /// The slot of `key` (as [`Pool::slot`]), trying `hint` first: a hinted slot that holds
@@ -183,15 +183,14 @@ impl Pool {
     /// (held slots are storing entries outside the index), so it is used without probing
     /// the index; any other hint falls back to the probe.
     pub(super) fn hinted_slot(&self, key: Key, hint: Option<SlotId>) -> Option<SlotId> {
-        if let Some(slot) = hint {
-            let s = slot.0 as usize;
-            let sure = match self.entries.get(s) {
-                Some(Entry::Ready(_)) => true,
-                Some(Entry::Storing) => self.held == 0,
-                Some(Entry::Free) | None => false,
+        if let Some(r) = hint.and_then(|s| self.records.get(s.0 as usize)) {
+            let sure = match r.entry {
+                Entry::Ready(_) => true,
+                Entry::Storing => self.held == 0,
+                Entry::Free => false,
             };
-            if sure && self.keys[s] == key {
-                return Some(slot);
+            if sure && r.key == key {
+                return hint;
             }
         }
         self.index.get(&key).copied()

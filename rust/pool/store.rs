@@ -9,6 +9,9 @@ use super::{Entry, Pool, PoolEventKind};
 /// Keys below this many per call are deduplicated by a linear scan, above it with a hash set.
 const LINEAR_DEDUP: usize = 32;
 
+/// Index probes [`Pool::prepare_store`] issues ahead per pass (its keys, its victims' keys).
+const WARM_PROBES: usize = 64;
+
 /// The answer of [`Pool::prepare_store`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StorePlan {
@@ -52,9 +55,10 @@ impl Pool {
         // (`scratch` is free between calls: it holds `complete_store`'s slots only there.)
         let mut protected = std::mem::take(&mut self.scratch);
         protected.clear();
+        self.warm_index(keys.iter().copied());
         for &key in keys {
             if let Some(&slot) = self.index.get(&key) {
-                if matches!(self.entries[slot.0 as usize], Entry::Ready(_)) {
+                if matches!(self.entry(slot), Entry::Ready(_)) {
                     protected.push(slot);
                 }
                 continue;
@@ -74,10 +78,11 @@ impl Pool {
         victims.clear();
         if evict > 0 {
             self.adjust_pins(&protected, true);
-            let entries = &self.entries;
+            let records = &self.records;
             let found = self.policy.choose_victims(
+                records,
                 evict,
-                &|s| entries[s.0 as usize] == Entry::Ready(0),
+                &|s| records[s.0 as usize].entry == Entry::Ready(0),
                 &mut victims,
             );
             self.adjust_pins(&protected, false);
@@ -93,11 +98,12 @@ impl Pool {
         // traffic).
         let reuse_victims = self.free.free == 0;
         plan.evicted.reserve(victims.len());
+        self.warm_index(victims.iter().map(|&s| self.key_of(s)));
         for &slot in &victims {
-            let key = self.keys[slot.0 as usize];
-            self.policy.evict(slot, key);
+            let key = self.key_of(slot);
+            self.policy.evict(&mut self.records, slot, key);
             self.index.remove(&key);
-            self.entries[slot.0 as usize] = Entry::Free;
+            *self.entry_mut(slot) = Entry::Free;
             if !reuse_victims {
                 self.free.release(slot.0);
             }
@@ -105,7 +111,7 @@ impl Pool {
         }
         if !plan.evicted.is_empty() {
             self.stats.evictions += plan.evicted.len() as u64;
-            self.emit(PoolEventKind::Removed, plan.evicted.clone());
+            self.emit_copy(PoolEventKind::Removed, &plan.evicted);
         }
         if need > 0 {
             plan.slots.reserve(need as usize);
@@ -119,9 +125,10 @@ impl Pool {
             };
             for (&key, &slot) in plan.keys.iter().zip(&plan.slots) {
                 self.index.insert(key, slot);
-                self.entries[slot.0 as usize] = Entry::Storing;
-                self.keys[slot.0 as usize] = key;
-                self.policy.insert(slot, key);
+                let r = &mut self.records[slot.0 as usize];
+                r.entry = Entry::Storing;
+                r.key = key;
+                self.policy.insert(&mut self.records, slot, key);
             }
             self.storing += need;
             self.stats.allocations += 1;
@@ -135,11 +142,20 @@ impl Pool {
         Some(plan)
     }
 
+    /// Probes the index for `keys` (at most [`WARM_PROBES`]) ahead of the work on them; changes
+    /// nothing. The probes are independent, so their cache misses overlap, where the work's
+    /// own probes would wait for each other.
+    fn warm_index(&self, keys: impl Iterator<Item = Key>) {
+        for key in keys.take(WARM_PROBES) {
+            std::hint::black_box(self.index.get(&key));
+        }
+    }
+
     /// Adds (`up`) or removes one raw pin on the ready entries of `slots`, without touching the
     /// pinned counter: used only to hide entries from a victim search.
     fn adjust_pins(&mut self, slots: &[SlotId], up: bool) {
         for s in slots {
-            if let Entry::Ready(p) = &mut self.entries[s.0 as usize] {
+            if let Entry::Ready(p) = self.entry_mut(*s) {
                 *p = if up { *p + 1 } else { *p - 1 };
             }
         }
@@ -165,6 +181,10 @@ impl Pool {
         let mut slots = std::mem::take(&mut self.scratch);
         slots.clear();
         for (i, &key) in keys.iter().enumerate() {
+            // The records are cold: load a few ahead so their misses overlap.
+            if let Some(&ahead) = hints.get(i + 8) {
+                self.warm(ahead);
+            }
             let Some(slot) = self.hinted_slot(key, hints.get(i).copied()) else {
                 self.scratch = slots;
                 return Err(Error::UnknownKey(key));
@@ -177,20 +197,20 @@ impl Pool {
         let mut n = 0;
         for (&key, &slot) in keys.iter().zip(&slots) {
             // A duplicate of a key this call already handled is no longer storing.
-            if self.entries[slot.0 as usize] != Entry::Storing {
+            if self.entry(slot) != Entry::Storing {
                 continue;
             }
             self.storing -= 1;
             if ok {
-                self.entries[slot.0 as usize] = Entry::Ready(0);
+                *self.entry_mut(slot) = Entry::Ready(0);
                 n += 1;
                 if record {
                     stored.push(key);
                 }
             } else {
-                self.policy.remove(slot);
+                self.policy.remove(&mut self.records, slot);
                 self.index.remove(&key);
-                self.entries[slot.0 as usize] = Entry::Free;
+                *self.entry_mut(slot) = Entry::Free;
                 self.free.release(slot.0);
                 self.stats.failed_stores += 1;
             }
