@@ -63,11 +63,7 @@ impl Scheduler {
                 num_blocks: self.cfg.num_gpu_blocks,
             });
         }
-        Ok(if Some(b) == self.cfg.null_block {
-            BlockId::NULL
-        } else {
-            b
-        })
+        Ok(null_mapped(self.cfg.null_block, b))
     }
 
     /// [`Scheduler::engine_block`] of each block.
@@ -76,13 +72,24 @@ impl Scheduler {
     }
 }
 
+/// An engine block id already checked against the range, the engine's null block (`null`)
+/// mapped to [`BlockId::NULL`].
+pub(super) fn null_mapped(null: Option<BlockId>, b: BlockId) -> BlockId {
+    if Some(b) == null {
+        BlockId::NULL
+    } else {
+        b
+    }
+}
+
 /// A step input checked against the scheduler's state, with request ids resolved to slab
-/// indices and the engine's null block mapped to [`BlockId::NULL`].
-pub(super) struct CheckedStep {
+/// indices and the engine's null block mapped to [`BlockId::NULL`] (appended blocks are the
+/// input's own, checked: map them with [`null_mapped`]).
+pub(super) struct CheckedStep<'a> {
     /// Scheduled requests and their computed tokens.
     pub(super) scheduled: Vec<(u32, u32)>,
-    /// Blocks appended per request and group.
-    pub(super) new_blocks: Vec<(u32, usize, Vec<BlockId>)>,
+    /// Blocks appended per request and group, as the engine names them (checked).
+    pub(super) new_blocks: Vec<(u32, usize, &'a [BlockId])>,
     /// Requests resumed from preemption.
     pub(super) resumed: Vec<u32>,
     /// Requests that finished normally.
@@ -93,17 +100,17 @@ pub(super) struct CheckedStep {
     pub(super) preempted: Vec<u32>,
     /// Released requests: `finished`, `aborted` and `preempted`, in that order.
     pub(super) released: Vec<u32>,
-    /// The explicit written set, if given.
+    /// The explicit written set, if given, without the null block.
     pub(super) written: Option<Vec<BlockId>>,
 }
 
 impl Scheduler {
     /// Checks a whole step input before anything changes, in a fixed order so that the same
     /// bad input always raises the same error.
-    pub(super) fn check_step<S: RequestRef>(
+    pub(super) fn check_step<'a, S: RequestRef>(
         &mut self,
-        input: &StepInput<S>,
-    ) -> Result<CheckedStep> {
+        input: &'a StepInput<S>,
+    ) -> Result<CheckedStep<'a>> {
         if input.scheduled.len() != input.computed.len() {
             return Err(Error::StepInputLength {
                 scheduled: input.scheduled.len(),
@@ -176,9 +183,15 @@ impl Scheduler {
                 });
             }
             live(self, i, "only running requests get blocks")?;
-            new_blocks.push((i, *g as usize, self.engine_blocks(blocks)?));
+            for &b in blocks {
+                self.engine_block(b)?;
+            }
+            new_blocks.push((i, *g as usize, blocks.as_slice()));
         }
-        let fresh = new_blocks.iter().flat_map(|(_, _, b)| b.iter().copied());
+        let null = self.cfg.null_block;
+        let fresh = new_blocks
+            .iter()
+            .flat_map(|(_, _, b)| b.iter().map(move |&b| null_mapped(null, b)));
         if let Some(b) = self.first_repeated(fresh) {
             let (i, _, _) = new_blocks
                 .iter()
@@ -202,7 +215,16 @@ impl Scheduler {
             "only running requests are preempted",
         )?;
         let written = match &input.written {
-            Some(w) => Some(self.engine_blocks(w)?),
+            Some(w) => {
+                let mut out = Vec::with_capacity(w.len());
+                for &b in w {
+                    let b = self.engine_block(b)?;
+                    if b != BlockId::NULL {
+                        out.push(b);
+                    }
+                }
+                Some(out)
+            }
             None => None,
         };
         Ok(CheckedStep {

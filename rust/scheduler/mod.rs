@@ -67,7 +67,6 @@ pub use plan::{
 pub use requests::Status;
 pub use tiers::{DiskWatch, TierAdmission, TierGroupStats, TierJob, TierJobKind};
 
-use positions::PosEntry;
 use requests::Request;
 
 /// What the tracker carries with each job: what its completion must apply.
@@ -128,7 +127,7 @@ pub struct Scheduler {
     /// The next request's tracker owner id (never reused).
     next_owner: u64,
     /// Unstored positions by block (`positions.rs`).
-    pos_index: Vec<Vec<PosEntry>>,
+    pos_index: positions::PosIndex,
     /// Positions `(request, group, pos)` to index once this step's re-allocations are applied.
     pending_assign: Vec<(u32, u32, u32)>,
     /// Blocks re-allocated by `allocate` since the previous step (applied in `schedule`).
@@ -188,7 +187,7 @@ impl Scheduler {
         Ok(Self {
             align: cfg.align_tokens() as u32,
             tracker,
-            pos_index: vec![Vec::new(); cfg.num_gpu_blocks as usize],
+            pos_index: positions::PosIndex::new(cfg.num_gpu_blocks),
             pools,
             reqs: Vec::new(),
             free: Vec::new(),

@@ -238,36 +238,42 @@ impl Scheduler {
         {
             return;
         }
-        self.refresh_stored(i);
-        let r = self.req(i);
-        let owner = r.owner;
-        let id = r.id.clone();
-        self.tracker.forget(owner);
-        self.index.remove(&id);
-        self.reqs[i as usize] = None;
+        // Taken out of the slab whole: its id leaves the index without a copy.
+        let r = self.reqs[i as usize].take().expect("checked above");
+        self.refresh_stored(&r);
+        self.tracker.forget(r.owner);
+        self.index.remove(&r.id);
         self.free.push(i);
     }
 
     /// A request done for good refreshes the recency of its chunks still in the pools, the
     /// earliest most recent: a conversation's next turn re-uses the prefix, and without this
     /// its first chunks (stored first, touched only by lookups) would be the oldest and
-    /// evicted first, cutting the whole prefix under pressure.
-    fn refresh_stored(&mut self, i: u32) {
-        let r = self.reqs[i as usize]
-            .as_ref()
-            .expect("indexed request exists");
-        let mut keys = Vec::new();
-        let mut hints = Vec::new();
+    /// evicted first, cutting the whole prefix under pressure. Where a chunk is one hash block
+    /// (vLLM's shape), its keys are the request's hashes as they are and its slot hints the
+    /// group's as they are; otherwise both are gathered into reused lists.
+    fn refresh_stored(&mut self, r: &Request) {
+        let cfg = &self.cfg;
+        let scratch = &mut self.store_scratch;
         for (g, (rg, pool)) in r.groups.iter().zip(self.pools.iter_mut()).enumerate() {
+            let n = rg.cursor as usize;
+            if cfg.chunk_tokens(g) == cfg.hash_block_size {
+                // Chunk `c`'s key is hash `c`; a missing hint is probed, as `NONE` is.
+                let keys = &r.hashes[..n.min(r.hashes.len())];
+                let hints = &rg.slots[..keys.len().min(rg.slots.len())];
+                pool.refresh_hinted(keys, hints);
+                continue;
+            }
+            let (keys, hints) = (&mut scratch.refresh_keys, &mut scratch.refresh_hints);
             keys.clear();
             hints.clear();
             for c in 0..rg.cursor {
-                if let Some(key) = Self::chunk_key(&self.cfg, r, g, c) {
+                if let Some(key) = Self::chunk_key(cfg, r, g, c) {
                     keys.push(key);
                     hints.push(rg.slots.get(c as usize).copied().unwrap_or(SlotId::NONE));
                 }
             }
-            pool.refresh_hinted(&keys, &hints);
+            pool.refresh_hinted(keys, hints);
         }
     }
 

@@ -53,9 +53,7 @@ impl Scheduler {
         self.loading_requests = 0;
         self.retry.clear();
         self.pending_assign.clear();
-        for e in &mut self.pos_index {
-            e.clear();
-        }
+        self.pos_index.clear();
         let mut cancelled = Vec::new();
         let bpc = self.cfg.blocks_per_chunk;
         for i in 0..self.reqs.len() as u32 {

@@ -5,7 +5,7 @@
 use crate::error::Result;
 use crate::ids::{BlockId, JobId};
 
-use super::checks::CheckedStep;
+use super::checks::{null_mapped, CheckedStep};
 use super::handle::RequestRef;
 use super::plan::{PlannedJob, StepInput, StepPlan};
 use super::requests::Status;
@@ -16,12 +16,12 @@ impl Scheduler {
     /// stores for chunks that became full, and the flush set of the single fence check.
     /// Everything is validated before anything changes.
     pub fn schedule<S: RequestRef>(&mut self, input: &StepInput<S>) -> Result<StepPlan> {
-        let step = self.check_step(input)?;
+        let mut step = self.check_step(input)?;
         self.step += 1;
         self.stats.steps += 1;
         // 1: releases arm their requests' deferred fence pairs.
         self.release(&step);
-        let written = self.written_blocks(&step);
+        let written = self.written_blocks(step.written.take(), &step.new_blocks);
         // 2: stores of released requests read their blocks as they are before this step's
         // re-allocations; armed at creation, the fence check flushes them if need be.
         let mut retry = std::mem::take(&mut self.retry);
@@ -34,7 +34,7 @@ impl Scheduler {
         }));
         self.plan_all(&work, &mut stores);
         // 3: re-allocations drop the positions whose content they replace.
-        self.reallocate(&step.resumed, step.new_blocks);
+        self.reallocate(&step.resumed, &step.new_blocks);
         // 4: stores of running requests, for chunks this step's forward pass completes.
         let released_stores = stores.len();
         work.clear();
@@ -70,7 +70,7 @@ impl Scheduler {
 
     /// Phase 1: finished, aborted and preempted requests take their new status and release
     /// their blocks (the tracker arms their deferred pairs).
-    fn release(&mut self, step: &CheckedStep) {
+    fn release(&mut self, step: &CheckedStep<'_>) {
         for (list, status) in [
             (&step.finished, Status::Finished),
             (&step.aborted, Status::Aborted),
@@ -85,15 +85,25 @@ impl Scheduler {
         }
     }
 
-    /// The blocks this step writes: the explicit set, or every block allocated since the
-    /// previous step (conservative).
-    fn written_blocks(&mut self, step: &CheckedStep) -> Vec<BlockId> {
-        let written = if let Some(w) = &step.written {
-            w.iter().copied().filter(|b| *b != BlockId::NULL).collect()
+    /// The blocks this step writes: the explicit set (checked, the null block left out), or
+    /// every block allocated since the previous step and in `new_blocks` (conservative).
+    fn written_blocks(
+        &mut self,
+        explicit: Option<Vec<BlockId>>,
+        new_blocks: &[(u32, usize, &[BlockId])],
+    ) -> Vec<BlockId> {
+        let written = if let Some(w) = explicit {
+            w
         } else {
             let mut w = std::mem::take(&mut self.allocated);
-            for (_, _, blocks) in &step.new_blocks {
-                w.extend(blocks.iter().filter(|b| **b != BlockId::NULL));
+            let null = self.cfg.null_block;
+            for (_, _, blocks) in new_blocks {
+                w.extend(
+                    blocks
+                        .iter()
+                        .map(|&b| null_mapped(null, b))
+                        .filter(|b| *b != BlockId::NULL),
+                );
             }
             w
         };
@@ -104,13 +114,17 @@ impl Scheduler {
     /// Phase 3: this step's re-allocations (by `allocate` since the previous step, and
     /// `new_blocks`) drop the unstored positions they replace; resumed requests start a new
     /// block table; the new blocks are appended and their unstored positions indexed.
-    fn reallocate(&mut self, resumed: &[u32], new_blocks: Vec<(u32, usize, Vec<BlockId>)>) {
-        for b in std::mem::take(&mut self.reallocated) {
+    fn reallocate(&mut self, resumed: &[u32], new_blocks: &[(u32, usize, &[BlockId])]) {
+        let null = self.cfg.null_block;
+        let mut reallocated = std::mem::take(&mut self.reallocated);
+        for &b in &reallocated {
             self.invalidate(b);
         }
-        for (_, _, blocks) in &new_blocks {
-            for b in blocks {
-                self.invalidate(*b);
+        reallocated.clear();
+        self.reallocated = reallocated;
+        for &(_, _, blocks) in new_blocks {
+            for &b in blocks {
+                self.invalidate(null_mapped(null, b));
             }
         }
         for &i in resumed {
@@ -124,21 +138,25 @@ impl Scheduler {
             }
         }
         let bpc = self.cfg.blocks_per_chunk;
-        for (i, g, blocks) in new_blocks {
+        for &(i, g, blocks) in new_blocks {
             let rg = &mut self.req_mut(i).groups[g];
             let start = rg.blocks.len() as u32;
             let from = start.max(rg.cursor * bpc);
-            rg.blocks.extend_from_slice(&blocks);
-            for (k, b) in blocks.iter().enumerate() {
+            rg.blocks
+                .extend(blocks.iter().map(|&b| null_mapped(null, b)));
+            for (k, &b) in blocks.iter().enumerate() {
                 let pos = start + k as u32;
-                if *b != BlockId::NULL && pos >= from {
+                if null_mapped(null, b) != BlockId::NULL && pos >= from {
                     self.pending_assign.push((i, g as u32, pos));
                 }
             }
         }
-        for (i, g, pos) in std::mem::take(&mut self.pending_assign) {
+        let mut pending = std::mem::take(&mut self.pending_assign);
+        for &(i, g, pos) in &pending {
             self.assign(i, g, pos);
         }
+        pending.clear();
+        self.pending_assign = pending;
     }
 
     /// Phase 5: the single fence check over `written`. Neither a store of a running request

@@ -22,6 +22,11 @@ pub(super) struct StoreScratch {
     hints: Vec<(u32, SlotId)>,
     /// `(group, cursor)` to set once every group is planned.
     cursors: Vec<(usize, u32)>,
+    /// A dropped request's keys to refresh in one group (`requests.rs`), where a chunk spans
+    /// several hash blocks.
+    pub(super) refresh_keys: Vec<Key>,
+    /// The slot hint of each of `refresh_keys`.
+    pub(super) refresh_hints: Vec<SlotId>,
 }
 
 impl Scheduler {
