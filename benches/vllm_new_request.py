@@ -75,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         noop.append(_per_call(lambda _r: None, reqs))
         calls.append(_per_call(conn.on_new_request, reqs))
         side.sched.schedule_batch([], [], finished=ids)  # forgotten: registered again next
-        side.reqs.clear()
         side.hashes.clear()
         core.append(_per_call(sync, reqs))  # the core's call alone, as on_new_request makes it
         side.sched.schedule_batch([], [], finished=ids)

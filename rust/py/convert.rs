@@ -2,11 +2,10 @@
 //!
 //! Integer arrays arrive as lists, tuples, ranges or any iterable of ints (numpy integer arrays
 //! included); lists and tuples take a fast path without the iterator protocol. Pool keys are
-//! ints in `0..2**128` or `bytes` (opaque hashes, see [`Key::from_bytes`]); engine hashes
-//! ([`engine_hash`]) keep the 64-bit int the engine publishes for its bytes.
+//! ints in `0..2**128` or `bytes` (opaque hashes, see [`Key::from_bytes`]). The engine's own
+//! sequences (hash lists, block objects) are read in `super::engine`.
 
 use pyo3::exceptions::PyTypeError;
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
@@ -92,30 +91,8 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
     Ok(out)
 }
 
-/// [`blocks`] that also takes the engine's block objects: an item that is not an integer is
-/// read through its `block_id` attribute (vLLM's `KVCacheBlock`), so an adapter hands over the
-/// engine's own block lists instead of building lists of ints first. An item with neither
-/// raises as in [`blocks`].
-pub fn engine_blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
-    let name = pyo3::intern!(obj.py(), "block_id");
-    let mut out = Vec::new();
-    for_each_item(obj, what, |i, item| {
-        let at = || format!("{what}[{i}]");
-        if !item.is_instance_of::<PyInt>() {
-            if let Ok(id) = item.getattr(name) {
-                out.push(block_named(&id, || format!("{}.block_id", at()))?);
-                return Ok(());
-            }
-        }
-        out.push(block_named(item, at)?);
-        Ok(())
-    })
-    .map_err(block_error)?;
-    Ok(out)
-}
-
 /// A `TypeError` of a block list (not a sequence) as `InvalidBlockError`.
-fn block_error(e: PyErr) -> PyErr {
+pub(super) fn block_error(e: PyErr) -> PyErr {
     Python::attach(|py| {
         if e.is_instance_of::<PyTypeError>(py) {
             InvalidBlockError::new_err(e.value(py).to_string())
@@ -142,7 +119,10 @@ pub fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
 }
 
 /// Extracts one block id, named `what()` in an error.
-fn block_named(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<BlockId> {
+pub(super) fn block_named(
+    obj: &Bound<'_, PyAny>,
+    what: impl FnOnce() -> String,
+) -> PyResult<BlockId> {
     extract_index(obj, what, u128::from(u32::MAX), InvalidBlockError::new_err)
         .map(|b| BlockId(b as u32))
 }
@@ -165,7 +145,7 @@ pub fn key(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Key> {
 }
 
 /// [`key`], naming the value `what()` (called only on error).
-fn key_named(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<Key> {
+pub(super) fn key_named(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<Key> {
     if let Ok(b) = obj.cast::<PyBytes>() {
         return Ok(Key::from_bytes(b.as_bytes()));
     }
@@ -186,81 +166,6 @@ fn key_named(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<
         what(),
         describe(obj)
     )))
-}
-
-/// Extracts one engine hash as the engine publishes it: `bytes` become the integer of their
-/// last 8 bytes, big-endian (vLLM's 32-byte `BlockHash` -> the 64-bit int of its KV events);
-/// ints are taken as [`key`] takes them.
-pub fn engine_hash(obj: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<Key> {
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(bytes_hash(b.as_bytes()));
-    }
-    key_named(obj, what)
-}
-
-/// The engine hash of a `bytes` value: the integer of its last 8 bytes, big-endian.
-fn bytes_hash(b: &[u8]) -> Key {
-    let mut be = [0u8; 8];
-    let tail = &b[b.len().saturating_sub(8)..];
-    be[8 - tail.len()..].copy_from_slice(tail);
-    Key(u128::from(u64::from_be_bytes(be)))
-}
-
-/// Extracts the engine hashes of a hash list (a list or a tuple) from position `start` on.
-///
-/// The hot path of every new request (a 6k-token prompt has 375 hashes): items that are exact
-/// `bytes` are read in place through the list's (or tuple's) item array, with no reference
-/// counting and no Python call; any other item takes [`engine_hash`] (which may call Python,
-/// so the length is read again before each item).
-pub fn engine_hashes_from(obj: &Bound<'_, PyAny>, start: usize, what: &str) -> PyResult<Vec<Key>> {
-    let is_list = obj.cast::<PyList>().is_ok();
-    if !is_list && obj.cast::<PyTuple>().is_err() {
-        return Err(InvalidKeyError::new_err(format!(
-            "{what} must be a list or tuple of hashes (bytes or int), got {}",
-            describe(obj)
-        )));
-    }
-    let seq = obj.as_ptr();
-    // SAFETY: `seq` is a list (or a tuple) held by `obj` with the GIL attached; the length is
-    // read before every item and an item is used only while nothing can run Python code: the
-    // exact-`bytes` branch reads the immutable bytes in place, every other item is first
-    // turned into an owned reference (`from_borrowed_ptr`) before Python may run.
-    #[allow(unsafe_code)]
-    let len = || unsafe {
-        if is_list {
-            ffi::PyList_GET_SIZE(seq)
-        } else {
-            ffi::PyTuple_GET_SIZE(seq)
-        }
-        .unsigned_abs()
-    };
-    #[allow(unsafe_code)]
-    let item = |i: usize| unsafe {
-        if is_list {
-            ffi::PyList_GET_ITEM(seq, i as ffi::Py_ssize_t)
-        } else {
-            ffi::PyTuple_GET_ITEM(seq, i as ffi::Py_ssize_t)
-        }
-    };
-    let mut out = Vec::with_capacity(len().saturating_sub(start));
-    let mut i = start;
-    while i < len() {
-        let p = item(i);
-        // SAFETY: see above; `p` is a live item of `seq`.
-        #[allow(unsafe_code)]
-        unsafe {
-            if ffi::PyBytes_CheckExact(p) != 0 {
-                let n = ffi::Py_SIZE(p).unsigned_abs();
-                let data = std::slice::from_raw_parts(ffi::PyBytes_AS_STRING(p).cast::<u8>(), n);
-                out.push(bytes_hash(data));
-            } else {
-                let item = Bound::from_borrowed_ptr(obj.py(), p);
-                out.push(engine_hash(&item, || format!("{what}[{i}]"))?);
-            }
-        }
-        i += 1;
-    }
-    Ok(out)
 }
 
 /// Extracts a sequence of pool keys (a list, tuple or any iterable of keys; not a lone `str`,
@@ -573,11 +478,8 @@ pub fn items<'py>(
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(bad());
     }
-    if let Ok(list) = obj.cast::<PyList>() {
-        return Ok(list.iter().collect());
-    }
-    if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return Ok(tuple.iter().collect());
+    if let Some(items) = super::engine::items_prefetched(obj) {
+        return Ok(items);
     }
     let iter = obj.try_iter().map_err(|_| bad())?;
     iter.collect::<PyResult<Vec<_>>>()

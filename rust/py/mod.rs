@@ -6,6 +6,7 @@
 
 mod convert;
 mod copy;
+mod engine;
 mod errors;
 mod pool;
 mod remote;

@@ -4,7 +4,7 @@
 //! of full-attention groups deferred.
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, JobId, SlotId};
+use crate::ids::{BlockId, JobId, Key, SlotId};
 use crate::jobs::JobKind;
 
 use super::plan::{GroupTransfer, PlannedJob};
@@ -215,6 +215,10 @@ impl Scheduler {
             let mut kidx = Vec::new();
             let mut chunks = Vec::new();
             let mut last_chunk = u32::MAX;
+            let first_chunk = first_pos / bpc;
+            let keys: Vec<Key> = self
+                .chunk_key_iter(self.req(i), g, first_chunk..(end / bs).div_ceil(bpc))
+                .collect();
             for pos in first_pos..end / bs {
                 let b = t[pos as usize];
                 if b == BlockId::NULL {
@@ -223,8 +227,8 @@ impl Scheduler {
                 let c = pos / bpc;
                 if c != last_chunk {
                     last_chunk = c;
-                    tr.keys
-                        .push(self.key(self.req(i), g, c).expect("looked-up key"));
+                    let key = keys.get((c - first_chunk) as usize);
+                    tr.keys.push(*key.expect("looked-up key"));
                     chunks.push(c);
                 }
                 kidx.push(tr.keys.len() - 1);

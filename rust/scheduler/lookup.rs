@@ -3,6 +3,8 @@
 //! first asked, so deduplication never turns into a convoy; the answer is remembered for the
 //! `allocate` of the same step.
 
+use std::ops::Range;
+
 use crate::error::{Error, Result};
 use crate::ids::{Key, SlotId};
 use crate::pool::KeyState;
@@ -179,7 +181,12 @@ impl Scheduler {
         if first_ask {
             // Wait only for loads already in flight now, never for loads started later.
             let mut jobs = Vec::new();
-            for g in 0..self.cfg.groups.len() {
+            let groups = if self.loading.is_empty() {
+                0
+            } else {
+                self.cfg.groups.len()
+            };
+            for g in 0..groups {
                 let loading = &self.loading;
                 jobs.extend(
                     self.needed_keys(r, g, hit, end)
@@ -262,13 +269,17 @@ impl Scheduler {
             };
             keys.clear();
             hints.clear();
-            let slots = &r.groups[g].slots;
-            for c in first..end.max(hit) / ct {
-                if let Some(k) = self.key(r, g, c) {
-                    keys.push(k);
-                    hints.push(slots.get(c as usize).copied().unwrap_or(SlotId::NONE));
-                }
-            }
+            keys.extend(self.chunk_key_iter(r, g, first..end.max(hit) / ct));
+            // Chunks without a hint (those below the engine's hit: no lookup probed them) are
+            // probed here, in one pass of independent probes whose cache misses overlap, not
+            // one by one between the touches.
+            let (slots, pool) = (&r.groups[g].slots, &self.pools[g]);
+            hints.extend((first as usize..).zip(&keys).map(
+                |(c, &k)| match slots.get(c).copied() {
+                    Some(s) if s != SlotId::NONE => s,
+                    _ => pool.slot(k).unwrap_or(SlotId::NONE),
+                },
+            ));
             if !keys.is_empty() {
                 self.pools[g].touch_hinted(&keys, &hints);
             }
@@ -332,10 +343,30 @@ impl Scheduler {
     /// `cap`.
     pub(super) fn chunk_keys(&self, r: &Request, g: usize, hit: u32, cap: u32) -> Vec<Key> {
         let ct = self.cfg.chunk_tokens(g);
-        let chunks = hit / ct..cap / ct;
-        let mut keys = Vec::with_capacity(chunks.len());
-        keys.extend(chunks.map_while(|c| self.key(r, g, c)));
-        keys
+        self.chunk_key_iter(r, g, hit / ct..cap / ct).collect()
+    }
+
+    /// The keys of group `g`'s chunks in `chunks` that the request has hashes for (a prefix of
+    /// the range: hashes are only ever appended), each as [`Self::key`] gives it, read at a
+    /// stride instead of a division per chunk: chunk `c`'s key is hash `(c + 1) * per - 1`,
+    /// `per` the hashes per chunk (the configuration makes it a whole number).
+    pub(super) fn chunk_key_iter<'r>(
+        &self,
+        r: &'r Request,
+        g: usize,
+        chunks: Range<u32>,
+    ) -> impl Iterator<Item = Key> + 'r {
+        let per = (self.cfg.chunk_tokens(g) / self.cfg.hash_block_size) as usize;
+        debug_assert_eq!(self.cfg.chunk_tokens(g) % self.cfg.hash_block_size, 0);
+        let first = chunks.start as usize * per + per - 1;
+        let n = chunks.len();
+        r.hashes
+            .get(first..)
+            .unwrap_or(&[])
+            .iter()
+            .step_by(per)
+            .take(n)
+            .copied()
     }
 
     /// Highest aligned end point `p` with `hit < p <= cap` at which every group's needed
@@ -384,8 +415,7 @@ impl Scheduler {
     /// Keys of the chunks group `g` needs loaded for tokens `[hit, end)`.
     pub(super) fn needed_keys(&self, r: &Request, g: usize, hit: u32, end: u32) -> Vec<Key> {
         let last = end / self.cfg.chunk_tokens(g);
-        (self.first_needed_chunk(g, hit, end)..last)
-            .filter_map(|c| self.key(r, g, c))
+        self.chunk_key_iter(r, g, self.first_needed_chunk(g, hit, end)..last)
             .collect()
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! * Hashes: a mapping from request id to the request's whole, growing hash list (vLLM's
 //!   `Request.block_hashes`). Only requests whose computed tokens passed the hashes the core
-//!   holds are read, and only the hashes the core lacks are converted ([`convert::engine_hash`]).
+//!   holds are read, and only the hashes the core lacks are converted ([`engine::engine_hash`]).
 //! * Blocks: per scheduled request, the blocks appended this step (per group), and for new or
 //!   resumed requests their whole tables, of which only the blocks beyond the core's table are
 //!   converted. Appended blocks count as written.
@@ -30,8 +30,8 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use super::super::convert;
 use super::super::errors::{to_py, StepInputError};
+use super::super::{convert, engine};
 use super::input::{computed_counts, id_list, step_tokens, tuples};
 use super::Scheduler;
 use crate::ids::{BlockId, Key};
@@ -201,7 +201,7 @@ impl Scheduler {
         }
         let written = match args.written {
             Some(w) if !w.is_none() => {
-                let mut w = convert::engine_blocks(w, "written")?;
+                let mut w = engine::engine_blocks(w, "written")?;
                 w.append(&mut fresh);
                 Some(w)
             }
@@ -366,7 +366,7 @@ fn hash_tail(
         return Ok(None);
     }
     let what = format!("hashes[{}]", key.str()?);
-    convert::engine_hashes_from(&list, held, &what).map(Some)
+    engine::engine_hashes_from(&list, held, &what).map(Some)
 }
 
 /// The per-group block lists of one request (a sequence with one item per group).

@@ -33,6 +33,9 @@ use super::errors::to_py;
 use crate::error::Error;
 use crate::scheduler::{Scheduler as Core, StepInput};
 
+/// [`Scheduler::tail_under_lock`]'s answer: the lock, the held hash count, the tail's start.
+type Tail<'a> = (MutexGuard<'a, Core>, Option<usize>, usize, Vec<crate::Key>);
+
 /// The scheduler core: request tracking, lookups, loads, store planning and the fence.
 #[pyclass(frozen, module = "kvoffload._core")]
 pub struct Scheduler {
@@ -54,26 +57,22 @@ impl Scheduler {
     }
 
     /// The hashes of `block_hashes` (a request's whole hash list) from the last one the core
-    /// holds for `id` on (all of them if it does not track `id`), their position in the list,
-    /// and the lock under which the held count still holds. The held hash converted again
-    /// lets the core check the list against the ones it holds: hashes are chained, so the
-    /// last one stands for the whole prefix. The conversion runs unlocked (it may call
+    /// holds for `id` on (all of them if it does not track `id`), the held count, their
+    /// position in the list, and the lock under which the held count still holds. The held
+    /// hash converted again lets the core check the list against the ones it holds: hashes
+    /// are chained, so the last one stands for the whole prefix. The conversion runs unlocked (it may call
     /// Python, which may call back in and change the request); if the count changed
     /// meanwhile it is converted again, so the tail is never appended at the wrong position.
-    fn tail_under_lock(
-        &self,
-        id: &str,
-        block_hashes: &Bound<'_, PyAny>,
-    ) -> PyResult<(MutexGuard<'_, Core>, usize, Vec<crate::Key>)> {
+    fn tail_under_lock(&self, id: &str, block_hashes: &Bound<'_, PyAny>) -> PyResult<Tail<'_>> {
         loop {
             let held = self.lock().num_hashes(id).ok();
             // (A `block_hashes` that is no sequence fails in the conversion, as it should.)
             let len = block_hashes.len().unwrap_or(usize::MAX);
             let from = held.map_or(0, |n| n.saturating_sub(1).min(len));
-            let tail = convert::engine_hashes_from(block_hashes, from, "block_hashes")?;
+            let tail = super::engine::engine_hashes_from(block_hashes, from, "block_hashes")?;
             let core = self.lock();
             if core.num_hashes(id).ok() == held {
-                return Ok((core, from, tail));
+                return Ok((core, held, from, tail));
             }
         }
     }
@@ -347,8 +346,12 @@ impl Scheduler {
     ) -> PyResult<()> {
         let id = convert::request_id(request_id, "request_id")?;
         let n = request_tokens(prompt_len, "prompt_len")?;
-        let (mut core, from, tail) = self.tail_under_lock(id, block_hashes)?;
-        core.sync_request(id, n, &tail, from).map_err(to_py)
+        match self.tail_under_lock(id, block_hashes)? {
+            // Not tracked: registered with the list as converted (the core's copy spared).
+            (mut core, None, _, tail) => core.add_request(id, n, tail),
+            (mut core, Some(_), from, tail) => core.sync_request(id, n, &tail, from),
+        }
+        .map_err(to_py)
     }
 
     /// An engine's ask in one call (vLLM's `get_num_new_matched_tokens`): [`Self::sync_request`]
@@ -367,7 +370,7 @@ impl Scheduler {
         let id = convert::request_id(request_id, "request_id")?;
         let n = request_tokens(prompt_len, "prompt_len")?;
         let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
-        let (mut core, from, tail) = self.tail_under_lock(id, block_hashes)?;
+        let (mut core, _, from, tail) = self.tail_under_lock(id, block_hashes)?;
         core.lookup_request(id, n, &tail, from, hit).map_err(to_py)
     }
 
