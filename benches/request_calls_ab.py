@@ -23,15 +23,14 @@ It prints, per call, the median µs of each build over the timed requests and th
 from __future__ import annotations
 
 import argparse
-import importlib
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-BLOCK = 16
+from ab_builds import BLOCK, Cold, schedulers
+
 GPU_BLOCKS = 200_000
 CALLS = ("sync_request", "lookup_request", "allocate")
 
@@ -59,15 +58,7 @@ def main() -> None:
     ap.add_argument("--per-round", type=int, default=4, help="new requests per round")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    sys.path.insert(0, a.other)
-    mods = {
-        "other": importlib.import_module("kvbase._core"),
-        "this": importlib.import_module("kvoffload._core"),
-    }
-    cores = {
-        k: m.Scheduler([(BLOCK, None, 64)], num_gpu_blocks=GPU_BLOCKS, cpu_chunks=400_000)
-        for k, m in mods.items()
-    }
+    cores = schedulers(a.other, GPU_BLOCKS)
     for s in cores.values():
         s.set_event_limit(0)
     rng = random.Random(a.seed)
@@ -82,7 +73,7 @@ def main() -> None:
     turn = [0] * a.conversations
     sys_len = [len(h) * BLOCK for h in convs]
     times: dict[str, dict[str, list[float]]] = {k: {c: [] for c in CALLS} for k in cores}
-    junk, zeros = bytearray(64 << 20), bytes(64 << 20)
+    cold = Cold()
     n_req = 0
 
     timing = False
@@ -90,7 +81,7 @@ def main() -> None:
     def timed(k: str, call: str, fn: Any, *args: Any) -> Any:
         if not timing:
             return fn(*args)
-        junk[:] = zeros  # cold caches, as after vLLM's own work
+        cold()
         t = time.perf_counter()
         out = fn(*args)
         times[k][call].append(time.perf_counter() - t)

@@ -17,14 +17,12 @@ goes first) and their ratio.
 from __future__ import annotations
 
 import argparse
-import importlib
 import random
 import statistics
-import sys
 import time
 from typing import Any
 
-BLOCK = 16
+from ab_builds import BLOCK, Cold, schedulers
 
 
 def main() -> None:
@@ -34,21 +32,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    sys.path.insert(0, a.other)
-    mods = {
-        "other": importlib.import_module("kvbase._core"),
-        "this": importlib.import_module("kvoffload._core"),
-    }
-    cores = {
-        k: m.Scheduler([(BLOCK, None, 64)], num_gpu_blocks=200_000, cpu_chunks=400_000)
-        for k, m in mods.items()
-    }
+    cores = schedulers(a.other, 200_000)
     rng = random.Random(a.seed)
     free = list(range(1, 200_000))
     reqs: dict[str, dict[str, Any]] = {}
     hashes: dict[str, list[bytes]] = {}
     times: dict[str, list[float]] = {k: [] for k in cores}
-    junk, zeros = bytearray(64 << 20), bytes(64 << 20)
+    cold = Cold()
     n = 0
 
     def new_request() -> tuple[str, list[int]]:
@@ -95,7 +85,7 @@ def main() -> None:
         order = list(cores) if step % 2 else list(reversed(cores))
         plans = {}
         for k in order:
-            junk[:] = zeros  # cold caches, as after vLLM's own work
+            cold()
             t = time.perf_counter()
             plans[k] = cores[k].schedule_batch(
                 scheduled,
