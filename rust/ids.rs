@@ -24,6 +24,11 @@ pub struct SlotId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Key(pub u128);
 
+impl JobId {
+    /// No job: never created (ids count up from 0 and never reach it).
+    pub const NONE: JobId = JobId(u64::MAX);
+}
+
 impl SlotId {
     /// No slot: a hint that says nothing (never a real slot, capacities stay below 2^28).
     pub const NONE: SlotId = SlotId(u32::MAX);

@@ -36,6 +36,13 @@ impl Pool {
         Ok(slots)
     }
 
+    /// The slot of `key` while something pins it (a load, or a tier write reading it), trying
+    /// `hint` first (see [`Pool::hinted_slot`]). No side effects.
+    pub fn pinned_slot(&self, key: Key, hint: Option<SlotId>) -> Option<SlotId> {
+        let slot = self.hinted_slot(key, hint)?;
+        matches!(self.entry(slot), Entry::Ready(pins) if pins > 0).then_some(slot)
+    }
+
     fn pin(&mut self, slot: SlotId) {
         if let Entry::Ready(p) = &mut self.records[slot.0 as usize].entry {
             if *p == 0 {

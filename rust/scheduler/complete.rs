@@ -122,11 +122,6 @@ impl Scheduler {
                         // Reused chunks: tiers that admit on hits may want them now.
                         self.write_behind(t.group as usize, &t.keys, true);
                     }
-                    for k in &t.keys {
-                        if self.loading.get(&(t.group, *k)) == Some(&job) {
-                            self.loading.remove(&(t.group, *k));
-                        }
-                    }
                     if !ok {
                         invalid_blocks.extend_from_slice(&t.gpu_blocks);
                     }

@@ -161,10 +161,25 @@ impl Scheduler {
             .tracker
             .create(JobKind::Load, owner, eager, deferred, payload)
             .expect("blocks validated, no pending job");
-        for t in &transfers {
-            for k in &t.keys {
-                self.loading.insert((t.group, *k), job);
+        let slots = &self
+            .tracker
+            .jobs()
+            .get(job)
+            .expect("just created")
+            .payload
+            .slots;
+        for (t, slots) in transfers.iter().zip(slots) {
+            let loaders = &mut self.loaders[t.group as usize];
+            if let Some(&last) = slots.iter().max() {
+                if loaders.len() <= last.0 as usize {
+                    loaders.resize(last.0 as usize + 1, JobId::NONE);
+                }
             }
+            for s in slots {
+                loaders[s.0 as usize] = job;
+            }
+        }
+        for t in &transfers {
             self.stats.load_blocks += t.gpu_blocks.len() as u64;
             self.stats.load_bytes += t.gpu_blocks.len() as u64
                 * self.cfg.groups[t.group as usize].bytes_per_chunk

@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use crate::error::{Error, Result};
-use crate::ids::{Key, SlotId};
+use crate::ids::{JobId, Key, SlotId};
 use crate::pool::KeyState;
 
 use super::requests::{Request, Status};
@@ -180,23 +180,7 @@ impl Scheduler {
         }
         if first_ask {
             // Wait only for loads already in flight now, never for loads started later.
-            let mut jobs = Vec::new();
-            let groups = if self.loading.is_empty() {
-                0
-            } else {
-                self.cfg.groups.len()
-            };
-            for g in 0..groups {
-                let loading = &self.loading;
-                jobs.extend(
-                    self.needed_keys(r, g, hit, end)
-                        .into_iter()
-                        .filter_map(|k| loading.get(&(g as u32, k)).copied()),
-                );
-            }
-            jobs.sort_unstable();
-            jobs.dedup();
-            r.wait_on = jobs;
+            r.wait_on = self.loads_reading(r, hit, end);
         }
         let tracker = &self.tracker;
         r.wait_on.retain(|j| tracker.jobs().get(*j).is_some());
@@ -413,6 +397,35 @@ impl Scheduler {
     }
 
     /// Keys of the chunks group `g` needs loaded for tokens `[hit, end)`.
+    /// The pending loads that read chunks `r` needs to load `hit..end` (sorted, once each):
+    /// the loader of each needed chunk's slot while a load pins it.
+    fn loads_reading(&self, r: &Request, hit: u32, end: u32) -> Vec<JobId> {
+        let mut jobs = Vec::new();
+        for g in 0..self.cfg.groups.len() {
+            let (pool, loaders, hints) = (&self.pools[g], &self.loaders[g], &r.groups[g].slots);
+            let first = self.first_needed_chunk(g, hit, end);
+            let chunks = first..end / self.cfg.chunk_tokens(g);
+            for (c, key) in chunks.clone().zip(self.chunk_key_iter(r, g, chunks)) {
+                let Some(slot) = pool.pinned_slot(key, hints.get(c as usize).copied()) else {
+                    continue;
+                };
+                // A slot a tier write pins may have no loader, or a finished one.
+                let Some(&job) = loaders.get(slot.0 as usize) else {
+                    continue;
+                };
+                if job != JobId::NONE
+                    && jobs.last() != Some(&job)
+                    && self.tracker.jobs().get(job).is_some()
+                {
+                    jobs.push(job);
+                }
+            }
+        }
+        jobs.sort_unstable();
+        jobs.dedup();
+        jobs
+    }
+
     pub(super) fn needed_keys(&self, r: &Request, g: usize, hit: u32, end: u32) -> Vec<Key> {
         let last = end / self.cfg.chunk_tokens(g);
         self.chunk_key_iter(r, g, self.first_needed_chunk(g, hit, end)..last)

@@ -143,8 +143,11 @@ pub struct Scheduler {
     stamp: u32,
     /// Current generation of `req_stamps`.
     req_stamp: u32,
-    /// `(group, key)` -> the load in flight that reads it (lookups wait for it).
-    loading: FxHashMap<(u32, Key), JobId>,
+    /// Per group, per pool slot: the last load created that reads the slot (lookups wait for
+    /// it while it is pending). A pinned slot keeps its key, so a pending load named here
+    /// reads that slot's key; a finished one (or one a reset dropped) is no longer in the job
+    /// table and is ignored: nothing is removed on completion.
+    loaders: Vec<Vec<JobId>>,
     /// Requests with a pending load (for load backpressure).
     loading_requests: u32,
     /// `schedule` calls so far.
@@ -200,7 +203,7 @@ impl Scheduler {
             queued: Vec::new(),
             req_stamp: 0,
             stamp: 0,
-            loading: FxHashMap::default(),
+            loaders: vec![Vec::new(); cfg.groups.len()],
             loading_requests: 0,
             step: 0,
             new_loads: Vec::new(),

@@ -49,7 +49,6 @@ impl Scheduler {
         for p in &mut self.pools {
             p.reset();
         }
-        self.loading.clear();
         self.loading_requests = 0;
         self.retry.clear();
         self.pending_assign.clear();
