@@ -207,6 +207,49 @@ fn state_and_slot_have_no_side_effects() {
 }
 
 #[test]
+fn fill_slots_probes_only_the_unknown_entries_in_batches_and_keeps_the_others() {
+    let mut p = pool(64, PolicyKind::Lru);
+    let ids: Vec<u128> = (1..=40).collect();
+    fill(&mut p, &ids);
+    // 50 keys (more than a probe batch), every third one absent; some entries already hold a
+    // slot (kept even where it is not the key's: the caller's hint), the rest are unknown.
+    let keys: Vec<Key> = (0..50u128)
+        .map(|i| Key(if i % 3 == 2 { 1000 + i } else { 1 + i % 40 }))
+        .collect();
+    let mut slots = vec![SlotId::NONE; keys.len()];
+    for i in (0..keys.len()).step_by(7) {
+        slots[i] = SlotId(63 - i as u32);
+    }
+    let given = slots.clone();
+    let before = observe(&p, &ids);
+    p.fill_slots(&keys, &mut slots);
+    for (i, k) in keys.iter().enumerate() {
+        let want = if given[i] == SlotId::NONE {
+            p.slot(*k).unwrap_or(SlotId::NONE)
+        } else {
+            given[i]
+        };
+        assert_eq!(slots[i], want, "entry {i}, key {k}");
+    }
+    assert!(
+        slots.iter().filter(|s| **s == SlotId::NONE).count() >= 10,
+        "absent keys stay unknown"
+    );
+    assert_eq!(observe(&p, &ids), before, "no side effects");
+    // Fewer slots than keys: only the slots given are filled.
+    let mut short = vec![SlotId::NONE; 3];
+    p.fill_slots(&keys, &mut short);
+    assert_eq!(
+        short,
+        [
+            p.slot(keys[0]).unwrap(),
+            p.slot(keys[1]).unwrap(),
+            SlotId::NONE
+        ]
+    );
+}
+
+#[test]
 fn prepare_store_skips_present_and_duplicate_keys_in_input_order() {
     for policy in POLICIES {
         let mut p = pool(8, policy);

@@ -22,15 +22,15 @@ impl Pool {
     pub fn hold(&mut self, keys: &[Key]) -> Result<Vec<SlotId>> {
         let mut slots = Vec::with_capacity(keys.len());
         for &key in keys {
-            match self.index.get(&key) {
-                Some(&s) if self.entry(s) == Entry::Storing && !slots.contains(&s) => {
+            match self.index.get(key, &self.records) {
+                Some(s) if self.entry(s) == Entry::Storing && !slots.contains(&s) => {
                     slots.push(s);
                 }
                 _ => return Err(Error::UnknownKey(key)),
             }
         }
         for (&key, &slot) in keys.iter().zip(&slots) {
-            self.index.remove(&key);
+            self.index.remove(key, slot);
             self.policy.remove(&mut self.records, slot);
             self.storing -= 1;
             self.held += 1;
@@ -42,10 +42,9 @@ impl Pool {
     /// error), else [`Error::Config`] names it and nothing changes.
     pub fn release_held(&mut self, slots: &[SlotId]) -> Result<()> {
         for (i, &s) in slots.iter().enumerate() {
-            let held =
-                self.records.get(s.0 as usize).is_some_and(|r| {
-                    r.entry == Entry::Storing && self.index.get(&r.key) != Some(&s)
-                }) && !slots[..i].contains(&s);
+            let held = self.records.get(s.0 as usize).is_some_and(|r| {
+                r.entry == Entry::Storing && self.index.get(r.key, &self.records) != Some(s)
+            }) && !slots[..i].contains(&s);
             if !held {
                 return Err(Error::Config(format!("release_held: slot {s} is not held")));
             }

@@ -131,15 +131,13 @@ impl Pool {
                 self.free.free
             ));
         }
+        self.index.check(&self.records)?;
         let (mut storing, mut pinned) = (0, 0);
-        for (&key, &slot) in &self.index {
+        for (key, slot) in self.index.iter(&self.records) {
             match self.entry(slot) {
                 Entry::Free => return Err(format!("key {key} maps to free slot {slot}")),
                 Entry::Storing => storing += 1,
                 Entry::Ready(p) => pinned += u32::from(p > 0),
-            }
-            if self.key_of(slot) != key {
-                return Err(format!("slot {slot} of key {key} holds another key"));
             }
         }
         let occupied = (self.records.iter())
@@ -210,7 +208,10 @@ impl Pool {
                     keys.len()
                 ));
             }
-            if let Some(k) = keys.iter().find(|k| self.index.contains_key(k)) {
+            if let Some(k) = keys
+                .iter()
+                .find(|k| self.index.get(**k, &self.records).is_some())
+            {
                 return Err(format!("ghost list {name} holds resident key {k}"));
             }
             ghosts += keys.len();

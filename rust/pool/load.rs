@@ -79,7 +79,7 @@ impl Pool {
         for (i, &key) in keys.iter().enumerate() {
             if let Err(e) = self.unpin(key, hints.get(i).copied()) {
                 for k in &keys[..i] {
-                    let slot = self.index[k];
+                    let slot = self.index.get(*k, &self.records).expect("unpinned above");
                     self.pin(slot);
                 }
                 return Err(e);
@@ -95,14 +95,14 @@ impl Pool {
     pub fn discard(&mut self, keys: &[Key]) -> Vec<Key> {
         let mut dropped = Vec::new();
         for &key in keys {
-            let Some(&slot) = self.index.get(&key) else {
+            let Some(slot) = self.index.get(key, &self.records) else {
                 continue;
             };
             if self.entry(slot) != Entry::Ready(0) {
                 continue;
             }
             self.policy.remove(&mut self.records, slot);
-            self.index.remove(&key);
+            self.index.remove(key, slot);
             *self.entry_mut(slot) = Entry::Free;
             self.free.release(slot.0);
             dropped.push(key);

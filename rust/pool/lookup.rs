@@ -21,13 +21,37 @@ impl Pool {
     /// The state of `key`. No side effects.
     pub fn state(&self, key: Key) -> KeyState {
         self.index
-            .get(&key)
-            .map_or(KeyState::Absent, |&s| self.entry_state(s))
+            .get(key, &self.records)
+            .map_or(KeyState::Absent, |s| self.entry_state(s))
     }
 
     /// The slot of `key`, if present (storing or ready).
     pub fn slot(&self, key: Key) -> Option<SlotId> {
-        self.index.get(&key).copied()
+        self.index.get(key, &self.records)
+    }
+
+    /// Sets `slots[i]` to [`Pool::slot`]`(keys[i])` wherever it holds [`SlotId::NONE`] (an
+    /// absent key leaves it so); other entries are kept as they are. The probes are made in
+    /// batches whose cache misses overlap.
+    pub fn fill_slots(&self, keys: &[Key], slots: &mut [SlotId]) {
+        let mut want = [Key(0); PROBE_BATCH];
+        let mut at = [0usize; PROBE_BATCH];
+        let mut found = [None; PROBE_BATCH];
+        let (mut n, len) = (0, keys.len().min(slots.len()));
+        for i in 0..=len {
+            if i < len && slots[i] == SlotId::NONE {
+                (want[n], at[n]) = (keys[i], i);
+                n += 1;
+            }
+            if n == PROBE_BATCH || (i == len && n > 0) {
+                self.index
+                    .get_many(&want[..n], &self.records, &mut found[..n]);
+                for (&j, f) in at[..n].iter().zip(&found[..n]) {
+                    slots[j] = f.unwrap_or(SlotId::NONE);
+                }
+                n = 0;
+            }
+        }
     }
 
     /// How many leading keys are ready (loadable now). Counts that many hits and the rest as
@@ -77,9 +101,8 @@ impl Pool {
         for (i, &key) in keys.iter().enumerate() {
             if !batch.contains(&i) {
                 batch = i..(i + PROBE_BATCH).min(keys.len());
-                for (p, k) in probed.iter_mut().zip(&keys[batch.clone()]) {
-                    *p = self.index.get(k).copied();
-                }
+                self.index
+                    .get_many(&keys[batch.clone()], &self.records, &mut probed);
             }
             let slot = probed[i - batch.start];
             let state = slot.map_or(KeyState::Absent, |s| self.entry_state(s));
@@ -159,7 +182,7 @@ impl Pool {
     /// and colder chunks leave first.
     pub fn refresh(&mut self, keys: &[Key]) {
         for &key in keys.iter().rev() {
-            if let Some(&slot) = self.index.get(&key) {
+            if let Some(slot) = self.index.get(key, &self.records) {
                 self.policy.touch(&mut self.records, slot, false);
             }
         }
@@ -193,6 +216,6 @@ impl Pool {
                 return hint;
             }
         }
-        self.index.get(&key).copied()
+        self.index.get(key, &self.records)
     }
 }

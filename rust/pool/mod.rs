@@ -38,12 +38,13 @@ mod admission;
 mod events;
 mod free;
 mod hold;
+mod index;
 mod inspect;
 mod load;
 mod lookup;
 mod store;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashSet;
 
 use crate::error::{Error, Result};
 use crate::ids::{Key, SlotId};
@@ -51,6 +52,7 @@ use crate::policy::{EvictionPolicy, LinkNode, PolicyKind, Touch, UNLINKED};
 
 use admission::Admission;
 use free::FreeSlots;
+use index::SlotIndex;
 
 pub use events::{default_event_limit, PoolEvent, PoolEventKind, MEDIUM};
 pub use inspect::{PoolOrder, PoolStats};
@@ -149,7 +151,7 @@ impl LinkNode for Record {
 #[derive(Debug)]
 pub struct Pool {
     config: PoolConfig,
-    index: FxHashMap<Key, SlotId>,
+    index: SlotIndex,
     records: Vec<Record>,
     free: FreeSlots,
     policy: Box<dyn EvictionPolicy<Record>>,
@@ -182,7 +184,7 @@ impl Pool {
         }
         Ok(Pool {
             config,
-            index: FxHashMap::default(),
+            index: SlotIndex::new(c),
             records: vec![Record::FREE; c as usize],
             free: FreeSlots::all(c),
             policy: config.policy.build(c),
@@ -232,9 +234,9 @@ impl Pool {
     pub fn reset(&mut self) {
         let mut removed: Vec<(SlotId, Key)> = self
             .index
-            .iter()
-            .filter(|&(_, &s)| matches!(self.entry(s), Entry::Ready(_)))
-            .map(|(&k, &s)| (s, k))
+            .iter(&self.records)
+            .filter(|&(_, s)| matches!(self.entry(s), Entry::Ready(_)))
+            .map(|(k, s)| (s, k))
             .collect();
         removed.sort_unstable();
         if !removed.is_empty() {

@@ -57,7 +57,7 @@ impl Pool {
         protected.clear();
         self.warm_index(keys.iter().copied());
         for &key in keys {
-            if let Some(&slot) = self.index.get(&key) {
+            if let Some(slot) = self.index.get(key, &self.records) {
                 if matches!(self.entry(slot), Entry::Ready(_)) {
                     protected.push(slot);
                 }
@@ -102,7 +102,7 @@ impl Pool {
         for &slot in &victims {
             let key = self.key_of(slot);
             self.policy.evict(&mut self.records, slot, key);
-            self.index.remove(&key);
+            self.index.remove(key, slot);
             *self.entry_mut(slot) = Entry::Free;
             if !reuse_victims {
                 self.free.release(slot.0);
@@ -147,7 +147,7 @@ impl Pool {
     /// own probes would wait for each other.
     fn warm_index(&self, keys: impl Iterator<Item = Key>) {
         for key in keys.take(WARM_PROBES) {
-            std::hint::black_box(self.index.get(&key));
+            self.index.warm(key);
         }
     }
 
@@ -209,7 +209,7 @@ impl Pool {
                 }
             } else {
                 self.policy.remove(&mut self.records, slot);
-                self.index.remove(&key);
+                self.index.remove(key, slot);
                 *self.entry_mut(slot) = Entry::Free;
                 self.free.release(slot.0);
                 self.stats.failed_stores += 1;

@@ -257,13 +257,12 @@ impl Scheduler {
             // Chunks without a hint (those below the engine's hit: no lookup probed them) are
             // probed here, in one pass of independent probes whose cache misses overlap, not
             // one by one between the touches.
-            let (slots, pool) = (&r.groups[g].slots, &self.pools[g]);
-            hints.extend((first as usize..).zip(&keys).map(
-                |(c, &k)| match slots.get(c).copied() {
-                    Some(s) if s != SlotId::NONE => s,
-                    _ => pool.slot(k).unwrap_or(SlotId::NONE),
-                },
-            ));
+            let slots = &r.groups[g].slots;
+            hints.extend(
+                (first as usize..first as usize + keys.len())
+                    .map(|c| slots.get(c).copied().unwrap_or(SlotId::NONE)),
+            );
+            self.pools[g].fill_slots(&keys, &mut hints);
             if !keys.is_empty() {
                 self.pools[g].touch_hinted(&keys, &hints);
             }
