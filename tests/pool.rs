@@ -250,6 +250,28 @@ fn fill_slots_probes_only_the_unknown_entries_in_batches_and_keeps_the_others() 
 }
 
 #[test]
+fn touch_resolved_after_fill_slots_is_touch_for_every_policy() {
+    for policy in POLICIES {
+        // Two equal pools with ghosts (ARC): evicted keys come back as absent touches.
+        let (mut a, mut b) = (pool(8, policy), pool(8, policy));
+        for p in [&mut a, &mut b] {
+            fill(p, &[1, 2, 3, 4, 5, 6, 7, 8]);
+            p.touch(&ks(&[2, 3]));
+            fill(p, &[9, 10, 11]);
+        }
+        let keys = ks(&[11, 1, 2, 99, 5, 9, 3, 100]);
+        a.touch(&keys);
+        // A stale hint (a slot holding another key) is checked, not trusted.
+        let mut slots = vec![SlotId::NONE; keys.len()];
+        slots[2] = b.slot(Key(6)).unwrap();
+        b.fill_slots(&keys, &mut slots);
+        b.touch_resolved(&keys, &slots);
+        let all: Vec<u128> = (1..=12).chain([99, 100]).collect();
+        assert_eq!(observe(&a, &all), observe(&b, &all), "{policy:?}");
+    }
+}
+
+#[test]
 fn prepare_store_skips_present_and_duplicate_keys_in_input_order() {
     for policy in POLICIES {
         let mut p = pool(8, policy);

@@ -147,22 +147,37 @@ impl Pool {
     /// [`SlotId::NONE`] hints are fine): see [`Pool::hinted_slot`]. Same effect as
     /// `touch(keys)`, fewer index probes.
     pub fn touch_hinted(&mut self, keys: &[Key], hints: &[SlotId]) {
-        self.touch_batch(keys, hints, true);
+        self.touch_batch(keys, hints, true, false);
+    }
+
+    /// [`Pool::touch`] of `keys` whose slots are known: `slots[i]` is `keys[i]`'s slot, or
+    /// [`SlotId::NONE`] where the key is absent, as [`Pool::fill_slots`] left them with no
+    /// change to the pool since (a present slot is still checked, as a hint is; an absent key
+    /// is not probed again).
+    pub fn touch_resolved(&mut self, keys: &[Key], slots: &[SlotId]) {
+        self.touch_batch(keys, slots, true, true);
     }
 
     /// The touches of `keys` (`hints` as in [`Pool::touch_hinted`]), walked from last to first
     /// and applied in that order in one batch; `access`: a use (absent keys inform the policy),
-    /// else a refresh (present keys only, none ready). Two passes, the same effect as one
-    /// touch per key: the slots first (independent loads, whose cache misses overlap), then the
-    /// policy's moves.
-    fn touch_batch(&mut self, keys: &[Key], hints: &[SlotId], access: bool) {
+    /// else a refresh (present keys only, none ready); `resolved`: a [`SlotId::NONE`] hint
+    /// means absent ([`Pool::touch_resolved`]). Two passes, the same effect as one touch per
+    /// key: the slots first (independent loads, whose cache misses overlap), then the policy's
+    /// moves.
+    fn touch_batch(&mut self, keys: &[Key], hints: &[SlotId], access: bool, resolved: bool) {
         let mut touches = std::mem::take(&mut self.touches);
         touches.clear();
         for (i, &key) in keys.iter().enumerate().rev() {
             if let Some(&ahead) = i.checked_sub(8).and_then(|a| hints.get(a)) {
                 self.warm(ahead);
             }
-            match self.hinted_slot(key, hints.get(i).copied()) {
+            let hint = hints.get(i).copied();
+            let slot = if resolved && hint == Some(SlotId::NONE) {
+                None
+            } else {
+                self.hinted_slot(key, hint)
+            };
+            match slot {
                 Some(slot) => touches.push(Touch::Resident {
                     slot,
                     ready: access && matches!(self.entry(slot), Entry::Ready(_)),
@@ -192,7 +207,7 @@ impl Pool {
     /// [`SlotId::NONE`] hints are fine): see [`Pool::hinted_slot`]. Same effect as
     /// `refresh(keys)`, fewer index probes.
     pub fn refresh_hinted(&mut self, keys: &[Key], hints: &[SlotId]) {
-        self.touch_batch(keys, hints, false);
+        self.touch_batch(keys, hints, false, false);
     }
 
     /// Loads the record of `slot` (if any) into the cache ahead of a hint check; changes

@@ -264,7 +264,7 @@ impl Scheduler {
             );
             self.pools[g].fill_slots(&keys, &mut hints);
             if !keys.is_empty() {
-                self.pools[g].touch_hinted(&keys, &hints);
+                self.pools[g].touch_resolved(&keys, &hints);
             }
         }
     }
