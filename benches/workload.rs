@@ -354,7 +354,12 @@ fn main() {
         t.schedule += clock.since(t0);
         t.stores += plan.stores.len() as u64;
         t.loads += plan.loads.len() as u64;
-        to_complete.extend(plan.loads.iter().chain(&plan.stores).map(|j| (j.id, 0, true)));
+        to_complete.extend(
+            plan.loads
+                .iter()
+                .chain(&plan.stores)
+                .map(|j| (j.id, 0, true)),
+        );
         to_load.extend(plan.loads.into_iter().map(|j| j.request));
         // Finished requests leave; their conversation idles.
         running.retain_mut(|r| {
