@@ -2,16 +2,17 @@
 decode-heavy step sequence (the shape of ``benches/vllm_workload.py`` at B=512, full attention,
 without vLLM): B running requests decoding one token per step, a request finishing after
 64-256 decoded tokens and replaced by one with a 2-5.5k-token prompt prefilled in one step,
-16-token blocks, every store and load completed right after its plan. Before every timed call
-a 64 MiB buffer is rewritten, so each call starts with cold caches, as inside vLLM.
+16-token blocks, every store and load of a plan completed before the next step in one
+``complete_counts`` call (as vLLM's connector reports them). Before every timed call a 64 MiB
+buffer is rewritten, so each call starts with cold caches, as inside vLLM.
 
 Run (the other build's ``_core*.so`` copied into ``DIR/kvbase/`` with an empty
 ``__init__.py``)::
 
     .venv/bin/python benches/schedule_batch_ab.py DIR [--b 512] [--steps 400]
 
-It prints the median µs per ``schedule_batch`` call of each build (calls alternate which build
-goes first) and their ratio.
+It prints the median µs per ``schedule_batch`` call and per ``complete_counts`` call of each
+build (calls alternate which build goes first) and their ratios.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     reqs: dict[str, dict[str, Any]] = {}
     hashes: dict[str, list[bytes]] = {}
     times: dict[str, list[float]] = {k: [] for k in cores}
+    done_times: dict[str, list[float]] = {k: [] for k in cores}
     cold = Cold()
     n = 0
 
@@ -99,19 +101,23 @@ def main() -> None:
             )
             times[k].append(time.perf_counter() - t)
         assert plans["this"][:4] == plans["other"][:4], step
-        for k, s in cores.items():
+        for k in order:
             loads, _, stores, *_ = plans[k]
-            for j in loads + stores:
-                s.complete(j)
+            cold()
+            t = time.perf_counter()
+            counts = cores[k].complete_counts(loads + stores)
+            done_times[k].append(time.perf_counter() - t)
+            assert counts == (len(loads) + len(stores), 0), step
         for rid in finished:
             free.extend(reqs.pop(rid)["blocks"])
             del hashes[rid]
     skip = a.steps // 4  # the first steps prefill every request at once
-    med = {k: statistics.median(v[skip:]) * 1e6 for k, v in times.items()}
-    print(
-        f"schedule_batch B={a.b}, {a.steps - skip} steps: other {med['other']:.1f} us, "
-        f"this {med['this']:.1f} us, other/this {med['other'] / med['this']:.2f}x"
-    )
+    for name, ts in (("schedule_batch", times), ("complete_counts", done_times)):
+        med = {k: statistics.median(v[skip:]) * 1e6 for k, v in ts.items()}
+        print(
+            f"{name} B={a.b}, {a.steps - skip} steps: other {med['other']:.1f} us, "
+            f"this {med['this']:.1f} us, other/this {med['other'] / med['this']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 //! Run with `cargo bench --bench workload`; arguments after `--`: measured steps (default
 //! 2000), warmup steps (default 4000: the CPU pool is full by then), `b` (default 512), CPU
 //! pool chunks (default 393,216). It prints the thread CPU time per measured step of each call
-//! kind (`schedule`, `complete`, `lookup_request`, `allocate`), and their sum, in µs, plus the
+//! kind (`schedule`, `complete_counts`, `lookup_request`, `allocate`), and their sum, in µs,
+//! the heap allocations per measured step of each (exact: a counting allocator), plus the
 //! workload's counts per step. That clock may advance by scheduler ticks only (then single
 //! calls read 0 or a tick): only sums over many steps mean anything, and other processes on a
 //! shared machine still evict the caches, so compare builds in alternated runs. Shape: `b`
@@ -13,13 +14,15 @@
 //! 8 turns, 10–100 idle steps between turns, 16-token blocks, chunked prefill at 8,192 tokens
 //! per step, a 200k-block GPU pool and a full CPU pool. Every lookup reports no engine prefix
 //! hit (the CPU tier serves every reused prefix: more loads than in vLLM, where its own prefix
-//! cache serves some). Jobs complete one step after their plan. Seeded: every run makes the
-//! same calls.
+//! cache serves some). Jobs complete one step after their plan, all in one `complete_counts`
+//! call (as vLLM's connector reports them). Seeded: every run makes the same calls.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::VecDeque;
 use std::fs::File;
 use std::hint::black_box;
 use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
@@ -31,6 +34,40 @@ const GPU_BLOCKS: u32 = 200_000;
 const CPU_CHUNKS: u32 = 393_216;
 const PREFILL_BUDGET: u32 = 8192;
 const MAX_PROMPT: u32 = 8192;
+
+/// The system allocator, counting allocations (reallocations included): the per-call counts
+/// are exact, where times are noisy.
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call to `System` unchanged; the counter has no effect on memory.
+// (A global allocator can only be written with `unsafe`.)
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Allocations so far.
+fn allocs() -> u64 {
+    ALLOCS.load(Ordering::Relaxed)
+}
 
 /// xorshift64*: deterministic and dependency-free.
 struct Rng(u64);
@@ -118,6 +155,8 @@ struct Times {
     complete: Duration,
     lookup: Duration,
     allocate: Duration,
+    /// Heap allocations of each call kind, as the times.
+    heap: [u64; 4],
     lookups: u64,
     allocs: u64,
     stores: u64,
@@ -161,7 +200,9 @@ fn main() {
     let mut free: Vec<BlockId> = (1..GPU_BLOCKS).rev().map(BlockId).collect();
     let mut running: Vec<Req> = Vec::new();
     let mut waiting: VecDeque<Req> = VecDeque::new();
-    let mut to_complete: Vec<JobId> = Vec::new();
+    let mut to_complete: Vec<(JobId, u32, bool)> = Vec::new();
+    // Load jobs of the previous plan and their requests.
+    let mut to_load: Vec<String> = Vec::new();
     let mut finished_ids: Vec<String> = Vec::new();
     let mut t = Times::default();
     let clock = Clock::new();
@@ -169,18 +210,18 @@ fn main() {
         if step == u64::from(warmup) {
             t = Times::default();
         }
-        // Jobs of the previous plan complete.
-        let t0 = clock.now();
-        for j in to_complete.drain(..) {
-            if let Some(d) = s.complete(j, 0, true).unwrap() {
-                if d.kind == kvoffload::jobs::JobKind::Load {
-                    if let Some(r) = running.iter_mut().find(|r| r.id == d.request) {
-                        r.loading = false;
-                    }
-                }
+        // Jobs of the previous plan complete, in one batch.
+        let (t0, a0) = (clock.now(), allocs());
+        let (ok, failed) = s.complete_counts(black_box(&to_complete)).unwrap();
+        t.heap[1] += allocs() - a0;
+        t.complete += clock.since(t0);
+        assert_eq!((ok, failed), (to_complete.len(), 0));
+        to_complete.clear();
+        for id in to_load.drain(..) {
+            if let Some(r) = running.iter_mut().find(|r| r.id == id) {
+                r.loading = false;
             }
         }
-        t.complete += clock.since(t0);
         // Conversations whose idle time is over start a turn.
         ready.make_contiguous().sort_unstable();
         while ready.front().is_some_and(|(at, _)| *at <= step) {
@@ -231,10 +272,11 @@ fn main() {
             let hashes: Vec<Key> = (held..r.prompt / BLOCK)
                 .map(|p| key(&convs, r.conv, p))
                 .collect();
-            let t0 = clock.now();
+            let (t0, a0) = (clock.now(), allocs());
             let n = s
                 .lookup_request(&r.id, r.prompt, &hashes, held as usize, 0)
                 .unwrap();
+            t.heap[2] += allocs() - a0;
             t.lookup += clock.since(t0);
             t.lookups += 1;
             let Some(n) = n else {
@@ -242,10 +284,11 @@ fn main() {
                 continue;
             };
             r.blocks = free.split_off(free.len() - (r.prompt.div_ceil(BLOCK) as usize));
-            let t0 = clock.now();
+            let (t0, a0) = (clock.now(), allocs());
             let job = s
                 .allocate(&r.id, std::slice::from_ref(&r.blocks), 0, n)
                 .unwrap();
+            t.heap[3] += allocs() - a0;
             t.allocate += clock.since(t0);
             t.allocs += 1;
             r.computed = n;
@@ -305,12 +348,19 @@ fn main() {
             let h: Vec<Key> = (from..to).map(|p| key(&convs, r.conv, p)).collect();
             s.extend_hashes(r.id.as_str(), &h).unwrap();
         }
-        let t0 = clock.now();
+        let (t0, a0) = (clock.now(), allocs());
         let plan = s.schedule(black_box(&input)).unwrap();
+        t.heap[0] += allocs() - a0;
         t.schedule += clock.since(t0);
         t.stores += plan.stores.len() as u64;
         t.loads += plan.loads.len() as u64;
-        to_complete.extend(plan.loads.iter().chain(&plan.stores).map(|j| j.id));
+        to_complete.extend(
+            plan.loads
+                .iter()
+                .chain(&plan.stores)
+                .map(|j| (j.id, 0, true)),
+        );
+        to_load.extend(plan.loads.into_iter().map(|j| j.request));
         // Finished requests leave; their conversation idles.
         running.retain_mut(|r| {
             if r.decode_left > 0 {
@@ -331,7 +381,8 @@ fn main() {
     println!(
         "workload b={b} steps={steps}: schedule {:.1} complete {:.1} lookup {:.1} allocate {:.1} \
          total {:.1} µs/step ; per step: {:.2} lookups {:.2} allocs \
-         {:.2} stores {:.2} loads {:.2} finished; pool {} chunks",
+         {:.2} stores {:.2} loads {:.2} finished; pool {} chunks\n\
+         heap allocations per step: schedule {:.2} complete {:.2} lookup {:.2} allocate {:.2}",
         per(t.schedule),
         per(t.complete),
         per(t.lookup),
@@ -343,6 +394,10 @@ fn main() {
         t.loads as f64 / n,
         t.finished as f64 / n,
         s.pool(0).map_or(0, kvoffload::pool::Pool::len),
+        t.heap[0] as f64 / n,
+        t.heap[1] as f64 / n,
+        t.heap[2] as f64 / n,
+        t.heap[3] as f64 / n,
     );
     println!(
         "{:?}\nrunning {} waiting {} free blocks {}",

@@ -110,8 +110,14 @@ pub struct JobTable<P> {
     ring: VecDeque<Option<Job<P>>>,
     live: usize,
     owners: FxHashMap<OwnerId, OwnerJobs>,
+    /// Job lists of owners that left, emptied, for the next owners (a request whose stores
+    /// complete before its next one would otherwise allocate a list per job).
+    spare_lists: Vec<Vec<JobId>>,
     stats: JobStats,
 }
+
+/// Most emptied job lists a [`JobTable`] keeps.
+const SPARE_LISTS: usize = 256;
 
 impl<P> JobTable<P> {
     /// An empty table whose jobs complete after `num_workers` reports each.
@@ -129,6 +135,7 @@ impl<P> JobTable<P> {
             ring: VecDeque::new(),
             live: 0,
             owners: FxHashMap::default(),
+            spare_lists: Vec::new(),
             stats: JobStats::default(),
         })
     }
@@ -172,7 +179,11 @@ impl<P> JobTable<P> {
     ) -> JobId {
         let id = JobId(self.next);
         self.next += 1;
-        let o = self.owners.entry(owner).or_default();
+        let spare = &mut self.spare_lists;
+        let o = self.owners.entry(owner).or_insert_with(|| OwnerJobs {
+            jobs: spare.pop().unwrap_or_default(),
+            ..OwnerJobs::default()
+        });
         match kind {
             JobKind::Store => {
                 o.stores += 1;
@@ -274,7 +285,10 @@ impl<P> JobTable<P> {
             o.jobs.remove(i);
         }
         if o.jobs.is_empty() {
-            self.owners.remove(&job.owner);
+            let o = self.owners.remove(&job.owner).expect("looked up above");
+            if self.spare_lists.len() < SPARE_LISTS {
+                self.spare_lists.push(o.jobs);
+            }
         }
         Ok(Completion::Done(job))
     }

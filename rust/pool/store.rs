@@ -43,10 +43,19 @@ impl Pool {
     /// All or nothing: `None` when not enough entries are evictable; then nothing changed
     /// (the refusal is counted in [`PoolStats::no_room`]).
     pub fn prepare_store(&mut self, keys: &[Key]) -> Option<StorePlan> {
-        let mut plan = StorePlan {
-            keys: Vec::with_capacity(keys.len()),
-            ..StorePlan::default()
-        };
+        let mut plan = StorePlan::default();
+        self.prepare_store_into(keys, &mut plan).then_some(plan)
+    }
+
+    /// [`Pool::prepare_store`] into a caller's plan, cleared first (a caller that reuses one
+    /// plan across calls allocates nothing once its lists have grown): `false` where
+    /// `prepare_store` answers `None` (then nothing changed and `plan` says nothing).
+    pub fn prepare_store_into(&mut self, keys: &[Key], plan: &mut StorePlan) -> bool {
+        plan.keys.clear();
+        plan.slots.clear();
+        plan.evicted.clear();
+        plan.filtered.clear();
+        plan.keys.reserve(keys.len());
         let many = keys.len() > LINEAR_DEDUP;
         if many {
             self.seen.clear();
@@ -63,7 +72,7 @@ impl Pool {
                 }
                 continue;
             }
-            if self.is_duplicate(key, &plan, many) {
+            if self.is_duplicate(key, plan, many) {
                 continue;
             }
             if self.admission.admits(key) {
@@ -90,7 +99,7 @@ impl Pool {
                 self.victims = victims;
                 self.scratch = protected;
                 self.stats.no_room += 1;
-                return None;
+                return false;
             }
         }
         // A full pool (the steady state) has no free slot but the victims' own: they are
@@ -139,7 +148,7 @@ impl Pool {
         self.victims = victims;
         self.scratch = protected;
         self.stats.filtered += plan.filtered.len() as u64;
-        Some(plan)
+        true
     }
 
     /// Probes the index for `keys` (at most [`WARM_PROBES`]) ahead of the work on them; changes

@@ -82,7 +82,7 @@ impl Scheduler {
         ok: bool,
         named: bool,
     ) -> Result<Option<Finished>> {
-        let Completion::Done(j) = self.tracker.complete(job, worker, ok)? else {
+        let Completion::Done(mut j) = self.tracker.complete(job, worker, ok)? else {
             return Ok(None);
         };
         let ok = !j.failed;
@@ -96,17 +96,18 @@ impl Scheduler {
         let mut invalid_blocks = Vec::new();
         match j.kind {
             JobKind::Store => {
-                for (ti, t) in j.payload.transfers.iter().enumerate() {
+                for (g, keys, hints) in j.payload.chunks.groups() {
                     // The pool holds exactly these keys as storing: cannot fail.
-                    let hints = j.payload.slots.get(ti).map_or(&[][..], Vec::as_slice);
-                    let pool = &mut self.pools[t.group as usize];
-                    let done = pool.complete_store_hinted(&t.keys, ok, hints);
+                    let pool = &mut self.pools[g as usize];
+                    let done = pool.complete_store_hinted(keys, ok, hints);
                     debug_assert!(done.is_ok(), "{done:?}");
                     if ok {
-                        self.write_behind(t.group as usize, &t.keys, false);
+                        self.write_behind(g as usize, keys, false);
                     }
                 }
                 self.stats.failed_stores += u64::from(!ok);
+                self.spares
+                    .put_chunks(std::mem::take(&mut j.payload.chunks));
             }
             JobKind::Load => {
                 for (ti, t) in j.payload.transfers.iter().enumerate() {
@@ -162,6 +163,9 @@ impl Scheduler {
                 }
             }
         }
+        // The job's block lists serve the next store jobs.
+        self.spares.put_blocks(j.eager);
+        self.spares.put_blocks(j.deferred);
         let done = Finished {
             kind: j.kind,
             request: named.then(|| self.req(i).id.clone()),

@@ -153,6 +153,7 @@ impl Scheduler {
             req: i,
             slots: transfers.iter().map(|t| t.slot_hints(bpc)).collect(),
             transfers: transfers.clone(),
+            chunks: super::stores::StoreChunks::default(),
             first_chunks,
             load_end: end,
             tier: None,

@@ -74,11 +74,13 @@ use requests::Request;
 struct JobPayload {
     /// Slab index of the request.
     req: u32,
-    /// Copies per group (keys to publish or unpin).
+    /// For a load or a tier job: copies per group (keys to unpin or hand on).
     transfers: Vec<GroupTransfer>,
-    /// Per transfer, the slot of each key: hints for the pool at completion (checked there;
-    /// empty for tier jobs).
+    /// For a load: per transfer, the slot of each key: hints for the pool at completion
+    /// (checked there).
     slots: Vec<Vec<SlotId>>,
+    /// For a store: the keys to publish and their slots, flat (`stores.rs`).
+    chunks: stores::StoreChunks,
     /// For a load: per group, the first chunk it fills (a failed load rewinds the store
     /// cursor there, so the recomputed chunks are stored again).
     first_chunks: Vec<u32>,
@@ -90,6 +92,19 @@ struct JobPayload {
 }
 
 impl JobPayload {
+    /// The payload of a store job of request `req`.
+    fn store(req: u32, chunks: stores::StoreChunks) -> Self {
+        Self {
+            req,
+            transfers: Vec::new(),
+            slots: Vec::new(),
+            chunks,
+            first_chunks: Vec::new(),
+            load_end: 0,
+            tier: None,
+        }
+    }
+
     /// The payload of a tier job.
     fn tier(tier: tiers::TierRef, group: u32, keys: Vec<Key>) -> Self {
         Self {
@@ -101,6 +116,7 @@ impl JobPayload {
                 keys,
             }],
             slots: Vec::new(),
+            chunks: stores::StoreChunks::default(),
             first_chunks: Vec::new(),
             load_end: 0,
             tier: Some(tier),
@@ -154,12 +170,16 @@ pub struct Scheduler {
     step: u64,
     /// Loads created since the previous plan.
     new_loads: Vec<PlannedJob>,
+    /// Store jobs of the previous plan: the next plan's list is sized for as many.
+    last_stores: usize,
     /// Blocks allocated since the previous step (the conservative written set).
     allocated: Vec<BlockId>,
     /// Requests whose store planning is retried next step (no room, or a load pending).
     retry: Vec<u32>,
     /// Store planning's working lists, reused (`stores.rs`).
     store_scratch: stores::StoreScratch,
+    /// Completed jobs' lists, kept for the next store jobs (`stores.rs`).
+    spares: stores::Spares,
     /// Jobs flushed by a reset, added to the next plan's flush set.
     reset_flush: Vec<JobId>,
     /// Tier jobs flushed by a reset, the next plan's `tier_flush`.
@@ -207,9 +227,11 @@ impl Scheduler {
             loading_requests: 0,
             step: 0,
             new_loads: Vec::new(),
+            last_stores: 0,
             allocated: Vec::new(),
             retry: Vec::new(),
             store_scratch: stores::StoreScratch::default(),
+            spares: stores::Spares::default(),
             reset_flush: Vec::new(),
             reset_tier_flush: Vec::new(),
             stats: SchedulerStats::default(),

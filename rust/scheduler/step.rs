@@ -25,7 +25,9 @@ impl Scheduler {
         // 2: stores of released requests read their blocks as they are before this step's
         // re-allocations; armed at creation, the fence check flushes them if need be.
         let mut retry = std::mem::take(&mut self.retry);
-        let mut stores = Vec::new();
+        // Sized for half again the previous plan's (decode-heavy steps plan about as many
+        // each): one allocation, not one per doubling.
+        let mut stores = Vec::with_capacity(self.last_stores + self.last_stores / 2);
         let mut work = step.released;
         work.extend(retry.iter().copied().filter(|i| {
             self.reqs[*i as usize]
@@ -55,6 +57,7 @@ impl Scheduler {
             &stores[released_stores..],
             input.written.is_some(),
         );
+        self.last_stores = stores.len();
         Ok(StepPlan {
             loads: std::mem::take(&mut self.new_loads),
             stores,

@@ -2,9 +2,14 @@
 //! store job per request and step, with slots reserved in each group's pool (at most a pool's
 //! worth of chunks per attempt; no room: retried next step). Chunks with a dropped position are
 //! skipped and counted.
+//!
+//! A store job's record is flat ([`StoreChunks`]: its keys and slots, group after group), and
+//! the buffers of completed jobs are kept for the next ones ([`Spares`]): past the first steps
+//! a store job allocates only the lists of the plan it hands out.
 
 use crate::ids::{BlockId, Key, SlotId};
 use crate::jobs::JobKind;
+use crate::pool::StorePlan;
 
 use super::plan::{GroupTransfer, PlannedJob};
 use super::requests::Status;
@@ -22,11 +27,95 @@ pub(super) struct StoreScratch {
     hints: Vec<(u32, SlotId)>,
     /// `(group, cursor)` to set once every group is planned.
     cursors: Vec<(usize, u32)>,
+    /// The pool's answer for one group.
+    plan: StorePlan,
     /// A dropped request's keys to refresh in one group (`requests.rs`), where a chunk spans
     /// several hash blocks.
     pub(super) refresh_keys: Vec<Key>,
     /// The slot hint of each of `refresh_keys`.
     pub(super) refresh_hints: Vec<SlotId>,
+}
+
+/// What a store job's completion needs: the keys it stores and the slot of each (hints for the
+/// pool), group after group, in three flat lists whatever the job's size.
+#[derive(Debug, Clone, Default)]
+pub(super) struct StoreChunks {
+    /// `(group, end)` per group stored, in order: that group's chunks end at `keys[end]`.
+    groups: Vec<(u32, u32)>,
+    keys: Vec<Key>,
+    slots: Vec<SlotId>,
+}
+
+impl StoreChunks {
+    /// Appends group `g`'s chunks: `keys[i]` stored into `slots[i]`.
+    fn push(&mut self, g: u32, keys: &[Key], slots: &[SlotId]) {
+        debug_assert_eq!(keys.len(), slots.len());
+        self.keys.extend_from_slice(keys);
+        self.slots.extend_from_slice(slots);
+        self.groups.push((g, self.keys.len() as u32));
+    }
+
+    /// Each group stored, in order: `(group, keys, their slots)`.
+    pub(super) fn groups(&self) -> impl Iterator<Item = (u32, &[Key], &[SlotId])> {
+        let mut start = 0;
+        self.groups.iter().map(move |&(g, end)| {
+            let r = start..end as usize;
+            start = end as usize;
+            (g, &self.keys[r.clone()], &self.slots[r])
+        })
+    }
+
+    /// Whether no chunk is recorded.
+    fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+}
+
+/// Most buffers of each kind [`Spares`] keeps: more than the store jobs of a step at B=512
+/// (about 35), so the steady state never allocates a record, and a burst's buffers are freed.
+const SPARES: usize = 128;
+
+/// The lists of completed jobs, emptied and kept for the next store jobs: their records and
+/// their GPU block lists (the tracker's eager and deferred classes).
+#[derive(Debug, Default)]
+pub(super) struct Spares {
+    chunks: Vec<StoreChunks>,
+    blocks: Vec<Vec<BlockId>>,
+}
+
+impl Spares {
+    /// An empty record, reused when one is kept.
+    fn chunks(&mut self) -> StoreChunks {
+        self.chunks.pop().unwrap_or_default()
+    }
+
+    /// Keeps a completed job's record for a later one.
+    pub(super) fn put_chunks(&mut self, mut c: StoreChunks) {
+        if self.chunks.len() < SPARES && c.keys.capacity() > 0 {
+            c.groups.clear();
+            c.keys.clear();
+            c.slots.clear();
+            self.chunks.push(c);
+        }
+    }
+
+    /// Appends `blocks` to a job's block class, taking a kept list for a class still empty.
+    fn extend(&mut self, class: &mut Vec<BlockId>, blocks: &[BlockId]) {
+        if class.capacity() == 0 {
+            if let Some(b) = self.blocks.pop() {
+                *class = b;
+            }
+        }
+        class.extend_from_slice(blocks);
+    }
+
+    /// Keeps a completed job's block list for a later one.
+    pub(super) fn put_blocks(&mut self, mut b: Vec<BlockId>) {
+        if self.blocks.len() < SPARES && b.capacity() > 0 {
+            b.clear();
+            self.blocks.push(b);
+        }
+    }
 }
 
 impl Scheduler {
@@ -75,7 +164,7 @@ impl Scheduler {
         let mut sc = std::mem::take(&mut self.store_scratch);
         sc.cursors.clear();
         let mut transfers = Vec::new();
-        let mut slots = Vec::new();
+        let mut record = self.spares.chunks();
         let (mut eager, mut deferred) = (Vec::new(), Vec::new());
         let mut retry = false;
         for g in 0..self.cfg.groups.len() {
@@ -106,21 +195,17 @@ impl Scheduler {
             if c == rg.cursor {
                 continue;
             }
-            let plan = if sc.keys.is_empty() {
-                None
-            } else {
-                let Some(p) = self.pools[g].prepare_store(&sc.keys) else {
-                    self.stats.store_no_room += 1;
-                    retry = true;
-                    continue;
-                };
-                Some(p)
-            };
+            if !sc.keys.is_empty() && !self.pools[g].prepare_store_into(&sc.keys, &mut sc.plan) {
+                self.stats.store_no_room += 1;
+                retry = true;
+                continue;
+            }
             self.stats.chunks_dropped += dropped;
             sc.cursors.push((g, c));
-            let Some(plan) = plan else {
+            let plan = &sc.plan;
+            if sc.keys.is_empty() || plan.keys.is_empty() {
                 continue;
-            };
+            }
             let rg = &self.req(i).groups[g];
             let len = plan.keys.len() * bpc as usize;
             let (mut gpu_blocks, mut cpu_blocks) =
@@ -143,25 +228,22 @@ impl Scheduler {
             for &(c, slot) in &sc.hints {
                 rg.hint(c, slot);
             }
-            if gpu_blocks.is_empty() {
-                continue;
-            }
             let class = if self.cfg.groups[g].sliding_window.is_some() {
                 &mut eager
             } else {
                 &mut deferred
             };
-            class.extend_from_slice(&gpu_blocks);
+            self.spares.extend(class, &gpu_blocks);
             let chunks = plan.keys.len() as u64;
             self.stats.store_chunks += chunks;
             self.stats.store_bytes += chunks * self.cfg.groups[g].bytes_per_chunk;
+            record.push(g as u32, &plan.keys, &plan.slots);
             transfers.push(GroupTransfer {
                 group: g as u32,
                 gpu_blocks,
                 cpu_blocks,
-                keys: plan.keys,
+                keys: plan.keys.clone(),
             });
-            slots.push(plan.slots);
         }
         for &(g, c) in &sc.cursors {
             self.req_mut(i).groups[g].cursor = c;
@@ -172,7 +254,8 @@ impl Scheduler {
         if retry {
             self.retry.push(i);
         }
-        if transfers.is_empty() {
+        if record.is_empty() {
+            self.spares.put_chunks(record);
             return;
         }
         let id = self
@@ -182,23 +265,7 @@ impl Scheduler {
                 owner,
                 eager,
                 deferred,
-                JobPayload {
-                    req: i,
-                    // Its completion needs the keys only (one copy): the plan owns the rest.
-                    transfers: transfers
-                        .iter()
-                        .map(|t| GroupTransfer {
-                            group: t.group,
-                            gpu_blocks: Vec::new(),
-                            cpu_blocks: Vec::new(),
-                            keys: t.keys.clone(),
-                        })
-                        .collect(),
-                    slots,
-                    first_chunks: Vec::new(),
-                    load_end: 0,
-                    tier: None,
-                },
+                JobPayload::store(i, record),
             )
             .expect("blocks validated, no pending load");
         self.stats.store_jobs += 1;
@@ -233,5 +300,64 @@ impl Scheduler {
             .iter()
             .enumerate()
             .any(|(g, rg)| rg.cursor < wm / self.cfg.chunk_tokens(g))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(ids: &[u128]) -> Vec<Key> {
+        ids.iter().map(|&k| Key(k)).collect()
+    }
+
+    fn slots(ids: &[u32]) -> Vec<SlotId> {
+        ids.iter().map(|&s| SlotId(s)).collect()
+    }
+
+    #[test]
+    fn groups_come_back_in_order_and_a_kept_record_comes_back_empty() {
+        let mut spares = Spares::default();
+        let mut c = spares.chunks();
+        c.push(1, &keys(&[10, 11]), &slots(&[5, 6]));
+        c.push(0, &keys(&[20]), &slots(&[7]));
+        c.push(3, &keys(&[30, 31, 32]), &slots(&[1, 2, 3]));
+        let got: Vec<(u32, Vec<Key>, Vec<SlotId>)> = c
+            .groups()
+            .map(|(g, k, s)| (g, k.to_vec(), s.to_vec()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, keys(&[10, 11]), slots(&[5, 6])),
+                (0, keys(&[20]), slots(&[7])),
+                (3, keys(&[30, 31, 32]), slots(&[1, 2, 3])),
+            ]
+        );
+        let cap = c.keys.capacity();
+        spares.put_chunks(c);
+        let again = spares.chunks();
+        assert!(again.is_empty() && again.groups().next().is_none());
+        assert!(again.keys.is_empty() && again.slots.is_empty());
+        assert_eq!(
+            again.keys.capacity(),
+            cap,
+            "the kept record's list is reused"
+        );
+    }
+
+    #[test]
+    fn kept_block_lists_come_back_empty_and_are_bounded() {
+        let mut spares = Spares::default();
+        for _ in 0..SPARES + 10 {
+            spares.put_blocks(vec![BlockId(9); 4]);
+        }
+        spares.put_blocks(Vec::new());
+        assert_eq!(spares.blocks.len(), SPARES);
+        let mut class = Vec::new();
+        spares.extend(&mut class, &[BlockId(1), BlockId(2)]);
+        assert_eq!(class, vec![BlockId(1), BlockId(2)]);
+        assert!(class.capacity() >= 4);
+        assert_eq!(spares.blocks.len(), SPARES - 1);
     }
 }
