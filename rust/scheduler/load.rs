@@ -222,14 +222,15 @@ impl Scheduler {
             let bs = self.cfg.groups[g].block_size;
             let first_pos = self.first_needed_chunk(g, hit, end) * bpc;
             let first_pos = first_pos.max(hit / bs);
+            let n = (end / bs).saturating_sub(first_pos) as usize;
             let mut tr = GroupTransfer {
                 group: g as u32,
-                gpu_blocks: Vec::new(),
-                cpu_blocks: Vec::new(),
-                keys: Vec::new(),
+                gpu_blocks: Vec::with_capacity(n),
+                cpu_blocks: Vec::with_capacity(n),
+                keys: Vec::with_capacity(n.div_ceil(bpc as usize)),
             };
-            let mut kidx = Vec::new();
-            let mut chunks = Vec::new();
+            let mut kidx = Vec::with_capacity(n);
+            let mut chunks = Vec::with_capacity(n.div_ceil(bpc as usize));
             let mut last_chunk = u32::MAX;
             let first_chunk = first_pos / bpc;
             let keys: Vec<Key> = self

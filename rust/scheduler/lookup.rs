@@ -304,6 +304,8 @@ impl Scheduler {
             let keys = self.chunk_keys(r, g, hit, cap);
             states.clear();
             slots.clear();
+            states.reserve(keys.len());
+            slots.reserve(keys.len());
             let full = self.cfg.groups[g].sliding_window.is_none();
             self.pools[g].lookup_slots(&keys, &mut states, &mut slots, full);
             let rg = &mut r.groups[g];
