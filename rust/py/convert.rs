@@ -95,7 +95,13 @@ pub fn for_each_item<'py>(
 
 /// Extracts block ids (each `0 <= b < 2**32 - 1`).
 pub fn blocks(obj: &Bound<'_, PyAny>, what: &(impl Display + ?Sized)) -> PyResult<Vec<BlockId>> {
-    let mut out = Vec::new();
+    // A list's or a tuple's length is known: one allocation instead of growing one by one.
+    let n = obj
+        .cast::<PyList>()
+        .map(PyListMethods::len)
+        .or_else(|_| obj.cast::<PyTuple>().map(PyTupleMethods::len))
+        .unwrap_or(0);
+    let mut out = Vec::with_capacity(n);
     for_each_item(obj, what, |i, item| {
         out.push(block_named(item, || format!("{what}[{i}]"))?);
         Ok(())

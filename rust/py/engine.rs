@@ -126,9 +126,14 @@ fn bytes_hash(b: &[u8]) -> Key {
 /// Items that are exact `bytes` are read in place through the item array, with no reference
 /// counting and no Python call, the objects [`AHEAD`] items on prefetched; any other item takes
 /// [`engine_hash`] (which may call Python, so the length is read again before each item).
+///
+/// The vector has room for `spare` more keys: a list that becomes a request's own (a new
+/// request's hashes, moved into the core) grows while the request decodes, and without room
+/// its first append would copy the whole list.
 pub fn engine_hashes_from(
     obj: &Bound<'_, PyAny>,
     start: usize,
+    spare: usize,
     what: &(impl Display + ?Sized),
 ) -> PyResult<Vec<Key>> {
     let Some(items) = Items::of(obj) else {
@@ -137,7 +142,7 @@ pub fn engine_hashes_from(
             describe(obj)
         )));
     };
-    let mut out = Vec::with_capacity(items.len().saturating_sub(start));
+    let mut out = Vec::with_capacity(items.len().saturating_sub(start) + spare);
     for i in start..start + AHEAD.min(items.len().saturating_sub(start)) {
         prefetch_bytes(items.get(i));
     }

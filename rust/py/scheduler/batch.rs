@@ -367,7 +367,7 @@ fn hash_tail(
     if list.len()? <= held {
         return Ok(None);
     }
-    engine::engine_hashes_from(&list, held, &HashesOf(key)).map(Some)
+    engine::engine_hashes_from(&list, held, 0, &HashesOf(key)).map(Some)
 }
 
 /// The name of `hashes[key]` in messages (`key` rendered by `str`, only for a message).
