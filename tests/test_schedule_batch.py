@@ -263,6 +263,83 @@ def test_bad_batch_input_raises_and_changes_nothing(
     assert snapshot(s) == before
 
 
+def feed(s: Scheduler, call: str, arg: Any) -> None:
+    """Request "a" (8 tokens, 2 hashes, 2 blocks) stepped by 8 tokens with `arg` added to the
+    step's arguments, or allocated `arg` again."""
+    if call == "batch":
+        s.schedule_batch(["a"], [4], **{"added": {"a": 8}, **arg})
+    else:
+        s.allocate("a", arg, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("call", "arg", "error", "message"),
+    [
+        (
+            "batch",
+            {"appended": [5]},
+            StepInputError,
+            "appended[0] must be a sequence of block id lists, one per group, got 5 (int)",
+        ),
+        (
+            "batch",
+            {"appended": [[[1], [2, None]]]},
+            InvalidBlockError,
+            "appended[0][1][1] must be an integer, got None (NoneType)",
+        ),
+        (
+            "batch",
+            {"tables": [("a", 3)]},
+            StepInputError,
+            "tables[0][1] must be a sequence of block id lists, one per group, got 3 (int)",
+        ),
+        (
+            "batch",
+            {"tables": [("a", [[1, 2, "x"]])]},
+            InvalidBlockError,
+            "tables[0][1][0][0] must be an integer, got 'x' (str)",
+        ),
+        (
+            "batch",
+            {"hashes": {"a": [*hashes(1, 2), 1.5]}},
+            InvalidKeyError,
+            "hashes[a][2] must be an int or bytes, got 1.5 (float)",
+        ),
+        (
+            "allocate",
+            3,
+            InvalidBlockError,
+            "block_ids must be a sequence of block id lists, one per group, got 3 (int)",
+        ),
+        (
+            "allocate",
+            [[1, "x"]],
+            InvalidBlockError,
+            "block_ids[0][1] must be an integer, got 'x' (str)",
+        ),
+        (
+            "allocate",
+            [[1], 5],
+            InvalidBlockError,
+            "block_ids[1] must be a sequence of integers, got 5 (int)",
+        ),
+    ],
+)
+def test_a_bad_nested_value_is_named_by_its_whole_path(
+    call: str, arg: Any, error: type[Exception], message: str
+) -> None:
+    # The names are rendered only for an error (none is formatted on the hot path): the whole
+    # message, path and value, as it was when they were formatted eagerly.
+    s = core()
+    s.sync_request("a", 8, hashes(1, 2))
+    s.allocate("a", [[1, 2]], 0, 0)
+    before = snapshot(s)
+    with pytest.raises(error) as raised:
+        feed(s, call, arg)
+    assert str(raised.value) == message
+    assert snapshot(s) == before
+
+
 class Block:
     """An engine's block object, as vLLM's ``KVCacheBlock`` carries its id."""
 

@@ -5,6 +5,8 @@
 //! ints in `0..2**128` or `bytes` (opaque hashes, see [`Key::from_bytes`]). The engine's own
 //! sequences (hash lists, block objects) are read in `super::engine`.
 
+use std::fmt::Display;
+
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
@@ -15,6 +17,17 @@ use super::errors::{
 };
 use crate::error::Error;
 use crate::ids::{BlockId, JobId, Key, OwnerId};
+
+/// An argument's name followed by an index (`appended[3]`, `At(&At("tables", 2), 1)` for
+/// `tables[2][1]`), rendered only when a message names it: the hot paths format nothing.
+#[derive(Clone, Copy)]
+pub struct At<'a, N: ?Sized>(pub &'a N, pub usize);
+
+impl<N: Display + ?Sized> Display for At<'_, N> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}[{}]", self.0, self.1)
+    }
+}
 
 /// `repr (type)` of a Python value, for messages.
 pub fn describe(item: &Bound<'_, PyAny>) -> String {
@@ -55,7 +68,7 @@ fn extract_index(
 /// Calls `f` on every item of a list, a tuple or any iterable.
 pub fn for_each_item<'py>(
     obj: &Bound<'py, PyAny>,
-    what: &str,
+    what: &(impl Display + ?Sized),
     mut f: impl FnMut(usize, &Bound<'py, PyAny>) -> PyResult<()>,
 ) -> PyResult<()> {
     if let Ok(list) = obj.cast::<PyList>() {
@@ -81,8 +94,14 @@ pub fn for_each_item<'py>(
 }
 
 /// Extracts block ids (each `0 <= b < 2**32 - 1`).
-pub fn blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
-    let mut out = Vec::new();
+pub fn blocks(obj: &Bound<'_, PyAny>, what: &(impl Display + ?Sized)) -> PyResult<Vec<BlockId>> {
+    // A list's or a tuple's length is known: one allocation instead of growing one by one.
+    let n = obj
+        .cast::<PyList>()
+        .map(PyListMethods::len)
+        .or_else(|_| obj.cast::<PyTuple>().map(PyTupleMethods::len))
+        .unwrap_or(0);
+    let mut out = Vec::with_capacity(n);
     for_each_item(obj, what, |i, item| {
         out.push(block_named(item, || format!("{what}[{i}]"))?);
         Ok(())
@@ -470,7 +489,7 @@ pub fn request_id_owned(
 /// `bytes`); anything else raises `err` naming `what` and the value.
 pub fn items<'py>(
     obj: &Bound<'py, PyAny>,
-    what: &str,
+    what: &(impl Display + ?Sized),
     expected: &str,
     err: fn(String) -> PyErr,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {

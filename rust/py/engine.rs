@@ -10,6 +10,8 @@
 //! stages: the block object, then the `int` its slot points to), so those misses overlap.
 //! Every item that is not of the expected shape takes the general conversion, with its error.
 
+use std::fmt::Display;
+
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple, PyType};
@@ -124,14 +126,23 @@ fn bytes_hash(b: &[u8]) -> Key {
 /// Items that are exact `bytes` are read in place through the item array, with no reference
 /// counting and no Python call, the objects [`AHEAD`] items on prefetched; any other item takes
 /// [`engine_hash`] (which may call Python, so the length is read again before each item).
-pub fn engine_hashes_from(obj: &Bound<'_, PyAny>, start: usize, what: &str) -> PyResult<Vec<Key>> {
+///
+/// The vector has room for `spare` more keys: a list that becomes a request's own (a new
+/// request's hashes, moved into the core) grows while the request decodes, and without room
+/// its first append would copy the whole list.
+pub fn engine_hashes_from(
+    obj: &Bound<'_, PyAny>,
+    start: usize,
+    spare: usize,
+    what: &(impl Display + ?Sized),
+) -> PyResult<Vec<Key>> {
     let Some(items) = Items::of(obj) else {
         return Err(InvalidKeyError::new_err(format!(
             "{what} must be a list or tuple of hashes (bytes or int), got {}",
             describe(obj)
         )));
     };
-    let mut out = Vec::with_capacity(items.len().saturating_sub(start));
+    let mut out = Vec::with_capacity(items.len().saturating_sub(start) + spare);
     for i in start..start + AHEAD.min(items.len().saturating_sub(start)) {
         prefetch_bytes(items.get(i));
     }
@@ -280,7 +291,10 @@ fn exact_block_id(v: *mut ffi::PyObject) -> Option<BlockId> {
 /// The fast path: a list or tuple whose blocks keep `block_id` in an object slot
 /// ([`SlotField`]) holding an exact `int` is read in place, prefetched in two stages (the
 /// block objects `2 * AHEAD` items ahead, the `int`s `AHEAD` ahead).
-pub fn engine_blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId>> {
+pub fn engine_blocks(
+    obj: &Bound<'_, PyAny>,
+    what: &(impl Display + ?Sized),
+) -> PyResult<Vec<BlockId>> {
     let Some(items) = Items::of(obj) else {
         let mut out = Vec::new();
         for_each_item(obj, what, |i, item| {
@@ -355,7 +369,11 @@ pub fn engine_blocks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<BlockId
 }
 
 /// One item of [`engine_blocks`] by the general conversion: an int, else its `block_id`.
-fn block_from(item: &Bound<'_, PyAny>, what: &str, i: usize) -> PyResult<BlockId> {
+fn block_from(
+    item: &Bound<'_, PyAny>,
+    what: &(impl Display + ?Sized),
+    i: usize,
+) -> PyResult<BlockId> {
     let at = || format!("{what}[{i}]");
     if !item.is_instance_of::<PyInt>() {
         if let Ok(id) = item.getattr(pyo3::intern!(item.py(), "block_id")) {

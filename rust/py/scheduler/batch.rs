@@ -21,6 +21,7 @@
 //! validated, all or none ([`Core::extend_hashes_many`]): they are facts of the engine, not
 //! part of the step.
 
+use std::fmt::{self, Display};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 
@@ -30,8 +31,9 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
+use super::super::convert::{self, At};
+use super::super::engine;
 use super::super::errors::{to_py, StepInputError};
-use super::super::{convert, engine};
 use super::input::{computed_counts, id_list, step_tokens, tuples};
 use super::Scheduler;
 use crate::ids::{BlockId, Key};
@@ -188,14 +190,14 @@ impl Scheduler {
                 if item.is_none() {
                     continue;
                 }
-                let what = format!("appended[{k}]");
+                let what = At("appended", k);
                 let lists = group_lists(item, &what)?;
                 let who = scheduled.start + k;
                 append_groups(who, &lists, &[], &what, &mut new_blocks, &mut fresh)?;
             }
         }
         for (k, (lists, held)) in table_lists.iter().zip(&sizes.tables).enumerate() {
-            let what = format!("tables[{k}][1]");
+            let what = At(&At("tables", k), 1);
             let who = tables.start + k;
             append_groups(who, lists, held, &what, &mut new_blocks, &mut fresh)?;
         }
@@ -289,9 +291,9 @@ fn whole_tables<'py>(
         .enumerate()
         .map(|(i, pair)| {
             let [id, lists] = pair?;
-            let what = format!("tables[{i}]");
-            let name = convert::request_id_owned(id, || format!("{what}[0]"))?;
-            Ok((name, group_lists(&lists, &format!("{what}[1]"))?))
+            let what = At("tables", i);
+            let name = convert::request_id_owned(id, || At(&what, 0).to_string())?;
+            Ok((name, group_lists(&lists, &At(&what, 1))?))
         })
         .collect()
 }
@@ -365,12 +367,26 @@ fn hash_tail(
     if list.len()? <= held {
         return Ok(None);
     }
-    let what = format!("hashes[{}]", key.str()?);
-    engine::engine_hashes_from(&list, held, &what).map(Some)
+    engine::engine_hashes_from(&list, held, 0, &HashesOf(key)).map(Some)
+}
+
+/// The name of `hashes[key]` in messages (`key` rendered by `str`, only for a message).
+struct HashesOf<'a, 'py>(&'a Bound<'py, PyAny>);
+
+impl Display for HashesOf<'_, '_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.str() {
+            Ok(key) => write!(f, "hashes[{key}]"),
+            Err(_) => write!(f, "hashes[?]"),
+        }
+    }
 }
 
 /// The per-group block lists of one request (a sequence with one item per group).
-fn group_lists<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
+fn group_lists<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &(impl Display + ?Sized),
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
     convert::items(
         obj,
         what,
@@ -380,7 +396,11 @@ fn group_lists<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<'
 }
 
 /// The blocks of `list` from position `start` on (a list or tuple is sliced first).
-fn blocks_from(list: &Bound<'_, PyAny>, start: usize, what: &str) -> PyResult<Vec<BlockId>> {
+fn blocks_from(
+    list: &Bound<'_, PyAny>,
+    start: usize,
+    what: &(impl Display + ?Sized),
+) -> PyResult<Vec<BlockId>> {
     if start == 0 {
         return convert::blocks(list, what);
     }
@@ -399,7 +419,7 @@ fn append_groups(
     who: usize,
     lists: &[Bound<'_, PyAny>],
     from: &[usize],
-    what: &str,
+    what: &(impl Display + ?Sized),
     new_blocks: &mut Vec<(usize, u32, Vec<BlockId>)>,
     written: &mut Vec<BlockId>,
 ) -> PyResult<()> {
@@ -408,7 +428,7 @@ fn append_groups(
         if list.len()? <= start {
             continue;
         }
-        let blocks = blocks_from(list, start, &format!("{what}[{g}]"))?;
+        let blocks = blocks_from(list, start, &At(what, g))?;
         written.extend_from_slice(&blocks);
         new_blocks.push((who, g as u32, blocks));
     }

@@ -5,8 +5,9 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyList;
 
+use super::super::convert::{self, At};
+use super::super::engine;
 use super::super::errors::{InvalidRequestError, StepInputError};
-use super::super::{convert, engine};
 use crate::ids::BlockId;
 
 /// Per group, a list of block ids or of the engine's block objects ([`engine::engine_blocks`]).
@@ -19,7 +20,7 @@ pub(super) fn block_lists(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Ve
     )?
     .iter()
     .enumerate()
-    .map(|(g, item)| engine::engine_blocks(item, &format!("{what}[{g}]")))
+    .map(|(g, item)| engine::engine_blocks(item, &At(what, g)))
     .collect()
 }
 

@@ -29,6 +29,7 @@ use self::input::{block_lists, id_list, new_blocks_input, request_tokens, schedu
 use self::plan::job_obj;
 pub use self::plan::{CompletedJob, StepPlan, TransferJob};
 use super::convert;
+use super::engine::engine_hashes_from;
 use super::errors::to_py;
 use crate::error::Error;
 use crate::scheduler::{Scheduler as Core, StepInput};
@@ -47,6 +48,10 @@ pub struct Scheduler {
     /// the core lock, never while holding it.
     ids: Mutex<ids::IdCache>,
 }
+
+/// Room for the hashes a new request's list grows by as it decodes (vLLM appends one per full
+/// block: 32 cover 512 tokens of 16-token blocks), so that its first appends do not copy it.
+const HASH_ROOM: usize = 32;
 
 impl Scheduler {
     /// The core lock, waited for with the GIL released; never held while calling Python.
@@ -69,7 +74,9 @@ impl Scheduler {
             // (A `block_hashes` that is no sequence fails in the conversion, as it should.)
             let len = block_hashes.len().unwrap_or(usize::MAX);
             let from = held.map_or(0, |n| n.saturating_sub(1).min(len));
-            let tail = super::engine::engine_hashes_from(block_hashes, from, "block_hashes")?;
+            // A new request's list becomes its own: room for the hashes it decodes.
+            let spare = if held.is_none() { HASH_ROOM } else { 0 };
+            let tail = engine_hashes_from(block_hashes, from, spare, "block_hashes")?;
             let core = self.lock();
             if core.num_hashes(id).ok() == held {
                 return Ok((core, held, from, tail));
