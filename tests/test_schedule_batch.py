@@ -305,6 +305,26 @@ def feed(s: Scheduler, call: str, arg: Any) -> None:
             InvalidKeyError,
             "hashes[a][2] must be an int or bytes, got 1.5 (float)",
         ),
+        # Not sequences where a block list or a hash list belongs (these raised a bare
+        # TypeError from len()).
+        (
+            "batch",
+            {"appended": [[7]]},
+            InvalidBlockError,
+            "appended[0][0] must be a sequence of integers, got 7 (int)",
+        ),
+        (
+            "batch",
+            {"tables": [("a", [[1, 2], 4])]},
+            InvalidBlockError,
+            "tables[0][1][1] must be a sequence of integers, got 4 (int)",
+        ),
+        (
+            "batch",
+            {"hashes": {"a": 7}},
+            InvalidKeyError,
+            "hashes[a] must be a list or tuple of hashes (bytes or int), got 7 (int)",
+        ),
         (
             "allocate",
             3,

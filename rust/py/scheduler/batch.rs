@@ -33,7 +33,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use super::super::convert::{self, At};
 use super::super::engine;
-use super::super::errors::{to_py, StepInputError};
+use super::super::errors::{to_py, InvalidBlockError, InvalidKeyError, StepInputError};
 use super::input::{computed_counts, id_list, step_tokens, tuples};
 use super::Scheduler;
 use crate::ids::{BlockId, Key};
@@ -364,7 +364,14 @@ fn hash_tail(
     let Some(list) = lists.get_item(key)? else {
         return Ok(None);
     };
-    if list.len()? <= held {
+    let n = list.len().map_err(|_| {
+        InvalidKeyError::new_err(format!(
+            "{} must be a list or tuple of hashes (bytes or int), got {}",
+            HashesOf(key),
+            convert::describe(&list)
+        ))
+    })?;
+    if n <= held {
         return Ok(None);
     }
     engine::engine_hashes_from(&list, held, 0, &HashesOf(key)).map(Some)
@@ -425,7 +432,14 @@ fn append_groups(
 ) -> PyResult<()> {
     for (g, list) in lists.iter().enumerate() {
         let start = from.get(g).copied().unwrap_or(0);
-        if list.len()? <= start {
+        let n = list.len().map_err(|_| {
+            InvalidBlockError::new_err(format!(
+                "{} must be a sequence of integers, got {}",
+                At(what, g),
+                convert::describe(list)
+            ))
+        })?;
+        if n <= start {
             continue;
         }
         let blocks = blocks_from(list, start, &At(what, g))?;
