@@ -80,6 +80,11 @@ impl SlotIndex {
 
     /// The bucket holding `key`, if indexed.
     fn position(&self, key: Key, records: &[Record]) -> Option<usize> {
+        self.find(key, |s| records[s.0 as usize].key == key)
+    }
+
+    /// The first bucket of `key`'s run with its hash whose slot `confirm` accepts.
+    fn find(&self, key: Key, confirm: impl Fn(SlotId) -> bool) -> Option<usize> {
         let h = hash(key);
         let mut p = h as usize & self.mask;
         loop {
@@ -87,7 +92,7 @@ impl SlotIndex {
             if b == EMPTY {
                 return None;
             }
-            if hash_of(b) == h && records[slot_of(b).0 as usize].key == key {
+            if hash_of(b) == h && confirm(slot_of(b)) {
                 return Some(p);
             }
             p = (p + 1) & self.mask;
@@ -102,18 +107,7 @@ impl SlotIndex {
     /// The slot of `key`'s first bucket with its hash, unconfirmed (a record to load ahead of
     /// [`SlotIndex::get`]).
     pub(super) fn candidate(&self, key: Key) -> Option<SlotId> {
-        let h = hash(key);
-        let mut p = h as usize & self.mask;
-        loop {
-            let b = self.buckets[p];
-            if b == EMPTY {
-                return None;
-            }
-            if hash_of(b) == h {
-                return Some(slot_of(b));
-            }
-            p = (p + 1) & self.mask;
-        }
+        self.find(key, |_| true).map(|p| slot_of(self.buckets[p]))
     }
 
     /// [`SlotIndex::get`] of each of `keys` into `out`, in three passes whose loads are
