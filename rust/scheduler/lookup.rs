@@ -397,7 +397,6 @@ impl Scheduler {
         start / self.cfg.chunk_tokens(g)
     }
 
-    /// Keys of the chunks group `g` needs loaded for tokens `[hit, end)`.
     /// The pending loads that read chunks `r` needs to load `hit..end` (sorted, once each):
     /// the loader of each needed chunk's slot while a load pins it.
     fn loads_reading(&self, r: &Request, hit: u32, end: u32) -> Vec<JobId> {
@@ -427,6 +426,7 @@ impl Scheduler {
         jobs
     }
 
+    /// Keys of the chunks group `g` needs loaded for tokens `[hit, end)`.
     pub(super) fn needed_keys(&self, r: &Request, g: usize, hit: u32, end: u32) -> Vec<Key> {
         let last = end / self.cfg.chunk_tokens(g);
         self.chunk_key_iter(r, g, self.first_needed_chunk(g, hit, end)..last)
