@@ -9,6 +9,7 @@ import array
 import cProfile
 import gc
 import io
+import os
 import pstats
 import random
 import statistics
@@ -85,6 +86,11 @@ class Timers:
         self.gc = 0.0
         self.gc_total: dict[str, float] = {}
         self._gc_start = 0.0
+        # KVOFFLOAD_BENCH_TRACE=FILE: every outermost call's name and CLOCK_MONOTONIC interval
+        # is written to FILE at close, to pick the connector's samples out of a
+        # `perf record -k CLOCK_MONOTONIC` profile of the whole run (benches/perf_calls.py).
+        self.trace_path = os.environ.get("KVOFFLOAD_BENCH_TRACE")
+        self.trace: list[tuple[str, float, float]] = []
         gc.callbacks.append(self._gc_pause)
         for name in SCHEDULER_METHODS:
             fn = getattr(conn, name, None)
@@ -101,6 +107,9 @@ class Timers:
     def close(self) -> None:
         """Stops counting GC pauses."""
         gc.callbacks.remove(self._gc_pause)
+        if self.trace_path:
+            with open(self.trace_path, "w") as f:
+                f.writelines(f"{n} {a:.9f} {b:.9f}\n" for n, a, b in self.trace)
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         clock = self.clock
@@ -110,6 +119,7 @@ class Timers:
         gc_total[name] = 0.0
         record_loads = name == "update_state_after_alloc"
         record_local = name == "get_num_new_matched_tokens"
+        trace = self.trace if self.trace_path else None
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.depth:
@@ -119,6 +129,7 @@ class Timers:
             if prof is not None:
                 prof.enable()
             gc0 = self.gc
+            t0 = time.perf_counter() if trace is not None else 0.0
             t = clock()
             try:
                 out = fn(*args, **kwargs)
@@ -129,6 +140,8 @@ class Timers:
                 if prof is not None:
                     prof.disable()
                 self.depth = 0
+                if trace is not None:
+                    trace.append((name, t0, time.perf_counter()))
                 total[name] += dt
                 gc_total[name] += self.gc - gc0
                 calls[name] += 1

@@ -18,6 +18,13 @@ mod tracker;
 
 use pyo3::prelude::*;
 
+/// The extension's allocator. Inside an engine the process heap is glibc's, large and
+/// fragmented by the engine's own objects: there a step's short-lived vectors cost several
+/// hundred nanoseconds each in `malloc` (a fifth of the connector's time inside vLLM at 512
+/// requests). mimalloc keeps the extension's allocations in its own thread-local pages.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The extension module `kvoffload._core`.
 #[pymodule]
 mod _core {
