@@ -17,12 +17,10 @@
 //! cache serves some). Jobs complete one step after their plan, all in one `complete_counts`
 //! call (as vLLM's connector reports them). Seeded: every run makes the same calls.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::VecDeque;
 use std::fs::File;
 use std::hint::black_box;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
@@ -36,37 +34,47 @@ const PREFILL_BUDGET: u32 = 8192;
 const MAX_PROMPT: u32 = 8192;
 
 /// The system allocator, counting allocations (reallocations included): the per-call counts
-/// are exact, where times are noisy.
-struct Counting;
+/// are exact, where times are noisy. Not with the `python` feature (the extension's allocator,
+/// mimalloc, is the global one there): the counts then read 0.
+#[cfg(not(feature = "python"))]
+mod counting {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::sync::atomic::{AtomicU64, Ordering};
 
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
+    pub(super) static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
-// SAFETY: forwards every call to `System` unchanged; the counter has no effect on memory.
-// (A global allocator can only be written with `unsafe`.)
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc(layout) }
+    struct Counting;
+
+    // SAFETY: forwards every call to `System` unchanged; the counter has no effect on memory.
+    // (A global allocator can only be written with `unsafe`.)
+    #[allow(unsafe_code)]
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
     }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
+
+    #[global_allocator]
+    static GLOBAL: Counting = Counting;
 }
 
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Allocations so far.
+/// Allocations so far (0 with the `python` feature).
 fn allocs() -> u64 {
-    ALLOCS.load(Ordering::Relaxed)
+    #[cfg(not(feature = "python"))]
+    return counting::ALLOCS.load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(feature = "python")]
+    0
 }
 
 /// xorshift64*: deterministic and dependency-free.

@@ -131,7 +131,7 @@ impl Scheduler {
                 self.stats.failed_loads += u64::from(!ok);
                 let bpc = self.cfg.blocks_per_chunk;
                 let r = self.req_mut(i);
-                r.load = None;
+                r.load = JobId::NONE;
                 if ok {
                     // The loaded tokens are computed now: a reset before the next step restarts
                     // the window's store cursor from here, not from the engine's prefix hit.

@@ -189,7 +189,7 @@ impl Scheduler {
         self.loading_requests += 1;
         self.stats.load_jobs += 1;
         self.stats.load_tokens += u64::from(load_tokens);
-        self.req_mut(i).load = Some(job);
+        self.req_mut(i).load = job;
         self.new_loads.push(PlannedJob {
             id: job,
             kind: JobKind::Load,

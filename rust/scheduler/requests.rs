@@ -62,17 +62,29 @@ impl ReqGroup {
     }
 }
 
+/// Marks the first line of a [`Request`] as the place of the slab's `Option` discriminant: a
+/// one-variant `u64` enum leaves 2^64 - 1 invalid values, more than any other field's niche,
+/// so `Option<Request>` keeps `None` here (it chose the `lookup` option's tag, in the third
+/// line, before), and telling a live slab entry from a free one reads the line the step reads
+/// anyway.
+#[derive(Debug, Clone, Copy)]
+#[repr(u64)]
+pub(super) enum Live {
+    Yes = 0,
+}
+
 /// A tracked request. The fields a step reads for every scheduled request (the owner that
 /// validates a handle, the hash count, the pending load, the computed tokens, the prompt
-/// length, the store due point and the status) come first, in one 64-byte line
-/// (`repr(C, align(64))`): a running request that completes no chunk costs the step one cache
-/// line, not three (vLLM evicts the slab between steps).
+/// length, the store due point, the status, and the slab's discriminant, [`Live`]) come
+/// first, in one 64-byte line (`repr(C, align(64))`): a running request that completes no
+/// chunk costs the step one cache line, not three (vLLM evicts the slab between steps).
 #[derive(Debug, Clone)]
 #[repr(C, align(64))]
 pub(super) struct Request {
     pub(super) owner: OwnerId,
     pub(super) hashes: Vec<Key>,
-    pub(super) load: Option<JobId>,
+    /// The pending load ([`JobId::NONE`]: none).
+    pub(super) load: JobId,
     pub(super) computed: u32,
     pub(super) prompt_len: u32,
     /// The watermark (tokens) from which some group has a full chunk past its store cursor,
@@ -81,6 +93,7 @@ pub(super) struct Request {
     /// without reading its block tables.
     pub(super) store_due: u32,
     pub(super) status: Status,
+    pub(super) live: Live,
     // The rest: read when the request changes, not every step.
     pub(super) id: String,
     pub(super) groups: Vec<ReqGroup>,
@@ -95,7 +108,7 @@ pub(super) struct Request {
 }
 
 // The step's fields share the first cache line.
-const _: () = assert!(std::mem::offset_of!(Request, status) < 64);
+const _: () = assert!(std::mem::offset_of!(Request, live) + 8 <= 64);
 
 impl Scheduler {
     /// The slab index of request `id`.
@@ -172,7 +185,8 @@ impl Scheduler {
             computed: 0,
             status: Status::Waiting,
             groups,
-            load: None,
+            load: JobId::NONE,
+            live: Live::Yes,
             first_ask: None,
             tier_pending: false,
             wait_on: Vec::new(),

@@ -59,7 +59,8 @@ impl Scheduler {
             let Some(r) = self.reqs[i as usize].as_mut() else {
                 continue;
             };
-            if let Some(job) = r.load.take() {
+            let job = std::mem::replace(&mut r.load, JobId::NONE);
+            if job != JobId::NONE {
                 cancelled.push((r.id.clone(), job));
             }
             r.first_ask = None;

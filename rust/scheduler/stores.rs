@@ -7,7 +7,7 @@
 //! the buffers of completed jobs are kept for the next ones ([`Spares`]): past the first steps
 //! a store job allocates only the lists of the plan it hands out.
 
-use crate::ids::{BlockId, Key, SlotId};
+use crate::ids::{BlockId, JobId, Key, SlotId};
 use crate::jobs::JobKind;
 use crate::pool::StorePlan;
 
@@ -142,7 +142,7 @@ impl Scheduler {
         if r.status == Status::Waiting {
             return;
         }
-        if r.load.is_some() {
+        if r.load != JobId::NONE {
             // A request has one pending load or stores, never both: plan after the load.
             self.retry.push(i);
             return;

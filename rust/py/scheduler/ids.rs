@@ -71,6 +71,11 @@ impl Pass<'_> {
         let resolved = match hit {
             Some(j) => {
                 self.cursor = j + 1;
+                // The records are cold (vLLM ran in between): fetch one a few ids ahead, so
+                // its miss overlaps this step's work.
+                if let Some(ahead) = kept.get(j + LOOKAHEAD) {
+                    core.warm(ahead.1);
+                }
                 core.resolved_as(id, kept[j].1)
             }
             None => core.resolved(id),
