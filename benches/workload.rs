@@ -357,9 +357,7 @@ fn main() {
             s.extend_hashes(r.id.as_str(), &h).unwrap();
         }
         let (t0, a0) = (clock.now(), allocs());
-        let plan = s.schedule(black_box(&input)).unwrap();
-        t.heap[0] += allocs() - a0;
-        t.schedule += clock.since(t0);
+        let mut plan = s.schedule(black_box(&input)).unwrap();
         t.stores += plan.stores.len() as u64;
         t.loads += plan.loads.len() as u64;
         to_complete.extend(
@@ -368,7 +366,15 @@ fn main() {
                 .chain(&plan.stores)
                 .map(|j| (j.id, 0, true)),
         );
-        to_load.extend(plan.loads.into_iter().map(|j| j.request));
+        to_load.extend(
+            plan.loads
+                .iter_mut()
+                .map(|j| std::mem::take(&mut j.request)),
+        );
+        // Handed back as the Python binding hands back every plan it encoded.
+        s.recycle(plan);
+        t.heap[0] += allocs() - a0;
+        t.schedule += clock.since(t0);
         // Finished requests leave; their conversation idles.
         running.retain_mut(|r| {
             if r.decode_left > 0 {

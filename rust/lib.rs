@@ -13,6 +13,7 @@
 //! - [`pool`]: the CPU pool (slots, key states, pins, contiguous allocation, events);
 //! - [`policy`]: the pool's eviction policies (LRU, ARC) behind one trait;
 //! - [`scheduler`]: requests, lookups, loads, store planning and the per-step plan;
+//! - [`prefetch`]: cache prefetch hints for the hot paths;
 //! - [`runs`]: the packed copy runs a plan hands the data plane, and their check;
 //! - [`copy`]: bounded byte copies between registered KV tensors and the CPU pool;
 //! - [`tier`]: tiers below the CPU pool (the disk tier; the contract lower tiers share);
@@ -29,6 +30,7 @@ pub mod ids;
 pub mod jobs;
 pub mod policy;
 pub mod pool;
+pub mod prefetch;
 pub mod runs;
 pub mod scheduler;
 pub mod tier;

@@ -232,6 +232,57 @@ def test_tables_append_only_what_the_core_lacks() -> None:
     assert plan[4] == b""
 
 
+def test_new_requests_step_as_scheduled_ones_with_whole_tables() -> None:
+    """``new=[(id, computed, tables)]`` plans what the same requests listed first in
+    ``scheduled`` with their tables in ``tables`` plan: two cores, the same three steps."""
+    cores = [core(2, window=8, cpu_chunks=64) for _ in range(2)]
+    lists = {"a": hashes(1, 4), "b": hashes(2, 6)}
+    for s in cores:
+        s.sync_request("a", 16, lists["a"])
+        s.allocate("a", [[1, 2, 3, 4], [11, 12, 13, 14]], 0, 0)
+        s.sync_request("b", 24, lists["b"])
+        # Allocated short (as before an asynchronous load's second allocation): the new
+        # request's whole tables bring the rest.
+        s.allocate("b", [[5, 6], [15, 16]], 0, 0)
+    b_tables = [[5, 6, 7, 8, 9, 10], [15, 16, 17, 18, 19, 20]]
+    plans = []
+    for k, s in enumerate(cores):
+        if k == 0:
+            first = s.schedule_batch(
+                ["a"],
+                [0],
+                new=[("b", 0, b_tables)],
+                added={"a": 16, "b": 24},
+                appended=[None],
+                hashes=lists,
+                written=[],
+            )
+        else:
+            first = s.schedule_batch(
+                ["b", "a"],
+                [0, 0],
+                added={"a": 16, "b": 24},
+                appended=[None, None],
+                tables=[("b", b_tables)],
+                hashes=lists,
+                written=[],
+            )
+        second = s.schedule_batch(
+            ["a", "b"],
+            [16, 24],
+            added={"a": 1, "b": 1},
+            appended=[None, [[21], [22]]],
+            hashes=lists,
+            written=[],
+        )
+        plans.append((first, second, s.stats(), s.pending_jobs()))
+    assert plans[0] == plans[1]
+    (loads, _, stores, _, runs, _, _), *_ = plans[0]
+    gpu = sorted(b for ts in decode(runs, loads + stores).values() for _, bs, _ in ts for b in bs)
+    # Every full chunk of both requests, the ones of b's tables beyond its allocation included.
+    assert gpu == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -245,6 +296,15 @@ def test_tables_append_only_what_the_core_lacks() -> None:
         ({"tables": [("a",)]}, StepInputError, r"tables\[0\]"),
         ({"tables": [(7, [[1]])]}, KvOffloadError, r"tables\[0\]\[0\]"),
         ({"written": [1, "b"]}, InvalidBlockError, r"written\[1\]"),
+        ({"new": 5}, StepInputError, "new must be a sequence"),
+        ({"new": [("b", 0)]}, StepInputError, r"new\[0\] must be a \(request_id"),
+        ({"new": [(7, 0, [[1]])]}, KvOffloadError, r"new\[0\]\[0\]"),
+        ({"new": [("b", -1, [[3]])]}, StepInputError, r"new\[0\]\[1\]"),
+        ({"new": [("b", 2**32 - 4, [[3]])]}, StepInputError, r"new\[0\]\[1\] \+ added"),
+        ({"new": [("b", 0, 3)]}, StepInputError, r"new\[0\]\[2\] must be a sequence"),
+        ({"new": [("b", 0, [[3, "x"]])]}, InvalidBlockError, r"new\[0\]\[2\]\[0\]\[1\]"),
+        ({"new": [("b", 0, [[3]])]}, KvOffloadError, "b"),  # not registered
+        ({"new": [("a", 0, [[1, 2]])]}, KvOffloadError, "a"),  # also in `scheduled`
         ({"hashes": {"a": [None] * 5}}, InvalidKeyError, r"hashes\[a\]\[2\]"),
     ],
 )
@@ -256,7 +316,7 @@ def test_bad_batch_input_raises_and_changes_nothing(
     s.allocate("a", [[1, 2]], 0, 0)
     before = snapshot(s)
     with pytest.raises(error, match=match):
-        s.schedule_batch(["a"], [4], **{"added": {"a": 8}, **kwargs})
+        s.schedule_batch(["a"], [4], **{"added": {"a": 8, "b": 4}, **kwargs})
     assert snapshot(s) == before
     with pytest.raises(StepInputError, match="2 computed-token counts"):
         s.schedule_batch(["a"], [4, 4])

@@ -290,6 +290,7 @@ class Scheduler:
         scheduled: Sequence[str],
         computed: Sequence[int],
         *,
+        new: Sequence[tuple[str, int, Sequence[Sequence[SupportsIndex]]]] | None = None,
         added: dict[str, int] | None = None,
         appended: Sequence[Sequence[Sequence[SupportsIndex]] | None] | None = None,
         tables: Sequence[tuple[str, Sequence[Sequence[SupportsIndex]]]] | None = None,

@@ -103,15 +103,12 @@ impl Scheduler {
         }
     }
 
-    /// Loads the first line of the request slot `h` names (if any) into the cache, ahead of a
+    /// Prefetches the first line of the request slot `h` names (if any), ahead of a
     /// [`Self::resolved_as`] with it; changes nothing.
     pub fn warm(&self, h: RequestHandle) {
-        std::hint::black_box(
-            self.reqs
-                .get(h.idx as usize)
-                .and_then(Option::as_ref)
-                .map(|r| r.owner),
-        );
+        if let Some(slot) = self.reqs.get(h.idx as usize) {
+            crate::prefetch::prefetch(slot);
+        }
     }
 
     /// The slab index of `r`: by its handle where that is still current, else by its id.

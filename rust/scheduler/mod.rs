@@ -46,6 +46,7 @@ mod plan;
 mod positions;
 mod requests;
 mod reset;
+mod spares;
 mod step;
 mod stores;
 mod tier_attach;
@@ -179,7 +180,7 @@ pub struct Scheduler {
     /// Store planning's working lists, reused (`stores.rs`).
     store_scratch: stores::StoreScratch,
     /// Completed jobs' lists, kept for the next store jobs (`stores.rs`).
-    spares: stores::Spares,
+    spares: spares::Spares,
     /// Jobs flushed by a reset, added to the next plan's flush set.
     reset_flush: Vec<JobId>,
     /// Tier jobs flushed by a reset, the next plan's `tier_flush`.
@@ -231,7 +232,7 @@ impl Scheduler {
             allocated: Vec::new(),
             retry: Vec::new(),
             store_scratch: stores::StoreScratch::default(),
-            spares: stores::Spares::default(),
+            spares: spares::Spares::default(),
             reset_flush: Vec::new(),
             reset_tier_flush: Vec::new(),
             stats: SchedulerStats::default(),

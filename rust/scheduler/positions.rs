@@ -58,6 +58,14 @@ impl PosIndex {
         }
     }
 
+    /// Prefetches block `b`'s inline entry (blocks are spread over the dense array: each one
+    /// is a cache miss when it is read).
+    pub(super) fn prefetch(&self, b: BlockId) {
+        if let Some(e) = self.first.get(b.index()) {
+            crate::prefetch::prefetch(e);
+        }
+    }
+
     /// Forgets every entry.
     pub(super) fn clear(&mut self) {
         self.first.fill(PosEntry::EMPTY);

@@ -4,8 +4,8 @@
 //! skipped and counted.
 //!
 //! A store job's record is flat ([`StoreChunks`]: its keys and slots, group after group), and
-//! the buffers of completed jobs are kept for the next ones ([`Spares`]): past the first steps
-//! a store job allocates only the lists of the plan it hands out.
+//! the lists of completed jobs, and of plans handed back ([`Scheduler::recycle`]), are kept for
+//! the next ones (`spares.rs`): past the first steps a store job allocates no list.
 
 use crate::ids::{BlockId, JobId, Key, SlotId};
 use crate::jobs::JobKind;
@@ -48,7 +48,7 @@ pub(super) struct StoreChunks {
 
 impl StoreChunks {
     /// Appends group `g`'s chunks: `keys[i]` stored into `slots[i]`.
-    fn push(&mut self, g: u32, keys: &[Key], slots: &[SlotId]) {
+    pub(super) fn push(&mut self, g: u32, keys: &[Key], slots: &[SlotId]) {
         debug_assert_eq!(keys.len(), slots.len());
         self.keys.extend_from_slice(keys);
         self.slots.extend_from_slice(slots);
@@ -66,55 +66,16 @@ impl StoreChunks {
     }
 
     /// Whether no chunk is recorded.
-    fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.groups.is_empty()
     }
-}
 
-/// Most buffers of each kind [`Spares`] keeps: more than the store jobs of a step at B=512
-/// (about 35), so the steady state never allocates a record, and a burst's buffers are freed.
-const SPARES: usize = 128;
-
-/// The lists of completed jobs, emptied and kept for the next store jobs: their records and
-/// their GPU block lists (the tracker's eager and deferred classes).
-#[derive(Debug, Default)]
-pub(super) struct Spares {
-    chunks: Vec<StoreChunks>,
-    blocks: Vec<Vec<BlockId>>,
-}
-
-impl Spares {
-    /// An empty record, reused when one is kept.
-    fn chunks(&mut self) -> StoreChunks {
-        self.chunks.pop().unwrap_or_default()
-    }
-
-    /// Keeps a completed job's record for a later one.
-    pub(super) fn put_chunks(&mut self, mut c: StoreChunks) {
-        if self.chunks.len() < SPARES && c.keys.capacity() > 0 {
-            c.groups.clear();
-            c.keys.clear();
-            c.slots.clear();
-            self.chunks.push(c);
-        }
-    }
-
-    /// Appends `blocks` to a job's block class, taking a kept list for a class still empty.
-    fn extend(&mut self, class: &mut Vec<BlockId>, blocks: &[BlockId]) {
-        if class.capacity() == 0 {
-            if let Some(b) = self.blocks.pop() {
-                *class = b;
-            }
-        }
-        class.extend_from_slice(blocks);
-    }
-
-    /// Keeps a completed job's block list for a later one.
-    pub(super) fn put_blocks(&mut self, mut b: Vec<BlockId>) {
-        if self.blocks.len() < SPARES && b.capacity() > 0 {
-            b.clear();
-            self.blocks.push(b);
-        }
+    /// Empties the record, keeping its lists' room; `false` if it never had any.
+    pub(super) fn clear(&mut self) -> bool {
+        self.groups.clear();
+        self.keys.clear();
+        self.slots.clear();
+        self.keys.capacity() > 0
     }
 }
 
@@ -163,7 +124,7 @@ impl Scheduler {
         let owner = r.owner;
         let mut sc = std::mem::take(&mut self.store_scratch);
         sc.cursors.clear();
-        let mut transfers = Vec::new();
+        let mut transfers = self.spares.transfers();
         let mut record = self.spares.chunks();
         let (mut eager, mut deferred) = (Vec::new(), Vec::new());
         let mut retry = false;
@@ -206,10 +167,9 @@ impl Scheduler {
             if sc.keys.is_empty() || plan.keys.is_empty() {
                 continue;
             }
-            let rg = &self.req(i).groups[g];
             let len = plan.keys.len() * bpc as usize;
-            let (mut gpu_blocks, mut cpu_blocks) =
-                (Vec::with_capacity(len), Vec::with_capacity(len));
+            let (mut gpu_blocks, mut cpu_blocks) = (self.spares.blocks(len), self.spares.cpu(len));
+            let rg = &self.req(i).groups[g];
             let mut j = 0;
             sc.hints.clear();
             for (k, c) in sc.keys.iter().zip(&sc.chunks) {
@@ -242,7 +202,7 @@ impl Scheduler {
                 group: g as u32,
                 gpu_blocks,
                 cpu_blocks,
-                keys: plan.keys.clone(),
+                keys: self.spares.keys(&plan.keys),
             });
         }
         for &(g, c) in &sc.cursors {
@@ -269,10 +229,14 @@ impl Scheduler {
             )
             .expect("blocks validated, no pending load");
         self.stats.store_jobs += 1;
+        let r = self.reqs[i as usize]
+            .as_ref()
+            .expect("planned request exists");
+        let request = self.spares.name(&r.id);
         out.push(PlannedJob {
             id,
             kind: JobKind::Store,
-            request: self.req(i).id.clone(),
+            request,
             transfers,
         });
     }
@@ -305,6 +269,7 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
+    use super::super::spares::Spares;
     use super::*;
 
     fn keys(ids: &[u128]) -> Vec<Key> {
@@ -344,20 +309,5 @@ mod tests {
             cap,
             "the kept record's list is reused"
         );
-    }
-
-    #[test]
-    fn kept_block_lists_come_back_empty_and_are_bounded() {
-        let mut spares = Spares::default();
-        for _ in 0..SPARES + 10 {
-            spares.put_blocks(vec![BlockId(9); 4]);
-        }
-        spares.put_blocks(Vec::new());
-        assert_eq!(spares.blocks.len(), SPARES);
-        let mut class = Vec::new();
-        spares.extend(&mut class, &[BlockId(1), BlockId(2)]);
-        assert_eq!(class, vec![BlockId(1), BlockId(2)]);
-        assert!(class.capacity() >= 4);
-        assert_eq!(spares.blocks.len(), SPARES - 1);
     }
 }

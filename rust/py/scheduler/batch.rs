@@ -43,6 +43,7 @@ use crate::scheduler::{Resolved, Scheduler as Core, StepInput, StepPlan};
 pub(super) struct Args<'a, 'py> {
     pub scheduled: &'a Bound<'py, PyAny>,
     pub computed: &'a Bound<'py, PyAny>,
+    pub new: Option<&'a Bound<'py, PyAny>>,
     pub added: Option<&'a Bound<'py, PyAny>>,
     pub appended: Option<&'a Bound<'py, PyAny>>,
     pub tables: Option<&'a Bound<'py, PyAny>>,
@@ -101,12 +102,24 @@ impl Scheduler {
     fn batch_input(&self, py: Python<'_>, args: &Args<'_, '_>) -> PyResult<(Converted, u64)> {
         let added = dict_arg(args.added, "added")?;
         let hashes = dict_arg(args.hashes, "hashes")?;
-        let (objs, sched) = scheduled(args.scheduled)?;
-        let tokens = tokens(args.computed, added, &objs, &sched)?;
+        // The new requests are scheduled first, their tables read after `tables`' own.
+        let new = new_requests(args.new)?;
+        let (mut objs, mut sched) = scheduled(args.scheduled)?;
+        let mut counts = computed_counts(args.computed, objs.len())?;
+        let n_new = new.objs.len();
+        if n_new > 0 {
+            objs.splice(0..0, new.objs);
+            sched.splice(0..0, new.ids);
+            counts.splice(0..0, new.counts);
+        }
+        let tokens = tokens(&counts, n_new, added, &objs, &sched)?;
         let finished = id_list(args.finished, "finished")?;
         let aborted = id_list(args.aborted, "aborted")?;
         let preempted = id_list(args.preempted, "preempted")?;
-        let (table_ids, table_lists) = whole_tables(args.tables)?;
+        let (mut table_ids, mut table_lists) = whole_tables(args.tables)?;
+        let n_tables = table_ids.len();
+        table_ids.extend(new.table_ids);
+        table_lists.extend(new.tables);
         // One list of ids, in ranges: scheduled, finished, aborted, preempted, tables.
         let mut ranges = Vec::with_capacity(5);
         let mut all = Vec::new();
@@ -179,10 +192,10 @@ impl Scheduler {
                 "a sequence of per-group block lists (or None), one per scheduled request",
                 StepInputError::new_err,
             )?;
-            if items.len() != objs.len() {
+            if items.len() != objs.len() - n_new {
                 return Err(StepInputError::new_err(format!(
                     "step input: {} scheduled request ids but {} appended block lists",
-                    objs.len(),
+                    objs.len() - n_new,
                     items.len()
                 )));
             }
@@ -192,14 +205,19 @@ impl Scheduler {
                 }
                 let what = At("appended", k);
                 let lists = group_lists(item, &what)?;
-                let who = scheduled.start + k;
+                let who = scheduled.start + n_new + k;
                 append_groups(who, &lists, &[], &what, &mut new_blocks, &mut fresh)?;
             }
         }
         for (k, (lists, held)) in table_lists.iter().zip(&sizes.tables).enumerate() {
-            let what = At(&At("tables", k), 1);
             let who = tables.start + k;
-            append_groups(who, lists, held, &what, &mut new_blocks, &mut fresh)?;
+            if let Some(i) = k.checked_sub(n_tables) {
+                let what = At(&At("new", i), 2);
+                append_groups(who, lists, held, &what, &mut new_blocks, &mut fresh)?;
+            } else {
+                let what = At(&At("tables", k), 1);
+                append_groups(who, lists, held, &what, &mut new_blocks, &mut fresh)?;
+            }
         }
         let written = match args.written {
             Some(w) if !w.is_none() => {
@@ -256,27 +274,64 @@ fn scheduled<'py>(
     Ok((objs, ids))
 }
 
-/// Per scheduled request its `computed` tokens plus `added[id]` where given.
+/// Per scheduled request its computed tokens (`counts`: the `n_new` new requests' first, then
+/// `computed`'s) plus `added[id]` where given.
 fn tokens(
-    computed: &Bound<'_, PyAny>,
+    counts: &[Bound<'_, PyAny>],
+    n_new: usize,
     added: Option<&Bound<'_, PyDict>>,
     objs: &[Bound<'_, PyAny>],
     ids: &[PyBackedStr],
 ) -> PyResult<Vec<u32>> {
-    let counts = computed_counts(computed, objs.len())?;
+    let name = |i: usize| match i.checked_sub(n_new) {
+        Some(k) => format!("computed[{k}]"),
+        None => format!("new[{i}][1]"),
+    };
     let mut tokens = Vec::with_capacity(objs.len());
     for (i, ((c, obj), id)) in counts.iter().zip(objs).zip(ids).enumerate() {
-        let mut n = step_tokens(c, || format!("computed[{i}]"))?;
+        let mut n = step_tokens(c, || name(i))?;
         if let Some(more) = added.map(|a| a.get_item(obj)).transpose()?.flatten() {
             let what = || format!("added[{:?}]", &**id);
             let more = step_tokens(&more, what)?;
             n = n.checked_add(more).ok_or_else(|| {
-                StepInputError::new_err(format!("computed[{i}] + {} overflows 2**32", what()))
+                StepInputError::new_err(format!("{} + {} overflows 2**32", name(i), what()))
             })?;
         }
         tokens.push(n);
     }
     Ok(tokens)
+}
+
+/// The `new` argument: per new request its id object, its id (twice: as scheduled and as the
+/// owner of a whole table), its computed-tokens object and its per-group block lists.
+#[derive(Default)]
+struct NewRequests<'py> {
+    objs: Vec<Bound<'py, PyAny>>,
+    ids: Vec<PyBackedStr>,
+    table_ids: Vec<PyBackedStr>,
+    counts: Vec<Bound<'py, PyAny>>,
+    tables: Vec<Vec<Bound<'py, PyAny>>>,
+}
+
+/// Reads `new`, `(request_id, computed tokens, block tables)` triples (`None`: none).
+fn new_requests<'py>(new: Option<&Bound<'py, PyAny>>) -> PyResult<NewRequests<'py>> {
+    let mut out = NewRequests::default();
+    let Some(new) = new.filter(|n| !n.is_none()) else {
+        return Ok(out);
+    };
+    let shape = "(request_id, computed tokens, block tables) triple";
+    for (i, triple) in tuples::<3>(new, "new", shape)?.enumerate() {
+        let [id, count, lists] = triple?;
+        let what = At("new", i);
+        let name = || At(&what, 0).to_string();
+        out.ids.push(convert::request_id_owned(id.clone(), name)?);
+        out.table_ids
+            .push(convert::request_id_owned(id.clone(), name)?);
+        out.objs.push(id);
+        out.counts.push(count);
+        out.tables.push(group_lists(&lists, &At(&what, 2))?);
+    }
+    Ok(out)
 }
 
 /// The `tables` argument: the owned ids, and per item the per-group block lists.

@@ -276,9 +276,12 @@ impl Scheduler {
 
     /// One engine step from the sequences the engine holds (see `batch`): `scheduled` ids and
     /// their `computed` tokens before the step, plus `added[id]` (the step's scheduled tokens)
-    /// where `added` is given; `appended` (parallel to `scheduled`, `None` or one block list per
-    /// group) the blocks appended this step; `tables` `(id, one block list per group)` whole
-    /// tables, of which the blocks beyond the core's are appended; `hashes` maps ids to their
+    /// where `added` is given; `new` `(id, computed tokens, one block list per group)` requests
+    /// scheduled before those (as they are: the engine's own lists of its running requests are
+    /// passed without a concatenated copy), their whole tables read as `tables`' are;
+    /// `appended` (parallel to `scheduled`, `None` or one block list per group) the blocks
+    /// appended this step; `tables` `(id, one block list per group)` whole tables, of which the
+    /// blocks beyond the core's are appended; `hashes` maps ids to their
     /// whole, growing hash lists (read where the core lacks hashes). Appended blocks, and the
     /// blocks `allocate` handed out beyond the prefix hit since the previous step, count as
     /// written; `written` adds the others (block ids or engine blocks; `None`: the conservative
@@ -286,8 +289,8 @@ impl Scheduler {
     /// tier flush)`, the tier jobs packed for `TierWorker.submit_packed`
     /// (`tier::encode_tier_jobs`), the tier flush the tier jobs a reset flushed (not in `flush`).
     #[pyo3(signature = (
-        scheduled, computed, *, added = None, appended = None, tables = None, hashes = None,
-        finished = None, aborted = None, preempted = None, written = None
+        scheduled, computed, *, new = None, added = None, appended = None, tables = None,
+        hashes = None, finished = None, aborted = None, preempted = None, written = None
     ))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn schedule_batch<'py>(
@@ -295,6 +298,7 @@ impl Scheduler {
         py: Python<'py>,
         scheduled: &Bound<'py, PyAny>,
         computed: &Bound<'py, PyAny>,
+        new: Option<&Bound<'py, PyAny>>,
         added: Option<&Bound<'py, PyAny>>,
         appended: Option<&Bound<'py, PyAny>>,
         tables: Option<&Bound<'py, PyAny>>,
@@ -315,6 +319,7 @@ impl Scheduler {
         let args = batch::Args {
             scheduled,
             computed,
+            new,
             added,
             appended,
             tables,
@@ -324,18 +329,24 @@ impl Scheduler {
             preempted,
             written,
         };
-        let plan = self.batch_step(py, &args)?;
+        let mut plan = self.batch_step(py, &args)?;
         let runs = crate::runs::encode(plan.loads.iter().chain(&plan.stores));
         let tier_jobs = super::tier::encode_tier_jobs(&plan.tier_jobs);
-        Ok((
+        let out = (
             plan.loads.iter().map(|j| j.id.0).collect(),
-            plan.loads.into_iter().map(|j| j.request).collect(),
+            plan.loads
+                .iter_mut()
+                .map(|j| std::mem::take(&mut j.request))
+                .collect(),
             plan.stores.iter().map(|j| j.id.0).collect(),
             plan.flush.iter().map(|j| j.0).collect(),
             PyBytes::new(py, &runs),
             PyBytes::new(py, &tier_jobs),
             plan.tier_flush.iter().map(|j| j.0).collect(),
-        ))
+        );
+        // Encoded: the jobs' lists serve the next plans' jobs.
+        self.lock().recycle(plan);
+        Ok(out)
     }
 
     /// Registers a request (prompt length and hashes) if the core does not track it, else

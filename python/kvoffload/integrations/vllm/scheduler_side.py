@@ -179,12 +179,13 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KvOffloadMetadata:
         t = time.perf_counter()
-        new = so.scheduled_new_reqs
         cached = so.scheduled_cached_reqs
         appended: list[Any] = cached.new_block_ids
         # New requests bring their whole tables (the core appends what it lacks: blocks
-        # allocated after an asynchronous load), and so do resumed ones.
-        tables = [(nr.req_id, nr.block_ids) for nr in new]
+        # allocated after an asynchronous load), and so do resumed ones. vLLM's lists of the
+        # running requests go to the core as they are (no concatenated copies).
+        new = [(nr.req_id, nr.num_computed_tokens, nr.block_ids) for nr in so.scheduled_new_reqs]
+        tables: list[tuple[str, Any]] = []
         if cached.resumed_req_ids:
             appended = list(appended)
             for i, rid in enumerate(cached.req_ids):
@@ -201,10 +202,11 @@ class SchedulerSide:
         exact = self.exact_fence and not self.conservative
         load_jobs, load_reqs, store_jobs, flush, runs, tier_jobs, tier_flush = (
             self.sched.schedule_batch(
-                [nr.req_id for nr in new] + cached.req_ids,
-                [nr.num_computed_tokens for nr in new] + cached.num_computed_tokens,
+                cached.req_ids,
+                cached.num_computed_tokens,
+                new=new,
                 added=so.num_scheduled_tokens,
-                appended=[None] * len(new) + appended if new else appended,
+                appended=appended,
                 tables=tables,
                 hashes=self.hashes,
                 finished=list(finished),
