@@ -87,7 +87,11 @@ impl Scheduler {
         if self.queued.len() < self.reqs.len() {
             self.queued.resize(self.reqs.len(), u64::MAX);
         }
-        for &i in work {
+        for (k, &i) in work.iter().enumerate() {
+            // `queued` is dense but indexed by slab index: a miss per request, prefetched.
+            if let Some(q) = work.get(k + 16).and_then(|&a| self.queued.get(a as usize)) {
+                crate::prefetch::prefetch(q);
+            }
             if self.queued[i as usize] == step || self.reqs[i as usize].is_none() {
                 continue;
             }
