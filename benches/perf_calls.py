@@ -6,7 +6,8 @@ taken inside the connector's timed calls, by the call intervals the bench writes
     KVOFFLOAD_BENCH_TRACE=/tmp/calls.txt perf record -F 1999 -k CLOCK_MONOTONIC -o /tmp/p.data \\
         -- .venv-vllm/bin/python benches/vllm_workload.py --b 512 --attention full \\
         --connectors ours
-    perf script -i /tmp/p.data -F time,ip,sym,dso --ns | python3 benches/perf_calls.py /tmp/calls.txt
+    perf script -i /tmp/p.data -F time,ip,sym,dso --ns > /tmp/p.script
+    python3 benches/perf_calls.py /tmp/calls.txt < /tmp/p.script
 
 It prints the samples per connector method, then per shared object and per symbol (the top
 ``--top``), over the whole run's calls or only one method's (``--method``).
