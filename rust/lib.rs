@@ -17,6 +17,7 @@
 //! - [`runs`]: the packed copy runs a plan hands the data plane, and their check;
 //! - [`copy`]: bounded byte copies between registered KV tensors and the CPU pool;
 //! - [`tier`]: tiers below the CPU pool (the disk tier; the contract lower tiers share);
+//! - `mem`: huge-page arrays for the pool's random reads;
 //! - `py` (feature `python`): the Python bindings, the only place that mentions pyo3.
 //!
 //! Domain modules never import pyo3; the Python bindings live in `rust/py/` behind the
@@ -28,6 +29,7 @@ pub mod error;
 pub mod fence;
 pub mod ids;
 pub mod jobs;
+mod mem;
 pub mod policy;
 pub mod pool;
 pub mod prefetch;

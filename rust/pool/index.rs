@@ -11,6 +11,7 @@
 //! churn.
 
 use crate::ids::{Key, SlotId};
+use crate::prefetch::prefetch;
 
 use super::Record;
 
@@ -49,7 +50,7 @@ impl SlotIndex {
     pub(super) fn new(capacity: u32) -> SlotIndex {
         let n = (2 * capacity as usize).next_power_of_two().max(16);
         SlotIndex {
-            buckets: vec![EMPTY; n],
+            buckets: crate::mem::huge_page_vec(EMPTY, n),
             mask: n - 1,
             len: 0,
         }
@@ -110,16 +111,33 @@ impl SlotIndex {
         self.find(key, |_| true).map(|p| slot_of(self.buckets[p]))
     }
 
-    /// [`SlotIndex::get`] of each of `keys` into `out`, in three passes whose loads are
-    /// independent, so their cache misses overlap: the home buckets, the candidates' records,
-    /// then the probes themselves.
-    pub(super) fn get_many(&self, keys: &[Key], records: &[Record], out: &mut [Option<SlotId>]) {
+    /// Asks for `key`'s home bucket ahead of its probe, without waiting for it.
+    fn prefetch(&self, key: Key) {
+        prefetch(&self.buckets[hash(key) as usize & self.mask]);
+    }
+
+    /// [`SlotIndex::get`] of each of `keys` into `out`, in three passes, so their cache misses
+    /// overlap: prefetches of the home buckets, then of the candidates' records (prefetches
+    /// retire at once: the whole batch is in flight), then the probes themselves. The home
+    /// buckets of `next` (the keys the caller probes
+    /// next) are requested after this batch's, so they arrive while this batch waits for its
+    /// records: a run of batches waits about once per batch, not twice.
+    pub(super) fn get_many(
+        &self,
+        keys: &[Key],
+        records: &[Record],
+        out: &mut [Option<SlotId>],
+        next: &[Key],
+    ) {
         for &k in keys {
-            self.warm(k);
+            self.prefetch(k);
+        }
+        for &k in next {
+            self.prefetch(k);
         }
         for &k in keys {
-            if let Some(s) = self.candidate(k) {
-                std::hint::black_box(records[s.0 as usize].key);
+            if let Some(r) = self.candidate(k).and_then(|s| records.get(s.0 as usize)) {
+                prefetch(r);
             }
         }
         for (o, &k) in out.iter_mut().zip(keys) {

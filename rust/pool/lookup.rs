@@ -44,8 +44,9 @@ impl Pool {
                 n += 1;
             }
             if n == PROBE_BATCH || (i == len && n > 0) {
+                let next = &keys[(i + 1).min(len)..(i + 1 + PROBE_BATCH).min(len)];
                 self.index
-                    .get_many(&want[..n], &self.records, &mut found[..n]);
+                    .get_many(&want[..n], &self.records, &mut found[..n], next);
                 for (&j, f) in at[..n].iter().zip(&found[..n]) {
                     slots[j] = f.unwrap_or(SlotId::NONE);
                 }
@@ -101,8 +102,9 @@ impl Pool {
         for (i, &key) in keys.iter().enumerate() {
             if !batch.contains(&i) {
                 batch = i..(i + PROBE_BATCH).min(keys.len());
+                let next = &keys[batch.end..(batch.end + PROBE_BATCH).min(keys.len())];
                 self.index
-                    .get_many(&keys[batch.clone()], &self.records, &mut probed);
+                    .get_many(&keys[batch.clone()], &self.records, &mut probed, next);
             }
             let slot = probed[i - batch.start];
             let state = slot.map_or(KeyState::Absent, |s| self.entry_state(s));

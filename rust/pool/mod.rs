@@ -185,7 +185,7 @@ impl Pool {
         Ok(Pool {
             config,
             index: SlotIndex::new(c),
-            records: vec![Record::FREE; c as usize],
+            records: crate::mem::huge_page_vec(Record::FREE, c as usize),
             free: FreeSlots::all(c),
             policy: config.policy.build(c),
             admission: Admission::new(config.store_threshold, c),

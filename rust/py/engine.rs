@@ -19,23 +19,11 @@ use pyo3::types::{PyBytes, PyInt, PyList, PyTuple, PyType};
 use super::convert::{block_error, block_named, describe, for_each_item, key_named};
 use super::errors::InvalidKeyError;
 use crate::ids::{BlockId, Key};
+use crate::prefetch::prefetch_ptr as prefetch;
 
 /// How many items ahead of the one being read the readers prefetch (at ~100 ns a miss and a
 /// few ns an item, far enough for the misses to overlap; near enough to stay in L1).
 const AHEAD: usize = 16;
-
-/// Asks the CPU to bring the cache line holding `p` in; changes nothing the program can see.
-#[inline]
-#[allow(unsafe_code)]
-fn prefetch(p: *const u8) {
-    // SAFETY: a prefetch never faults and reads nothing the program sees, whatever `p` is.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
 
 /// A list's or a tuple's item array, read without reference counting.
 #[derive(Clone, Copy)]
