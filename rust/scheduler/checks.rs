@@ -10,19 +10,28 @@ use super::plan::StepInput;
 use super::requests::Status;
 use super::Scheduler;
 
+/// How many values ahead [`first_repeated`] prefetches their stamps (indexed by block id or
+/// slab index: a cache miss each, an allocation's hundreds of blocks spread over the array).
+const AHEAD: usize = 16;
+
 /// The first value other than [`BlockId::NULL`] that occurs twice in `values`, found with generation
 /// `stamps` indexed by value (no allocation, no clearing per call).
-fn first_repeated(
-    stamps: &mut [u32],
-    stamp: &mut u32,
-    values: impl IntoIterator<Item = u32>,
-) -> Option<u32> {
+fn first_repeated<I>(stamps: &mut [u32], stamp: &mut u32, values: I) -> Option<u32>
+where
+    I: IntoIterator<Item = u32>,
+    I::IntoIter: Clone,
+{
     *stamp = stamp.wrapping_add(1);
     if *stamp == 0 {
         stamps.fill(0);
         *stamp = 1;
     }
+    let values = values.into_iter();
+    let mut ahead = values.clone().skip(AHEAD);
     for v in values {
+        if let Some(s) = ahead.next().and_then(|a| stamps.get(a as usize)) {
+            crate::prefetch::prefetch(s);
+        }
         if v == BlockId::NULL.0 {
             continue;
         }
@@ -37,19 +46,21 @@ fn first_repeated(
 
 impl Scheduler {
     /// The first non-null block that occurs twice in `blocks`, if any.
-    pub(super) fn first_repeated(
-        &mut self,
-        blocks: impl IntoIterator<Item = BlockId>,
-    ) -> Option<BlockId> {
+    pub(super) fn first_repeated<I>(&mut self, blocks: I) -> Option<BlockId>
+    where
+        I: IntoIterator<Item = BlockId>,
+        I::IntoIter: Clone,
+    {
         let values = blocks.into_iter().map(|b| b.0);
         first_repeated(&mut self.stamps, &mut self.stamp, values).map(BlockId)
     }
 
     /// The first request (slab index) that occurs twice in `reqs`, if any.
-    pub(super) fn first_repeated_req(
-        &mut self,
-        reqs: impl IntoIterator<Item = u32>,
-    ) -> Option<u32> {
+    pub(super) fn first_repeated_req<I>(&mut self, reqs: I) -> Option<u32>
+    where
+        I: IntoIterator<Item = u32>,
+        I::IntoIter: Clone,
+    {
         self.req_stamps.resize(self.reqs.len(), 0);
         first_repeated(&mut self.req_stamps, &mut self.req_stamp, reqs)
     }
