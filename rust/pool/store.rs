@@ -170,6 +170,14 @@ impl Pool {
         }
     }
 
+    /// Loads the records of `slots` into the cache ahead of their completion (a store's hints);
+    /// changes nothing.
+    pub fn warm_slots(&self, slots: &[SlotId]) {
+        for &slot in slots {
+            self.warm(slot);
+        }
+    }
+
     /// Finishes the stores of `keys`: with `ok` they become readable (one `stored` event);
     /// otherwise they are removed and their slots freed, never readable. Keys already ready are
     /// left as they are (a late failure cannot unpublish them). Every key must be present,
@@ -202,7 +210,7 @@ impl Pool {
         }
         // The stored keys are gathered only for a queue with room (none when events are off).
         let record = self.event_keys < self.event_limit;
-        let mut stored = Vec::new();
+        let mut stored = Vec::with_capacity(if record { keys.len() } else { 0 });
         let mut n = 0;
         for (&key, &slot) in keys.iter().zip(&slots) {
             // A duplicate of a key this call already handled is no longer storing.
