@@ -70,11 +70,11 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Loads into the cache what completing the jobs of `reports` (validated) will read: each
-    /// finishing job's owner entry, its request and its stored chunks' pool records. Changes
-    /// nothing. The completions would miss on them one job after the other; these loads are
-    /// independent, so their misses overlap (a store job of a decoding request holds only a
-    /// few chunks, too few for the pool's own look-ahead to cover).
+    /// Brings into the cache what completing the jobs of `reports` (validated) will read: each
+    /// finishing job's owner entry, its request, its stored chunks' keys and pool records.
+    /// Changes nothing. The completions would miss on them one job after the other; here the
+    /// misses overlap (a store job of a decoding request holds only a few chunks, too few for
+    /// the pool's own look-ahead to cover).
     fn warm_completions(&self, reports: &[(JobId, u32, bool)]) {
         let jobs = self.tracker.jobs();
         let finishing = || {
@@ -82,17 +82,23 @@ impl Scheduler {
                 .iter()
                 .filter_map(|&(id, _, _)| jobs.get(id).filter(|j| j.remaining == 1))
         };
+        // The lines each finishing job points at directly...
         for j in finishing() {
             jobs.warm_owner(j.owner);
             if let Some(Some(r)) = self.reqs.get(j.payload.req as usize) {
                 std::hint::black_box(r.status);
             }
+            for (_, keys, hints) in j.payload.chunks.groups() {
+                crate::prefetch::prefetch_ptr(keys.as_ptr().cast());
+                crate::prefetch::prefetch_ptr(hints.as_ptr().cast());
+            }
         }
+        // ... then the lines those lead to: the other keys, the slots' records.
         for j in finishing() {
             for (g, keys, hints) in j.payload.chunks.groups() {
                 // One key per cache line (16-byte keys).
-                for &key in keys.iter().step_by(4) {
-                    std::hint::black_box(key);
+                for key in keys.iter().step_by(4).skip(1) {
+                    crate::prefetch::prefetch(key);
                 }
                 self.pools[g as usize].warm_slots(hints);
             }
