@@ -326,6 +326,8 @@ fn complete_many_is_all_or_nothing() {
         (vec![(a, 0, true), (b, 2, true), (b, 0, true)], oob(b)),
         // A duplicate pair inside the batch.
         (vec![(a, 0, true), (b, 0, true), (a, 0, false)], dup(a, 0)),
+        // ... and one right after its twin, in an otherwise increasing batch.
+        (vec![(a, 0, true), (b, 0, true), (b, 0, false)], dup(b, 0)),
         // A rank that reported before the batch.
         (vec![(a, 0, true), (a, 1, true), (c, 0, true)], dup(c, 0)),
         // Earlier reports would complete c and a; the last one duplicates a's rank 1.

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::ids::{Key, SlotId};
 
+use super::store::RECORDS_AHEAD;
 use super::{Entry, Pool, PoolEventKind};
 
 impl Pool {
@@ -77,6 +78,10 @@ impl Pool {
     /// [`Pool::hinted_slot`]): same effect, fewer index probes.
     pub fn complete_load_hinted(&mut self, keys: &[Key], hints: &[SlotId]) -> Result<()> {
         for (i, &key) in keys.iter().enumerate() {
+            // The records are cold: load a few ahead so their misses overlap.
+            if let Some(&ahead) = hints.get(i + RECORDS_AHEAD) {
+                self.prefetch_record(ahead);
+            }
             if let Err(e) = self.unpin(key, hints.get(i).copied()) {
                 for k in &keys[..i] {
                     let slot = self.index.get(*k, &self.records).expect("unpinned above");

@@ -12,6 +12,10 @@ const LINEAR_DEDUP: usize = 32;
 /// Index probes [`Pool::prepare_store`] issues ahead per pass (its keys, its victims' keys).
 const WARM_PROBES: usize = 64;
 
+/// How far ahead of the key it completes a completion asks for a slot's record: at ~100 ns a
+/// miss and a few ns a key, far enough for the misses to overlap.
+pub(super) const RECORDS_AHEAD: usize = 16;
+
 /// The answer of [`Pool::prepare_store`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StorePlan {
@@ -170,6 +174,21 @@ impl Pool {
         }
     }
 
+    /// Asks for the records of `slots` ahead of their completion (a store's hints); changes
+    /// nothing.
+    pub fn warm_slots(&self, slots: &[SlotId]) {
+        for &slot in slots {
+            self.prefetch_record(slot);
+        }
+    }
+
+    /// Asks for the record of `slot` (if any) ahead of its use; changes nothing.
+    pub(super) fn prefetch_record(&self, slot: SlotId) {
+        if let Some(r) = self.records.get(slot.0 as usize) {
+            crate::prefetch::prefetch(r);
+        }
+    }
+
     /// Finishes the stores of `keys`: with `ok` they become readable (one `stored` event);
     /// otherwise they are removed and their slots freed, never readable. Keys already ready are
     /// left as they are (a late failure cannot unpublish them). Every key must be present,
@@ -191,8 +210,8 @@ impl Pool {
         slots.clear();
         for (i, &key) in keys.iter().enumerate() {
             // The records are cold: load a few ahead so their misses overlap.
-            if let Some(&ahead) = hints.get(i + 8) {
-                self.warm(ahead);
+            if let Some(&ahead) = hints.get(i + RECORDS_AHEAD) {
+                self.prefetch_record(ahead);
             }
             let Some(slot) = self.hinted_slot(key, hints.get(i).copied()) else {
                 self.scratch = slots;
@@ -202,7 +221,7 @@ impl Pool {
         }
         // The stored keys are gathered only for a queue with room (none when events are off).
         let record = self.event_keys < self.event_limit;
-        let mut stored = Vec::new();
+        let mut stored = Vec::with_capacity(if record { keys.len() } else { 0 });
         let mut n = 0;
         for (&key, &slot) in keys.iter().zip(&slots) {
             // A duplicate of a key this call already handled is no longer storing.

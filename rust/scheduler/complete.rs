@@ -17,6 +17,7 @@ impl Scheduler {
     /// jobs that completed.
     pub fn complete_many(&mut self, reports: &[(JobId, u32, bool)]) -> Result<Vec<CompletedJob>> {
         self.validate_reports(reports)?;
+        self.warm_completions(reports);
         let mut done = Vec::new();
         for &(job, worker, ok) in reports {
             if let Some(d) = self.complete(job, worker, ok).expect("validated") {
@@ -30,6 +31,7 @@ impl Scheduler {
     /// returns how many jobs completed `(ok, failed)`, and copies no request id.
     pub fn complete_counts(&mut self, reports: &[(JobId, u32, bool)]) -> Result<(usize, usize)> {
         self.validate_reports(reports)?;
+        self.warm_completions(reports);
         let (mut ok, mut failed) = (0, 0);
         for &(job, worker, report) in reports {
             if let Some(done) = self.finish(job, worker, report, false).expect("validated") {
@@ -43,18 +45,64 @@ impl Scheduler {
     /// Checks a batch of reports, a duplicate within the batch included; changes nothing.
     fn validate_reports(&self, reports: &[(JobId, u32, bool)]) -> Result<()> {
         let jobs = self.tracker.jobs();
-        let mut live = Vec::with_capacity(reports.len());
+        // Reports in increasing order (the usual case) hold no duplicate: no list to sort.
+        let mut last = None;
+        let mut increasing = true;
         for &(job, worker, _) in reports {
             if jobs.validate(job, worker)? {
-                live.push((job, worker));
+                increasing &= last < Some((job, worker));
+                last = Some((job, worker));
             }
         }
+        if increasing {
+            return Ok(());
+        }
+        let mut live: Vec<_> = reports
+            .iter()
+            .filter(|&&(job, worker, _)| matches!(jobs.validate(job, worker), Ok(true)))
+            .map(|&(job, worker, _)| (job, worker))
+            .collect();
         live.sort_unstable();
         if let Some(w) = live.windows(2).find(|w| w[0] == w[1]) {
             let (job, worker) = w[0];
             return Err(Error::DuplicateReport { job, worker });
         }
         Ok(())
+    }
+
+    /// Brings into the cache what completing the jobs of `reports` (validated) will read: each
+    /// finishing job's owner entry, its request, its stored chunks' keys and pool records.
+    /// Changes nothing. The completions would miss on them one job after the other; here the
+    /// misses overlap (a store job of a decoding request holds only a few chunks, too few for
+    /// the pool's own look-ahead to cover).
+    fn warm_completions(&self, reports: &[(JobId, u32, bool)]) {
+        let jobs = self.tracker.jobs();
+        let finishing = || {
+            reports
+                .iter()
+                .filter_map(|&(id, _, _)| jobs.get(id).filter(|j| j.remaining == 1))
+        };
+        // The lines each finishing job points at directly...
+        for j in finishing() {
+            jobs.warm_owner(j.owner);
+            if let Some(Some(r)) = self.reqs.get(j.payload.req as usize) {
+                std::hint::black_box(r.status);
+            }
+            for (_, keys, hints) in j.payload.chunks.groups() {
+                crate::prefetch::prefetch_ptr(keys.as_ptr().cast());
+                crate::prefetch::prefetch_ptr(hints.as_ptr().cast());
+            }
+        }
+        // ... then the lines those lead to: the other keys, the slots' records.
+        for j in finishing() {
+            for (g, keys, hints) in j.payload.chunks.groups() {
+                // One key per cache line (16-byte keys).
+                for key in keys.iter().step_by(4).skip(1) {
+                    crate::prefetch::prefetch(key);
+                }
+                self.pools[g as usize].warm_slots(hints);
+            }
+        }
     }
 
     /// Records worker `worker`'s report for `job` (`ok == false`: the worker failed it). When

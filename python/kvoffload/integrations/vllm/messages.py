@@ -124,6 +124,11 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
     def by_rank(self) -> dict[int, tuple[list[int], list[int]]]:
         """Rank → (jobs finished, jobs failed)."""
+        done = self.done
+        if not self.failed and len(done) == 1:
+            # One worker and nothing failed (every step of a single-GPU engine).
+            ((r, jobs),) = done.items()
+            return {r: (jobs, [])}
         return {
             r: (self.done.get(r, []), self.failed.get(r, []))
             for r in sorted(self.done.keys() | self.failed.keys())

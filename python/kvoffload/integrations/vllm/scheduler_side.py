@@ -272,13 +272,16 @@ class SchedulerSide:
             for medium, (written, read) in meta.tier_bytes.items():
                 d[f"{medium}_bytes_written"] += written
                 d[f"{medium}_bytes_read"] += read
+            ok = bad = 0
             for rank, (done, failed) in meta.by_rank().items():
                 try:
                     n_ok, n_failed = self.sched.complete_counts(done, failed, rank)
                 except (UnknownJobError, DuplicateReportError):
                     n_ok, n_failed = self._complete_each(done, failed, rank)
-                d["jobs_completed"] += n_ok
-                d["jobs_failed"] += n_failed
+                ok += n_ok
+                bad += n_failed
+            d["jobs_completed"] += ok
+            d["jobs_failed"] += bad
         self.t += time.perf_counter() - t
 
     def _complete_each(self, done: list[int], failed: list[int], rank: int) -> tuple[int, int]:
