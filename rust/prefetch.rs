@@ -11,6 +11,15 @@ pub fn prefetch<T>(r: &T) {
     prefetch_ptr(std::ptr::from_ref(r).cast());
 }
 
+/// [`prefetch`] of the lines holding the first and the last byte of `*r` (a value that may
+/// straddle two lines).
+#[inline]
+pub fn prefetch_all<T>(r: &T) {
+    let p: *const u8 = std::ptr::from_ref(r).cast();
+    prefetch_ptr(p);
+    prefetch_ptr(p.wrapping_add(std::mem::size_of::<T>().saturating_sub(1)));
+}
+
 /// [`prefetch`] of a line by address (any address: a prefetch never faults).
 #[inline]
 #[allow(unsafe_code)]

@@ -122,12 +122,15 @@ impl List {
     }
 }
 
-/// Loads the node of `i` (if any) into the cache ahead of a move; changes nothing.
+/// Prefetches the node of `i` (if any) ahead of a move; changes nothing.
 pub(super) fn warm<N: LinkNode>(nodes: &[N], i: u32) {
-    std::hint::black_box(nodes.get(i as usize).map(LinkNode::links));
+    if let Some(n) = nodes.get(i as usize) {
+        crate::prefetch::prefetch_all(n);
+    }
 }
 
-/// Loads the nodes of `i`'s neighbours into the cache ahead of a move; changes nothing.
+/// Prefetches the nodes of `i`'s neighbours ahead of a move (reading `i`'s links); changes
+/// nothing.
 pub(super) fn warm_neighbours<N: LinkNode>(nodes: &[N], i: u32) {
     if let Some([p, n]) = nodes.get(i as usize).map(LinkNode::links) {
         warm(nodes, p);

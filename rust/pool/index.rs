@@ -100,9 +100,9 @@ impl SlotIndex {
         }
     }
 
-    /// Loads `key`'s home bucket into the cache ahead of its probe; changes nothing.
+    /// Prefetches `key`'s home bucket ahead of its probe; changes nothing.
     pub(super) fn warm(&self, key: Key) {
-        std::hint::black_box(self.buckets[hash(key) as usize & self.mask]);
+        crate::prefetch::prefetch(&self.buckets[hash(key) as usize & self.mask]);
     }
 
     /// The slot of `key`'s first bucket with its hash, unconfirmed (a record to load ahead of

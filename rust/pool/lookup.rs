@@ -212,10 +212,11 @@ impl Pool {
         self.touch_batch(keys, hints, false, false);
     }
 
-    /// Loads the record of `slot` (if any) into the cache ahead of a hint check; changes
-    /// nothing.
+    /// Prefetches the record of `slot` (if any) ahead of a hint check; changes nothing.
     pub(super) fn warm(&self, slot: SlotId) {
-        std::hint::black_box(self.records.get(slot.0 as usize).map(|r| r.entry));
+        if let Some(r) = self.records.get(slot.0 as usize) {
+            crate::prefetch::prefetch_all(r);
+        }
     }
 
     /// The slot of `key` (as [`Pool::slot`]), trying `hint` first: a hinted slot that holds

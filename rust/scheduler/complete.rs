@@ -85,8 +85,8 @@ impl Scheduler {
         // The lines each finishing job points at directly...
         for j in finishing() {
             jobs.warm_owner(j.owner);
-            if let Some(Some(r)) = self.reqs.get(j.payload.req as usize) {
-                std::hint::black_box(r.status);
+            if let Some(r) = self.reqs.get(j.payload.req as usize) {
+                crate::prefetch::prefetch(r);
             }
             for (_, keys, hints) in j.payload.chunks.groups() {
                 crate::prefetch::prefetch_ptr(keys.as_ptr().cast());
