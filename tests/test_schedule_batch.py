@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import struct
+import threading
 from typing import Any
 
 import pytest
@@ -585,3 +586,70 @@ def test_a_kept_id_object_is_held_so_no_other_id_takes_its_address() -> None:
     reused = [fresh("req-b") for _ in range(2000)]
     b = next((x for x in reused if id(x) == addr), reused[-1])
     assert stored(s, [b], {b: 8}) == [[4]]
+
+
+def test_a_kept_id_named_twice_in_one_step_fails_and_the_next_step_still_resolves() -> None:
+    s = core(cpu_chunks=16)
+    a, b = two_requests(s)
+    assert stored(s, [a, b], {a: 4, b: 4}) == [[1], [3]]
+    before = snapshot(s)
+    # The first `a` takes the kept entry; the second must be resolved by its id and refused.
+    with pytest.raises(KvOffloadError, match=r"req-a.*scheduled twice"):
+        s.schedule_batch([a, b, a], [4, 4, 4], written=[])
+    assert snapshot(s) == before
+    assert stored(s, [a, b], {a: 8, b: 8}) == [[2], [4]]
+
+
+def test_a_step_refused_after_its_ids_were_matched_changes_nothing() -> None:
+    s = core(cpu_chunks=16)
+    a, b = two_requests(s)
+    assert stored(s, [a, b], {a: 4, b: 4}) == [[1], [3]]
+    before = snapshot(s)
+    with pytest.raises(StepInputError, match=r"computed\[1\]"):
+        s.schedule_batch([a, b], [4, "x"], written=[])
+    with pytest.raises(StepInputError, match=r'added\["req-b"\]'):
+        s.schedule_batch([a, b], [4, 4], added={b: -1}, written=[])
+    with pytest.raises(KvOffloadError, match=r"scheduled\[1\]"):
+        s.schedule_batch([a, 7], [4, 4], written=[])
+    assert snapshot(s) == before
+    assert stored(s, [b, a], {a: 8, b: 8}) == [[2], [4]]
+
+
+def test_ids_given_as_a_generator_plan_as_a_list_does() -> None:
+    s = core(cpu_chunks=16)
+    a, b = two_requests(s)
+    assert stored(s, [a, b], {a: 4, b: 4}) == [[1], [3]]
+    _, _, stores, _, runs, _, _ = s.schedule_batch(
+        (x for x in [a, b]), [0, 0], added={a: 8, b: 8}, written=[]
+    )
+    assert sorted(gpu for ts in decode(runs, stores).values() for _, gpu, _ in ts) == [[2], [4]]
+
+
+def test_a_kept_id_whose_finalizer_calls_back_in_is_dropped_with_no_lock_held() -> None:
+    s = core(cpu_chunks=16)
+    calls: list[int] = []
+
+    class Rid(str):
+        def __del__(self) -> None:
+            calls.append(s.num_requests)
+            s.schedule_batch([], [], written=[])  # a whole step from inside the drop
+
+    a = Rid("req-a")
+    s.sync_request(a, 8, hashes(0, 2))
+    s.allocate(a, [[1, 2]], 0, 0)
+    b = fresh("req-b")
+    s.sync_request(b, 8, hashes(1, 2))
+    s.allocate(b, [[3, 4]], 0, 0)
+    assert stored(s, [a, b], {a: 4, b: 4}) == [[1], [3]]
+    del a  # the binding's kept ids hold the last reference
+
+    def step() -> None:
+        # `a` is no longer scheduled: its kept id is dropped by this step.
+        stored(s, [b], {b: 8})
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the step deadlocked in the finalizer's call"
+    assert calls == [2]
+    assert s.pending_jobs()  # both steps' stores are there

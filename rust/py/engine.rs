@@ -27,7 +27,7 @@ const AHEAD: usize = 16;
 
 /// A list's or a tuple's item array, read without reference counting.
 #[derive(Clone, Copy)]
-struct Items {
+pub struct Items {
     seq: *mut ffi::PyObject,
     is_list: bool,
 }
@@ -35,7 +35,7 @@ struct Items {
 #[allow(unsafe_code)]
 impl Items {
     /// `obj`'s items if it is a list or a tuple (subclasses included, as `cast` takes them).
-    fn of(obj: &Bound<'_, PyAny>) -> Option<Self> {
+    pub fn of(obj: &Bound<'_, PyAny>) -> Option<Self> {
         let is_list = obj.cast::<PyList>().is_ok();
         (is_list || obj.cast::<PyTuple>().is_ok()).then(|| Self {
             seq: obj.as_ptr(),
@@ -44,7 +44,7 @@ impl Items {
     }
 
     /// The current length (read again after anything that may have run Python code).
-    fn len(self) -> usize {
+    pub fn len(self) -> usize {
         // SAFETY: `seq` is a live list or tuple (held by the caller's `Bound`), GIL attached.
         unsafe {
             if self.is_list {
@@ -57,7 +57,7 @@ impl Items {
     }
 
     /// Item `i < self.len()`, borrowed: valid only until Python code may run.
-    fn get(self, i: usize) -> *mut ffi::PyObject {
+    pub fn get(self, i: usize) -> *mut ffi::PyObject {
         // SAFETY: as in `len`, and `i` is below the length just read.
         unsafe {
             if self.is_list {

@@ -54,6 +54,11 @@ impl<S> Resolved<S> {
     pub fn resolved_handle(&self) -> Option<RequestHandle> {
         self.handle
     }
+
+    /// The external id and the handle, taken apart.
+    pub fn into_parts(self) -> (S, Option<RequestHandle>) {
+        (self.id, self.handle)
+    }
 }
 
 impl<S: AsRef<str>> Resolved<S> {

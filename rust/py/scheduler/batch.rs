@@ -24,16 +24,18 @@
 use std::fmt::{self, Display};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
 
 use rustc_hash::FxHashSet;
 
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::super::convert::{self, At};
 use super::super::engine;
 use super::super::errors::{to_py, InvalidBlockError, InvalidKeyError, StepInputError};
+use super::ids::{self, KeptIds, Named};
 use super::input::{computed_counts, id_list, step_tokens, tuples};
 use super::Scheduler;
 use crate::ids::{BlockId, Key};
@@ -62,39 +64,58 @@ impl Scheduler {
     /// wrong place, so nothing is applied and the input is converted again.
     pub(super) fn batch_step(&self, py: Python<'_>, args: &Args<'_, '_>) -> PyResult<StepPlan> {
         loop {
-            let (step, seen) = self.batch_input(py, args)?;
-            let mut core = self.lock();
+            let (mut step, seen) = self.batch_input(py, args)?;
+            let core = self.lock();
             if self.locks.load(Ordering::Relaxed) != seen + 1 {
+                drop(core);
+                self.keep_ids(&mut step);
                 continue;
             }
-            let ids = &step.ids;
-            let tails: Vec<(Resolved<&str>, &[Key])> = step
-                .hash_tails
-                .iter()
-                .map(|(k, tail)| (ids[*k].borrowed(), &tail[..]))
-                .collect();
-            core.extend_hashes_many(&tails).map_err(to_py)?;
-            let mut written = step.written;
-            if let Some(w) = written.as_mut() {
-                w.extend_from_slice(core.allocated_beyond_hit());
-            }
-            let names = |r: &std::ops::Range<usize>| ids[r.clone()].iter().map(Resolved::borrowed);
-            let input = StepInput {
-                scheduled: names(&step.scheduled).collect(),
-                computed: step.tokens,
-                new_blocks: step
-                    .new_blocks
-                    .into_iter()
-                    .map(|(k, g, blocks)| (ids[k].borrowed(), g, blocks))
-                    .collect(),
-                resumed: Vec::new(),
-                finished: names(&step.finished).collect(),
-                aborted: names(&step.aborted).collect(),
-                preempted: names(&step.preempted).collect(),
-                written,
-            };
-            return core.schedule(&input).map_err(to_py);
+            let plan = Self::apply(core, &mut step);
+            self.keep_ids(&mut step);
+            return plan;
         }
+    }
+
+    /// Applies the converted `step` under `core`: the hash tails first, then the step itself
+    /// (its token counts, blocks and written set are moved out).
+    fn apply(mut core: MutexGuard<'_, Core>, step: &mut Converted) -> PyResult<StepPlan> {
+        let ids = &step.ids;
+        let tails: Vec<(Resolved<&str>, &[Key])> = step
+            .hash_tails
+            .iter()
+            .map(|(k, tail)| (ids[*k].borrowed(), &tail[..]))
+            .collect();
+        core.extend_hashes_many(&tails).map_err(to_py)?;
+        let mut written = step.written.take();
+        if let Some(w) = written.as_mut() {
+            w.extend_from_slice(core.allocated_beyond_hit());
+        }
+        let names = |r: &std::ops::Range<usize>| ids[r.clone()].iter().map(Resolved::borrowed);
+        let input = StepInput {
+            scheduled: names(&step.scheduled).collect(),
+            computed: std::mem::take(&mut step.tokens),
+            new_blocks: std::mem::take(&mut step.new_blocks)
+                .into_iter()
+                .map(|(k, g, blocks)| (ids[k].borrowed(), g, blocks))
+                .collect(),
+            resumed: Vec::new(),
+            finished: names(&step.finished).collect(),
+            aborted: names(&step.aborted).collect(),
+            preempted: names(&step.preempted).collect(),
+            written,
+        };
+        core.schedule(&input).map_err(to_py)
+    }
+
+    /// Keeps `step`'s scheduled ids for the next step's [`ids::match_items`] (called with no
+    /// lock held: the ids it replaces are dropped, which may run Python code).
+    fn keep_ids(&self, step: &mut Converted) {
+        let mut kept = std::mem::take(&mut step.old_ids);
+        let scheduled = step.ids.drain(step.scheduled.clone());
+        ids::keep(scheduled, &step.ptrs, &mut kept);
+        let replaced = super::super::sync::lock(&self.ids).put(kept);
+        drop(replaced);
     }
 
     /// The step converted from `args` against the sizes read under one lock, which also
@@ -102,17 +123,18 @@ impl Scheduler {
     fn batch_input(&self, py: Python<'_>, args: &Args<'_, '_>) -> PyResult<(Converted, u64)> {
         let added = dict_arg(args.added, "added")?;
         let hashes = dict_arg(args.hashes, "hashes")?;
-        // The new requests are scheduled first, their tables read after `tables`' own.
+        // The new requests are scheduled first, their tables read after `tables`' own; the
+        // others are matched against the previous step's ids (`ids.rs`).
         let new = new_requests(args.new)?;
-        let (mut objs, mut sched) = scheduled(args.scheduled)?;
-        let mut counts = computed_counts(args.computed, objs.len())?;
         let n_new = new.objs.len();
-        if n_new > 0 {
-            objs.splice(0..0, new.objs);
-            sched.splice(0..0, new.ids);
-            counts.splice(0..0, new.counts);
+        let mut old_ids = super::super::sync::lock(&self.ids).take();
+        let mut named = Vec::new();
+        for (id, obj) in new.ids.into_iter().zip(&new.objs) {
+            named.push(Named::new(id, obj.as_ptr() as usize));
         }
-        let tokens = tokens(&counts, n_new, added, &objs, &sched)?;
+        ids::match_items(args.scheduled, "scheduled", &mut old_ids, &mut named)?;
+        let counts = computed_counts(args.computed, named.len() - n_new)?;
+        let tokens = tokens(&new.counts, &counts, added, &named)?;
         let finished = id_list(args.finished, "finished")?;
         let aborted = id_list(args.aborted, "aborted")?;
         let preempted = id_list(args.preempted, "preempted")?;
@@ -122,44 +144,43 @@ impl Scheduler {
         table_lists.extend(new.tables);
         // One list of ids, in ranges: scheduled, finished, aborted, preempted, tables.
         let mut ranges = Vec::with_capacity(5);
-        let mut all = Vec::new();
-        for list in [sched, finished, aborted, preempted, table_ids] {
-            ranges.push(all.len()..all.len() + list.len());
-            all.extend(list);
+        let mut end = 0;
+        for n in [
+            named.len(),
+            finished.len(),
+            aborted.len(),
+            preempted.len(),
+            table_ids.len(),
+        ] {
+            ranges.push(end..end + n);
+            end += n;
         }
-        let [scheduled, finished, aborted, preempted, tables] =
+        let [scheduled, finished_r, aborted_r, preempted_r, tables] =
             <[_; 5]>::try_from(ranges).expect("five ranges");
-        let mut cache = super::super::sync::lock(&self.ids);
-        let (ids, sizes, seen, kept) = {
+        let mut ids = Vec::with_capacity(end);
+        let mut ptrs = Vec::with_capacity(named.len());
+        let (sizes, seen) = {
             let core = self.lock();
-            // The scheduled ids through the identity cache (`ids.rs`), the others by id.
-            let mut pass = cache.pass(scheduled.len());
-            let ids: Vec<Resolved<PyBackedStr>> = all
-                .into_iter()
-                .enumerate()
-                .map(|(k, id)| match k.checked_sub(scheduled.start) {
-                    Some(s) if k < scheduled.end => pass.resolve(&core, &objs[s], id),
-                    _ => core.resolved(id),
-                })
-                .collect();
-            let kept = pass.into_entries();
+            ids::resolve_named(&core, named, &mut ids, &mut ptrs);
+            for list in [finished, aborted, preempted, table_ids] {
+                ids.extend(list.into_iter().map(|id| core.resolved(id)));
+            }
             let sizes = sizes(
                 &core,
                 &ids,
                 &scheduled,
-                &(finished.start..aborted.end),
+                &(finished_r.start..aborted_r.end),
                 &tables,
             );
-            (ids, sizes, self.locks.load(Ordering::Relaxed), kept)
+            (sizes, self.locks.load(Ordering::Relaxed))
         };
-        let dropped = cache.replace(kept);
-        drop(cache);
-        drop(dropped);
+        let (finished, aborted, preempted) = (finished_r, aborted_r, preempted_r);
 
         let mut hash_tails = Vec::new();
         if let Some(lists) = hashes {
             // A request named twice (scheduled and released: the step fails) gets one tail.
-            let mut seen_handles = FxHashSet::default();
+            let mut seen_handles =
+                FxHashSet::with_capacity_and_hasher(64, rustc_hash::FxBuildHasher);
             for (k, held) in scheduled.clone().zip(&sizes.hashes) {
                 let Some(held) = *held else { continue };
                 let s = k - scheduled.start;
@@ -168,7 +189,7 @@ impl Scheduler {
                 {
                     continue;
                 }
-                if let Some(tail) = hash_tail(lists, &objs[s], held)? {
+                if let Some(tail) = hash_tail(lists, &id_obj(py, ids[k].name()), held)? {
                     hash_tails.push((k, tail));
                 }
             }
@@ -177,8 +198,7 @@ impl Scheduler {
                 if !seen_handles.insert(ids[k].resolved_handle()) {
                     continue;
                 }
-                let key = PyString::new(py, ids[k].name());
-                if let Some(tail) = hash_tail(lists, key.as_any(), held)? {
+                if let Some(tail) = hash_tail(lists, &id_obj(py, ids[k].name()), held)? {
                     hash_tails.push((k, tail));
                 }
             }
@@ -192,10 +212,10 @@ impl Scheduler {
                 "a sequence of per-group block lists (or None), one per scheduled request",
                 StepInputError::new_err,
             )?;
-            if items.len() != objs.len() - n_new {
+            if items.len() != scheduled.len() - n_new {
                 return Err(StepInputError::new_err(format!(
                     "step input: {} scheduled request ids but {} appended block lists",
-                    objs.len() - n_new,
+                    scheduled.len() - n_new,
                     items.len()
                 )));
             }
@@ -237,6 +257,8 @@ impl Scheduler {
             new_blocks,
             hash_tails,
             written,
+            ptrs,
+            old_ids,
         };
         Ok((step, seen))
     }
@@ -254,52 +276,52 @@ struct Converted {
     new_blocks: Vec<(usize, u32, Vec<BlockId>)>,
     hash_tails: Vec<(usize, Vec<Key>)>,
     written: Option<Vec<BlockId>>,
+    /// The scheduled ids' object addresses, in order (`ids.rs`).
+    ptrs: Vec<usize>,
+    /// The previous step's kept ids, those this step did not take: their room serves the ids
+    /// this step keeps.
+    old_ids: KeptIds,
 }
 
-/// The scheduled request ids: the objects (keys of `added` and `hashes`) and the owned ids.
-fn scheduled<'py>(
-    scheduled: &Bound<'py, PyAny>,
-) -> PyResult<(Vec<Bound<'py, PyAny>>, Vec<PyBackedStr>)> {
-    let objs = convert::items(
-        scheduled,
-        "scheduled",
-        "a sequence of request ids (str)",
-        StepInputError::new_err,
-    )?;
-    let ids = objs
-        .iter()
-        .enumerate()
-        .map(|(i, obj)| convert::request_id_owned(obj.clone(), || format!("scheduled[{i}]")))
-        .collect::<PyResult<_>>()?;
-    Ok((objs, ids))
-}
-
-/// Per scheduled request its computed tokens (`counts`: the `n_new` new requests' first, then
-/// `computed`'s) plus `added[id]` where given.
+/// Per scheduled request (`named`: the new requests' first, then the others) its computed
+/// tokens (`new_counts`, then `counts`) plus `added[id]` where given.
 fn tokens(
+    new_counts: &[Bound<'_, PyAny>],
     counts: &[Bound<'_, PyAny>],
-    n_new: usize,
     added: Option<&Bound<'_, PyDict>>,
-    objs: &[Bound<'_, PyAny>],
-    ids: &[PyBackedStr],
+    named: &[Named],
 ) -> PyResult<Vec<u32>> {
+    let n_new = new_counts.len();
     let name = |i: usize| match i.checked_sub(n_new) {
         Some(k) => format!("computed[{k}]"),
         None => format!("new[{i}][1]"),
     };
-    let mut tokens = Vec::with_capacity(objs.len());
-    for (i, ((c, obj), id)) in counts.iter().zip(objs).zip(ids).enumerate() {
-        let mut n = step_tokens(c, || name(i))?;
-        if let Some(more) = added.map(|a| a.get_item(obj)).transpose()?.flatten() {
-            let what = || format!("added[{:?}]", &**id);
+    let mut tokens = Vec::with_capacity(named.len());
+    for (i, (c, n)) in new_counts.iter().chain(counts).zip(named).enumerate() {
+        let mut v = step_tokens(c, || name(i))?;
+        if let Some(more) = added
+            .map(|a| a.get_item(id_obj(a.py(), &n.id)))
+            .transpose()?
+            .flatten()
+        {
+            let what = || format!("added[{:?}]", &*n.id);
             let more = step_tokens(&more, what)?;
-            n = n.checked_add(more).ok_or_else(|| {
+            v = v.checked_add(more).ok_or_else(|| {
                 StepInputError::new_err(format!("{} + {} overflows 2**32", name(i), what()))
             })?;
         }
-        tokens.push(n);
+        tokens.push(v);
     }
     Ok(tokens)
+}
+
+/// The `str` object of a converted request id (a new reference to the object itself, the key
+/// the engine's dicts hold).
+fn id_obj<'py>(py: Python<'py>, id: &PyBackedStr) -> Bound<'py, PyAny> {
+    match id.into_pyobject(py) {
+        Ok(obj) => obj,
+        Err(never) => match never {},
+    }
 }
 
 /// The `new` argument: per new request its id object, its id (twice: as scheduled and as the

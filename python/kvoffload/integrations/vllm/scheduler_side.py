@@ -35,8 +35,10 @@ and with KV events off the tiers' events are drained and dropped every step.
 
 Request state lives in the core; the adapter keeps the requests' live hash lists (vLLM appends
 to them as tokens are generated; the core reads the hashes it lacks), not the ``Request``
-objects (``request_finished`` tells the aborted ones apart; holding the objects made the adapter
-drop the last reference to each finished request: about 60 µs a request, freeing its prompt),
+objects (holding the objects made the adapter drop the last reference to each finished request:
+about 60 µs a request, freeing its prompt). ``request_finished`` hands a request's last hashes
+to the core and lets go of its list, so vLLM drops that last reference too (freeing a list of
+hundreds of hashes was a twentieth of a step), and tells the aborted ones apart. The adapter also keeps
 the local hit of this step's lookups and this step's written blocks. No Python loop runs over
 blocks or hashes: hashes (bytes), block tables and the step's sequences go to the core as vLLM
 holds them (:meth:`~kvoffload._core.Scheduler.schedule_batch`), and the plan comes back as job
@@ -95,7 +97,10 @@ class SchedulerSide:
         # Request objects themselves are not kept (the last reference to a finished request,
         # its prompt and its hashes, is vLLM's to drop).
         self.hashes: dict[str, Any] = {}
-        self.aborted: set[str] = set()  # tracked requests vLLM aborted since the last step
+        # Tracked requests vLLM freed since the last step (request_finished), and the aborted
+        # ones among them.
+        self.released: set[str] = set()
+        self.aborted: set[str] = set()
         self.hit: dict[str, int] = {}  # block-aligned local hit passed to this step's lookup
         self.written: list[Any] = []  # block ids or vLLM's KVCacheBlocks written this step
         self.conservative = False
@@ -201,12 +206,15 @@ class SchedulerSide:
                     if appended[i]:
                         tables.append((rid, appended[i]))
                     appended[i] = None
-        # The tracked requests among those vLLM freed since the last step, the aborted ones
-        # told apart by request_finished (set operations: no loop over requests).
-        released = self.hashes.keys() & so.finished_req_ids
+        # The tracked requests among those vLLM freed since the last step (request_finished
+        # saw most of them), the aborted ones told apart (set operations: no loop over
+        # requests).
+        done = so.finished_req_ids
+        released = (self.released & done) | (self.hashes.keys() & done)
+        self.released -= released
         aborted = released & self.aborted
         finished = released - aborted
-        self.aborted.clear()
+        self.aborted -= aborted
         exact = self.exact_fence and not self.conservative
         load_jobs, load_reqs, store_jobs, flush, runs, tier_jobs, tier_flush = (
             self.sched.schedule_batch(
@@ -224,7 +232,7 @@ class SchedulerSide:
             )
         )
         for rid in released:
-            del self.hashes[rid]
+            self.hashes.pop(rid, None)
         self.written = []
         self.conservative = False
         self.hit.clear()
@@ -255,10 +263,23 @@ class SchedulerSide:
         return meta
 
     def request_finished(self, request: Request) -> None:
-        """vLLM freed ``request`` (its id joins the next step's finished ids): an aborted one
-        is remembered, so the step releases it as aborted."""
-        if request.status == RequestStatus.FINISHED_ABORTED and request.request_id in self.hashes:
-            self.aborted.add(request.request_id)
+        """vLLM frees ``request`` (its id joins the next step's finished ids): the core gets
+        the hashes of its last tokens now, and the adapter lets go of its hash list, so the
+        last reference to the list (and its hashes) stays vLLM's to drop, outside the step.
+        An aborted one is remembered, so the step releases it as aborted."""
+        rid = request.request_id
+        hashes = self.hashes.pop(rid, None)
+        if hashes is None:
+            return
+        t = perf_counter()
+        try:
+            n = request.num_prompt_tokens
+            self.sched.sync_request(rid, n if n > 1 else 1, hashes)
+        finally:
+            self.released.add(rid)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self.aborted.add(rid)
+            self.t += perf_counter() - t
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         t = time.perf_counter()
