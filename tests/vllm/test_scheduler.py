@@ -7,6 +7,8 @@ stores; a prefix-cache hit on those blocks flushes nothing.
 
 from __future__ import annotations
 
+import sys
+
 from typing import Any
 
 import pytest
@@ -72,6 +74,27 @@ def test_aborted_and_finished_requests_are_released_as_such(async_sched: bool) -
     assert "a" not in h.conn.scheduler_side.hashes
     h.gates[0].set()
     h.drain()
+    h.assert_clean()
+
+
+def test_a_finished_request_hands_its_hashes_over_in_request_finished(async_sched: bool) -> None:
+    # request_finished gives the core the request's last hashes and lets go of its hash list
+    # (vLLM drops the last reference); the next step releases it with every hash in place:
+    # its stores, completed, cover every full block its computed tokens reached.
+    h = Harness(64, async_scheduling=async_sched)
+    req = h.add("b", prompt(4, 60), max_tokens=9)
+    side = h.conn.scheduler_side
+    h.step_until(lambda: "b" in h.finished(), "b to finish")
+    assert "b" not in side.hashes
+    assert side.released == {"b"}
+    hashes = req.block_hashes
+    assert sys.getrefcount(hashes) == 3  # `req`'s, the local's and getrefcount's argument
+    h.step()
+    assert not side.released
+    h.drain()
+    assert side.sched.num_requests == 0  # released as finished and dropped once stored
+    # 60 prompt tokens and 9 sampled: the KV of the first 68 tokens is computed.
+    assert sum(job_blocks(h.plans, j) for m in h.plans for j in m.store_jobs) == 68 // BS
     h.assert_clean()
 
 
