@@ -8,7 +8,6 @@ stores; a prefix-cache hit on those blocks flushes nothing.
 from __future__ import annotations
 
 import sys
-
 from typing import Any
 
 import pytest

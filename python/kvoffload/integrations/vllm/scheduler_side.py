@@ -38,12 +38,12 @@ to them as tokens are generated; the core reads the hashes it lacks), not the ``
 objects (holding the objects made the adapter drop the last reference to each finished request:
 about 60 µs a request, freeing its prompt). ``request_finished`` hands a request's last hashes
 to the core and lets go of its list, so vLLM drops that last reference too (freeing a list of
-hundreds of hashes was a twentieth of a step), and tells the aborted ones apart. The adapter also keeps
-the local hit of this step's lookups and this step's written blocks. No Python loop runs over
-blocks or hashes: hashes (bytes), block tables and the step's sequences go to the core as vLLM
-holds them (:meth:`~kvoffload._core.Scheduler.schedule_batch`), and the plan comes back as job
-ids and one buffer of copy runs. With KV events off (vLLM's ``kv_events_config``) the CPU pools
-record none.
+hundreds of hashes was a twentieth of a step), and tells the aborted ones apart. The adapter
+also keeps the local hit of this step's lookups and this step's written blocks. No Python loop
+runs over blocks or hashes: hashes (bytes), block tables and the step's sequences go to the core
+as vLLM holds them (:meth:`~kvoffload._core.Scheduler.schedule_batch`), and the plan comes back
+as job ids and one buffer of copy runs. With KV events off (vLLM's ``kv_events_config``) the CPU
+pools record none.
 """
 
 from __future__ import annotations
