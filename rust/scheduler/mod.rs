@@ -219,12 +219,17 @@ impl Scheduler {
             next_owner: 0,
             pending_assign: Vec::new(),
             reallocated: Vec::new(),
-            stamps: vec![0; cfg.num_gpu_blocks as usize],
+            // Written at random by every duplicate check: backed (and faulted in) up front.
+            stamps: crate::mem::huge_page_vec(0, cfg.num_gpu_blocks as usize),
             req_stamps: Vec::new(),
             queued: Vec::new(),
             req_stamp: 0,
             stamp: 0,
-            loaders: vec![Vec::new(); cfg.groups.len()],
+            // One entry per slot from the start: grown on demand, it was copied (and its new
+            // pages faulted in) in the middle of steps until the pool had handed out every slot.
+            loaders: (0..cfg.groups.len())
+                .map(|_| crate::mem::huge_page_vec(JobId::NONE, cfg.cpu_chunks as usize))
+                .collect(),
             loading_requests: 0,
             step: 0,
             new_loads: Vec::new(),
