@@ -588,10 +588,17 @@ def test_a_kept_id_object_is_held_so_no_other_id_takes_its_address() -> None:
     assert stored(s, [b], {b: 8}) == [[4]]
 
 
-def test_a_kept_id_named_twice_in_one_step_fails_and_the_next_step_still_resolves() -> None:
+def kept_pair() -> tuple[Scheduler, str, str]:
+    """A core with ``two_requests`` after one step of both: their ids kept by the binding, their
+    first chunks stored."""
     s = core(cpu_chunks=16)
     a, b = two_requests(s)
     assert stored(s, [a, b], {a: 4, b: 4}) == [[1], [3]]
+    return s, a, b
+
+
+def test_a_kept_id_named_twice_in_one_step_fails_and_the_next_step_still_resolves() -> None:
+    s, a, b = kept_pair()
     before = snapshot(s)
     # The first `a` takes the kept entry; the second must be resolved by its id and refused.
     with pytest.raises(KvOffloadError, match=r"req-a.*scheduled twice"):
@@ -601,9 +608,7 @@ def test_a_kept_id_named_twice_in_one_step_fails_and_the_next_step_still_resolve
 
 
 def test_a_step_refused_after_its_ids_were_matched_changes_nothing() -> None:
-    s = core(cpu_chunks=16)
-    a, b = two_requests(s)
-    assert stored(s, [a, b], {a: 4, b: 4}) == [[1], [3]]
+    s, a, b = kept_pair()
     before = snapshot(s)
     with pytest.raises(StepInputError, match=r"computed\[1\]"):
         s.schedule_batch([a, b], [4, "x"], written=[])
@@ -616,9 +621,7 @@ def test_a_step_refused_after_its_ids_were_matched_changes_nothing() -> None:
 
 
 def test_ids_given_as_a_generator_plan_as_a_list_does() -> None:
-    s = core(cpu_chunks=16)
-    a, b = two_requests(s)
-    assert stored(s, [a, b], {a: 4, b: 4}) == [[1], [3]]
+    s, a, b = kept_pair()
     _, _, stores, _, runs, _, _ = s.schedule_batch(
         (x for x in [a, b]), [0, 0], added={a: 8, b: 8}, written=[]
     )
