@@ -135,9 +135,9 @@ impl Scheduler {
         ids::match_items(args.scheduled, "scheduled", &mut old_ids, &mut named)?;
         let counts = computed_counts(args.computed, named.len() - n_new)?;
         let tokens = tokens(&new.counts, &counts, added, &named)?;
-        let finished = id_list(args.finished, "finished")?;
-        let aborted = id_list(args.aborted, "aborted")?;
-        let preempted = id_list(args.preempted, "preempted")?;
+        let finished_ids = id_list(args.finished, "finished")?;
+        let aborted_ids = id_list(args.aborted, "aborted")?;
+        let preempted_ids = id_list(args.preempted, "preempted")?;
         let (mut table_ids, mut table_lists) = whole_tables(args.tables)?;
         let n_tables = table_ids.len();
         table_ids.extend(new.table_ids);
@@ -147,34 +147,33 @@ impl Scheduler {
         let mut end = 0;
         for n in [
             named.len(),
-            finished.len(),
-            aborted.len(),
-            preempted.len(),
+            finished_ids.len(),
+            aborted_ids.len(),
+            preempted_ids.len(),
             table_ids.len(),
         ] {
             ranges.push(end..end + n);
             end += n;
         }
-        let [scheduled, finished_r, aborted_r, preempted_r, tables] =
+        let [scheduled, finished, aborted, preempted, tables] =
             <[_; 5]>::try_from(ranges).expect("five ranges");
         let mut ids = Vec::with_capacity(end);
         let mut ptrs = Vec::with_capacity(named.len());
         let (sizes, seen) = {
             let core = self.lock();
             ids::resolve_named(&core, named, &mut ids, &mut ptrs);
-            for list in [finished, aborted, preempted, table_ids] {
+            for list in [finished_ids, aborted_ids, preempted_ids, table_ids] {
                 ids.extend(list.into_iter().map(|id| core.resolved(id)));
             }
             let sizes = sizes(
                 &core,
                 &ids,
                 &scheduled,
-                &(finished_r.start..aborted_r.end),
+                &(finished.start..aborted.end),
                 &tables,
             );
             (sizes, self.locks.load(Ordering::Relaxed))
         };
-        let (finished, aborted, preempted) = (finished_r, aborted_r, preempted_r);
 
         let mut hash_tails = Vec::new();
         if let Some(lists) = hashes {
