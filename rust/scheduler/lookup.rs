@@ -3,6 +3,7 @@
 //! first asked, so deduplication never turns into a convoy; the answer is remembered for the
 //! `allocate` of the same step.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::error::{Error, Result};
@@ -243,7 +244,6 @@ impl Scheduler {
     /// the earliest ending most recent. The request's slot hints (from its lookup, stores and
     /// loads) spare the pools' index probes where they still hold.
     pub(super) fn touch_prefix(&mut self, r: &Request, hit: u32, end: u32) {
-        let mut keys = Vec::new();
         let mut hints = Vec::new();
         for g in 0..self.cfg.groups.len() {
             let ct = self.cfg.chunk_tokens(g);
@@ -251,9 +251,8 @@ impl Scheduler {
                 None => 0,
                 Some(w) => hit.saturating_sub(w) / ct,
             };
-            keys.clear();
             hints.clear();
-            keys.extend(self.chunk_key_iter(r, g, first..end.max(hit) / ct));
+            let keys = self.chunk_key_slice(r, g, first..end.max(hit) / ct);
             // Chunks without a hint (those below the engine's hit: no lookup probed them) are
             // probed here, in one pass of independent probes whose cache misses overlap, not
             // one by one between the touches.
@@ -301,13 +300,15 @@ impl Scheduler {
         let mut states = Vec::new();
         let mut slots = Vec::new();
         for g in 0..self.cfg.groups.len() {
-            let keys = self.chunk_keys(r, g, hit, cap);
             states.clear();
             slots.clear();
-            states.reserve(keys.len());
-            slots.reserve(keys.len());
-            let full = self.cfg.groups[g].sliding_window.is_none();
-            self.pools[g].lookup_slots(&keys, &mut states, &mut slots, full);
+            {
+                let keys = self.chunk_keys(r, g, hit, cap);
+                states.reserve(keys.len());
+                slots.reserve(keys.len());
+                let full = self.cfg.groups[g].sliding_window.is_none();
+                self.pools[g].lookup_slots(&keys, &mut states, &mut slots, full);
+            }
             let rg = &mut r.groups[g];
             let first = hit / self.cfg.chunk_tokens(g);
             for (c, &slot) in (first..).zip(&slots) {
@@ -326,9 +327,32 @@ impl Scheduler {
 
     /// Keys of group `g`'s chunks from the one holding token `hit` to the last one ending by
     /// `cap`.
-    pub(super) fn chunk_keys(&self, r: &Request, g: usize, hit: u32, cap: u32) -> Vec<Key> {
+    pub(super) fn chunk_keys<'r>(
+        &self,
+        r: &'r Request,
+        g: usize,
+        hit: u32,
+        cap: u32,
+    ) -> Cow<'r, [Key]> {
         let ct = self.cfg.chunk_tokens(g);
-        self.chunk_key_iter(r, g, hit / ct..cap / ct).collect()
+        self.chunk_key_slice(r, g, hit / ct..cap / ct)
+    }
+
+    /// [`Self::chunk_key_iter`]'s keys as a list: where a chunk is one hash block (vLLM's
+    /// shape) the request's own hashes, borrowed, not a copy of hundreds of them.
+    pub(super) fn chunk_key_slice<'r>(
+        &self,
+        r: &'r Request,
+        g: usize,
+        chunks: Range<u32>,
+    ) -> Cow<'r, [Key]> {
+        if self.cfg.chunk_tokens(g) == self.cfg.hash_block_size {
+            let n = r.hashes.len();
+            let (lo, hi) = (chunks.start as usize, chunks.end as usize);
+            Cow::Borrowed(&r.hashes[lo.min(n)..hi.max(lo).min(n)])
+        } else {
+            Cow::Owned(self.chunk_key_iter(r, g, chunks).collect())
+        }
     }
 
     /// The keys of group `g`'s chunks in `chunks` that the request has hashes for (a prefix of
