@@ -4,7 +4,7 @@
 //! of full-attention groups deferred.
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, JobId, Key, SlotId};
+use crate::ids::{BlockId, JobId, SlotId};
 use crate::jobs::JobKind;
 
 use super::plan::{GroupTransfer, PlannedJob};
@@ -233,9 +233,7 @@ impl Scheduler {
             let mut chunks = Vec::with_capacity(n.div_ceil(bpc as usize));
             let mut last_chunk = u32::MAX;
             let first_chunk = first_pos / bpc;
-            let keys: Vec<Key> = self
-                .chunk_key_iter(self.req(i), g, first_chunk..(end / bs).div_ceil(bpc))
-                .collect();
+            let keys = self.chunk_key_slice(self.req(i), g, first_chunk..(end / bs).div_ceil(bpc));
             for pos in first_pos..end / bs {
                 let b = t[pos as usize];
                 if b == BlockId::NULL {
