@@ -264,30 +264,13 @@ impl Scheduler {
     /// earliest most recent: a conversation's next turn re-uses the prefix, and without this
     /// its first chunks (stored first, touched only by lookups) would be the oldest and
     /// evicted first, cutting the whole prefix under pressure. Where a chunk is one hash block
-    /// (vLLM's shape), its keys are the request's hashes as they are and its slot hints the
-    /// group's as they are; otherwise both are gathered into reused lists.
+    /// (vLLM's shape), its keys are the request's hashes as they are
+    /// ([`Scheduler::chunk_key_slice`]); its slot hints are the group's as they are.
     fn refresh_stored(&mut self, r: &Request) {
-        let cfg = &self.cfg;
-        let scratch = &mut self.store_scratch;
-        for (g, (rg, pool)) in r.groups.iter().zip(self.pools.iter_mut()).enumerate() {
-            let n = rg.cursor as usize;
-            if cfg.chunk_tokens(g) == cfg.hash_block_size {
-                // Chunk `c`'s key is hash `c`; a missing hint is probed, as `NONE` is.
-                let keys = &r.hashes[..n.min(r.hashes.len())];
-                let hints = &rg.slots[..keys.len().min(rg.slots.len())];
-                pool.refresh_hinted(keys, hints);
-                continue;
-            }
-            let (keys, hints) = (&mut scratch.refresh_keys, &mut scratch.refresh_hints);
-            keys.clear();
-            hints.clear();
-            for c in 0..rg.cursor {
-                if let Some(key) = Self::chunk_key(cfg, r, g, c) {
-                    keys.push(key);
-                    hints.push(rg.slots.get(c as usize).copied().unwrap_or(SlotId::NONE));
-                }
-            }
-            pool.refresh_hinted(keys, hints);
+        for (g, rg) in r.groups.iter().enumerate() {
+            let keys = self.chunk_key_slice(r, g, 0..rg.cursor);
+            let hints = &rg.slots[..keys.len().min(rg.slots.len())];
+            self.pools[g].refresh_hinted(&keys, hints);
         }
     }
 

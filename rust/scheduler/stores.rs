@@ -29,11 +29,6 @@ pub(super) struct StoreScratch {
     cursors: Vec<(usize, u32)>,
     /// The pool's answer for one group.
     plan: StorePlan,
-    /// A dropped request's keys to refresh in one group (`requests.rs`), where a chunk spans
-    /// several hash blocks.
-    pub(super) refresh_keys: Vec<Key>,
-    /// The slot hint of each of `refresh_keys`.
-    pub(super) refresh_hints: Vec<SlotId>,
 }
 
 /// What a store job's completion needs: the keys it stores and the slot of each (hints for the
