@@ -98,6 +98,32 @@ class Twin:
         r["computed"] = load
         r["written"] = [b for t in tables for b in t]
 
+    def disorder(
+        self, ids: list[str], before: list[int], added: dict[str, int], finished: list[str]
+    ) -> tuple[list[int], dict[str, int]]:
+        """``added`` as an engine other than vLLM may give it: in another order than ``ids``,
+        keyed by equal strings that are other objects, with ids of requests not scheduled, or
+        lacking some ids (their tokens counted in ``before`` instead). The step must not
+        change."""
+        rng = self.rng
+        before = list(before)
+        items = list(added.items())
+        if rng.random() < 0.3:
+            rng.shuffle(items)
+        out: dict[str, int] = {}
+        for k, (rid, n) in enumerate(items):
+            if rng.random() < 0.1:
+                before[ids.index(rid)] += n  # absent from the dict
+                continue
+            if rng.random() < 0.2:
+                rid = fresh(rid)  # an equal id, another object
+            out[rid] = n
+            if rng.random() < 0.1:
+                out[f"unscheduled-{k}"] = rng.randrange(1, 9)
+            if finished and rng.random() < 0.1:
+                out[rng.choice(finished)] = rng.randrange(1, 9)
+        return before, out
+
     def step(self) -> None:
         running = [rid for rid, r in self.reqs.items() if r["tables"] is not None]
         finished = [
@@ -152,10 +178,11 @@ class Twin:
             None,
             written + fresh,
         )
+        before_b, added_b = self.disorder(ids, before, added, finished)
         loads, load_reqs, stores, flush, runs, _tiers, _tier_flush = self.b.schedule_batch(
             ids,
-            before,
-            added=added,
+            before_b,
+            added=added_b,
             appended=appended,
             hashes=self.lists,
             finished=finished,

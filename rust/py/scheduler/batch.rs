@@ -295,16 +295,13 @@ fn tokens(
         Some(k) => format!("computed[{k}]"),
         None => format!("new[{i}][1]"),
     };
+    let added = added.map(|a| added_values(a, named, n_new)).transpose()?;
     let mut tokens = Vec::with_capacity(named.len());
     for (i, (c, n)) in new_counts.iter().chain(counts).zip(named).enumerate() {
         let mut v = step_tokens(c, || name(i))?;
-        if let Some(more) = added
-            .map(|a| a.get_item(id_obj(a.py(), &n.id)))
-            .transpose()?
-            .flatten()
-        {
+        if let Some(more) = added.as_ref().and_then(|a| a[i].as_ref()) {
             let what = || format!("added[{:?}]", &*n.id);
-            let more = step_tokens(&more, what)?;
+            let more = step_tokens(more, what)?;
             v = v.checked_add(more).ok_or_else(|| {
                 StepInputError::new_err(format!("{} + {} overflows 2**32", name(i), what()))
             })?;
@@ -313,6 +310,61 @@ fn tokens(
     }
     Ok(tokens)
 }
+
+/// `added[id]` of each of `named` (`None`: absent). An engine fills the dict in scheduling
+/// order with the very `str` objects it lists (vLLM's `num_scheduled_tokens`: the running
+/// requests, then the new and resumed ones, interleaved), so one pass over its entries finds
+/// nearly every id by address, as two runs (the new requests', `named[..n_new]`, and the
+/// others'), without hashing an id or even reading its `str` (a cache miss each, after the
+/// engine's own work). An id not found so is looked up by key, as before.
+#[allow(unsafe_code)]
+fn added_values<'py>(
+    added: &Bound<'py, PyDict>,
+    named: &[Named],
+    n_new: usize,
+) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+    let py = added.py();
+    let mut out: Vec<Option<Bound<'py, PyAny>>> = vec![None; named.len()];
+    let (mut new, mut old) = (0, n_new);
+    let mut found = 0;
+    let (mut pos, mut key, mut value) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: `added` is a dict (checked by `dict_arg`) held for the whole loop, which runs
+    // no Python code (it compares addresses and takes references): the entries stay put.
+    while unsafe { pyo3::ffi::PyDict_Next(added.as_ptr(), &mut pos, &mut key, &mut value) } != 0 {
+        let at = key as usize;
+        let k = if let Some(d) = ahead(&named[old..], at) {
+            old += d + 1;
+            old - 1
+        } else if let Some(d) = ahead(&named[new..n_new], at) {
+            new += d + 1;
+            new - 1
+        } else {
+            continue;
+        };
+        if out[k].is_none() {
+            // SAFETY: a borrowed reference of the live dict, made owned at once.
+            out[k] = Some(unsafe { Bound::from_borrowed_ptr(py, value) });
+            found += 1;
+        }
+    }
+    if found < named.len() {
+        for (slot, n) in out.iter_mut().zip(named) {
+            if slot.is_none() {
+                *slot = added.get_item(id_obj(py, &n.id))?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The offset of the id at address `at` among the first few of `named`, if there.
+fn ahead(named: &[Named], at: usize) -> Option<usize> {
+    named.iter().take(ADDED_LOOKAHEAD).position(|n| n.ptr == at)
+}
+
+/// How far ahead of its cursor [`added_values`] looks for an id (one the dict lacks, or
+/// holds out of order, is passed over and looked up by key).
+const ADDED_LOOKAHEAD: usize = 4;
 
 /// The `str` object of a converted request id (a new reference to the object itself, the key
 /// the engine's dicts hold).
