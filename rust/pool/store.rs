@@ -9,7 +9,9 @@ use super::{Entry, Pool, PoolEventKind};
 /// Keys below this many per call are deduplicated by a linear scan, above it with a hash set.
 const LINEAR_DEDUP: usize = 32;
 
-/// Index probes [`Pool::prepare_store`] issues ahead per pass (its keys, its victims' keys).
+/// How many index probes [`Pool::prepare_store`] keeps in flight ahead of its work (on its
+/// keys, then on its victims' keys): a prefill's store names hundreds of keys, each a miss in
+/// the index, which overlap only if asked for well before they are read.
 const WARM_PROBES: usize = 64;
 
 /// How far ahead of the key it completes a completion asks for a slot's record: at ~100 ns a
@@ -69,7 +71,10 @@ impl Pool {
         let mut protected = std::mem::take(&mut self.scratch);
         protected.clear();
         self.warm_index(keys.iter().copied());
-        for &key in keys {
+        for (i, &key) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(i + WARM_PROBES) {
+                self.index.warm(ahead);
+            }
             if let Some(slot) = self.index.get(key, &self.records) {
                 if matches!(self.entry(slot), Entry::Ready(_)) {
                     protected.push(slot);
@@ -112,7 +117,10 @@ impl Pool {
         let reuse_victims = self.free.free == 0;
         plan.evicted.reserve(victims.len());
         self.warm_index(victims.iter().map(|&s| self.key_of(s)));
-        for &slot in &victims {
+        for (i, &slot) in victims.iter().enumerate() {
+            if let Some(&ahead) = victims.get(i + WARM_PROBES) {
+                self.index.warm(self.key_of(ahead));
+            }
             let key = self.key_of(slot);
             self.policy.evict(&mut self.records, slot, key);
             self.index.remove(key, slot);
@@ -155,9 +163,9 @@ impl Pool {
         true
     }
 
-    /// Probes the index for `keys` (at most [`WARM_PROBES`]) ahead of the work on them; changes
-    /// nothing. The probes are independent, so their cache misses overlap, where the work's
-    /// own probes would wait for each other.
+    /// Probes the index for the first [`WARM_PROBES`] of `keys` ahead of the work on them (the
+    /// work asks for each later one as it goes); changes nothing. The probes are independent,
+    /// so their cache misses overlap, where the work's own probes would wait for each other.
     fn warm_index(&self, keys: impl Iterator<Item = Key>) {
         for key in keys.take(WARM_PROBES) {
             self.index.warm(key);
