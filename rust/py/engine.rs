@@ -56,6 +56,25 @@ impl Items {
         .unsigned_abs()
     }
 
+    /// Asks for the line of the item array holding item `i` (if there is one), ahead of a read
+    /// from `i` on; changes nothing.
+    pub fn prefetch_from(self, i: usize) {
+        if i < self.len() {
+            // SAFETY: as in `get`: the address of item `i < len`, not read here.
+            prefetch(unsafe { self.item_ptr(i) }.cast());
+        }
+    }
+
+    /// The address of item `i < self.len()` in the item array.
+    unsafe fn item_ptr(self, i: usize) -> *const *mut ffi::PyObject {
+        let base = if self.is_list {
+            (*self.seq.cast::<ffi::PyListObject>()).ob_item.cast_const()
+        } else {
+            (*self.seq.cast::<ffi::PyTupleObject>()).ob_item.as_ptr()
+        };
+        base.add(i)
+    }
+
     /// Item `i < self.len()`, borrowed: valid only until Python code may run.
     pub fn get(self, i: usize) -> *mut ffi::PyObject {
         // SAFETY: as in `len`, and `i` is below the length just read.
@@ -157,6 +176,14 @@ pub fn engine_hashes_from(
         i += 1;
     }
     Ok(out)
+}
+
+/// Asks for the hashes of `items` from position `start` on (the first [`AHEAD`]: the
+/// conversion asks for the others as it goes) ahead of [`engine_hashes_from`]; changes nothing.
+pub fn prefetch_hashes(items: Items, start: usize) {
+    for i in start..items.len().min(start + AHEAD) {
+        prefetch_bytes(items.get(i));
+    }
 }
 
 /// Prefetches a `bytes` object's header and the line of a 32-byte hash's last 8 bytes.

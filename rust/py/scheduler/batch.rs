@@ -33,7 +33,7 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::super::convert::{self, At};
-use super::super::engine;
+use super::super::engine::{self, Items};
 use super::super::errors::{to_py, InvalidBlockError, InvalidKeyError, StepInputError};
 use super::ids::{self, KeptIds, Named};
 use super::input::{computed_counts, id_list, step_tokens, tuples};
@@ -62,9 +62,9 @@ impl Scheduler {
     /// core between that lock and the one that applies the step (Python called back in during
     /// the conversion, or another thread), the hash tails and table appends may start at the
     /// wrong place, so nothing is applied and the input is converted again.
-    pub(super) fn batch_step(&self, py: Python<'_>, args: &Args<'_, '_>) -> PyResult<StepPlan> {
+    pub(super) fn batch_step(&self, args: &Args<'_, '_>) -> PyResult<StepPlan> {
         loop {
-            let (mut step, seen) = self.batch_input(py, args)?;
+            let (mut step, seen) = self.batch_input(args)?;
             let core = self.lock();
             if self.locks.load(Ordering::Relaxed) != seen + 1 {
                 drop(core);
@@ -120,7 +120,7 @@ impl Scheduler {
 
     /// The step converted from `args` against the sizes read under one lock, which also
     /// resolves every request id once; and the lock count after that lock.
-    fn batch_input(&self, py: Python<'_>, args: &Args<'_, '_>) -> PyResult<(Converted, u64)> {
+    fn batch_input(&self, args: &Args<'_, '_>) -> PyResult<(Converted, u64)> {
         let added = dict_arg(args.added, "added")?;
         let hashes = dict_arg(args.hashes, "hashes")?;
         // The new requests are scheduled first, their tables read after `tables`' own; the
@@ -180,27 +180,23 @@ impl Scheduler {
             // A request named twice (scheduled and released: the step fails) gets one tail.
             let mut seen_handles =
                 FxHashSet::with_capacity_and_hasher(64, rustc_hash::FxBuildHasher);
+            let mut due = Vec::new();
             for (k, held) in scheduled.clone().zip(&sizes.hashes) {
                 let Some(held) = *held else { continue };
                 let s = k - scheduled.start;
-                if (tokens[s] / sizes.hash_block_size) as usize <= held
-                    || !seen_handles.insert(ids[k].resolved_handle())
+                if (tokens[s] / sizes.hash_block_size) as usize > held
+                    && seen_handles.insert(ids[k].resolved_handle())
                 {
-                    continue;
-                }
-                if let Some(tail) = hash_tail(lists, &id_obj(py, ids[k].name()), held)? {
-                    hash_tails.push((k, tail));
+                    due.push((k, held));
                 }
             }
             for (k, held) in (finished.start..aborted.end).zip(&sizes.released_hashes) {
                 let Some(held) = *held else { continue };
-                if !seen_handles.insert(ids[k].resolved_handle()) {
-                    continue;
-                }
-                if let Some(tail) = hash_tail(lists, &id_obj(py, ids[k].name()), held)? {
-                    hash_tails.push((k, tail));
+                if seen_handles.insert(ids[k].resolved_handle()) {
+                    due.push((k, held));
                 }
             }
+            hash_tails = read_hash_tails(lists, &ids, &due)?;
         }
         let mut new_blocks = Vec::new();
         let mut fresh = Vec::new();
@@ -482,27 +478,53 @@ fn dict_arg<'a, 'py>(
     }
 }
 
-/// The hashes of `id` beyond the `held` ones, read from `lists[key]` (nothing when the mapping
-/// has no list for it or the list is not longer).
-fn hash_tail(
+/// The hashes beyond the held ones of each of `due` (`(k, held)`: the request `ids[k]`, which
+/// holds `held`), read from `lists[id]`: `(k, tail)` where the list is longer. A request with no
+/// list, or a list no longer, gets none. The reads go in stages over all of `due`, each
+/// starting the next stage's cache misses (the id objects, the lists, their item arrays, the
+/// new hashes: each cold after the engine's own work, and each read only through the one
+/// before), so the misses of different requests overlap instead of a chain per request.
+fn read_hash_tails(
     lists: &Bound<'_, PyDict>,
-    key: &Bound<'_, PyAny>,
-    held: usize,
-) -> PyResult<Option<Vec<Key>>> {
-    let Some(list) = lists.get_item(key)? else {
-        return Ok(None);
-    };
-    let n = list.len().map_err(|_| {
-        InvalidKeyError::new_err(format!(
-            "{} must be a list or tuple of hashes (bytes or int), got {}",
-            HashesOf(key),
-            convert::describe(&list)
-        ))
-    })?;
-    if n <= held {
-        return Ok(None);
+    ids: &[Resolved<PyBackedStr>],
+    due: &[(usize, usize)],
+) -> PyResult<Vec<(usize, Vec<Key>)>> {
+    let py = lists.py();
+    let keys: Vec<_> = due
+        .iter()
+        .map(|&(k, _)| id_obj(py, ids[k].name()))
+        .collect();
+    let mut found = Vec::with_capacity(due.len());
+    for (key, &(_, held)) in keys.iter().zip(due) {
+        let list = lists.get_item(key)?;
+        if let Some(items) = list.as_ref().and_then(Items::of) {
+            items.prefetch_from(held);
+        }
+        found.push(list);
     }
-    engine::engine_hashes_from(&list, held, 0, &HashesOf(key)).map(Some)
+    for (list, &(_, held)) in found.iter().zip(due) {
+        if let Some(items) = list.as_ref().and_then(Items::of) {
+            engine::prefetch_hashes(items, held);
+        }
+    }
+    let mut out = Vec::new();
+    for ((list, key), &(k, held)) in found.iter().zip(&keys).zip(due) {
+        let Some(list) = list else { continue };
+        let n = list.len().map_err(|_| {
+            InvalidKeyError::new_err(format!(
+                "{} must be a list or tuple of hashes (bytes or int), got {}",
+                HashesOf(key),
+                convert::describe(list)
+            ))
+        })?;
+        if n > held {
+            out.push((
+                k,
+                engine::engine_hashes_from(list, held, 0, &HashesOf(key))?,
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// The name of `hashes[key]` in messages (`key` rendered by `str`, only for a message).

@@ -329,7 +329,7 @@ impl Scheduler {
             preempted,
             written,
         };
-        let mut plan = self.batch_step(py, &args)?;
+        let mut plan = self.batch_step(&args)?;
         let runs = crate::runs::encode(plan.loads.iter().chain(&plan.stores));
         let tier_jobs = super::tier::encode_tier_jobs(&plan.tier_jobs);
         let out = (
