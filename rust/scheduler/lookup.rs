@@ -13,6 +13,21 @@ use crate::pool::KeyState;
 use super::requests::{Request, Status};
 use super::Scheduler;
 
+/// A lookup's working lists, kept by the scheduler between calls: a lookup then allocates
+/// nothing (a new request's lookup reads hundreds of chunks; growing fresh lists for them
+/// was about a quarter of its time inside vLLM, the allocator's pages as cold as the data).
+#[derive(Debug, Default)]
+pub(super) struct LookupScratch {
+    /// One group's key states and slots, as the pool answers.
+    states: Vec<KeyState>,
+    slots: Vec<SlotId>,
+    /// Per group, prefix counts of ready chunks, and of chunks ready or being stored.
+    ready: Vec<Vec<u32>>,
+    maybe: Vec<Vec<u32>>,
+    /// One group's slot hints (`touch_prefix`).
+    hints: Vec<SlotId>,
+}
+
 /// The answer of a request's last lookup, which `allocate` must match.
 #[derive(Debug, Clone)]
 pub(super) struct LookupResult {
@@ -228,15 +243,16 @@ impl Scheduler {
         if first > cap {
             return false;
         }
-        let mut states = Vec::new();
-        let mut slots = Vec::new();
-        (0..self.cfg.groups.len()).all(|g| {
+        let mut sc = std::mem::take(&mut self.lookup_scratch);
+        let found = (0..self.cfg.groups.len()).all(|g| {
             let keys = self.chunk_keys(r, g, hit, first);
-            states.clear();
-            slots.clear();
-            self.pools[g].lookup_slots(&keys, &mut states, &mut slots, true);
-            states.len() == keys.len() && states.iter().all(|&st| st != KeyState::Absent)
-        })
+            sc.states.clear();
+            sc.slots.clear();
+            self.pools[g].lookup_slots(&keys, &mut sc.states, &mut sc.slots, true);
+            sc.states.len() == keys.len() && sc.states.iter().all(|&st| st != KeyState::Absent)
+        });
+        self.lookup_scratch = sc;
+        found
     }
 
     /// Refreshes the recency of every chunk the request re-uses: the engine's own prefix hit
@@ -244,7 +260,8 @@ impl Scheduler {
     /// the earliest ending most recent. The request's slot hints (from its lookup, stores and
     /// loads) spare the pools' index probes where they still hold.
     pub(super) fn touch_prefix(&mut self, r: &Request, hit: u32, end: u32) {
-        let mut hints = Vec::new();
+        let mut sc = std::mem::take(&mut self.lookup_scratch);
+        let hints = &mut sc.hints;
         for g in 0..self.cfg.groups.len() {
             let ct = self.cfg.chunk_tokens(g);
             let first = match self.cfg.groups[g].sliding_window {
@@ -261,11 +278,12 @@ impl Scheduler {
                 (first as usize..first as usize + keys.len())
                     .map(|c| slots.get(c).copied().unwrap_or(SlotId::NONE)),
             );
-            self.pools[g].fill_slots(&keys, &mut hints);
+            self.pools[g].fill_slots(&keys, hints);
             if !keys.is_empty() {
-                self.pools[g].touch_resolved(&keys, &hints);
+                self.pools[g].touch_resolved(&keys, hints);
             }
         }
+        self.lookup_scratch = sc;
     }
 
     /// The highest aligned token count a lookup of `r` may answer up to.
@@ -295,34 +313,36 @@ impl Scheduler {
         // that are ready or being stored. A full-attention group needs an unbroken run from
         // the hit, so its scan stops at the first absent chunk (`best_end` reads no count
         // beyond its run). The slots found are kept as the request's hints (touch, load).
-        let mut ready = Vec::with_capacity(self.pools.len());
-        let mut maybe = Vec::with_capacity(self.pools.len());
-        let mut states = Vec::new();
-        let mut slots = Vec::new();
-        for g in 0..self.cfg.groups.len() {
-            states.clear();
-            slots.clear();
+        let mut sc = std::mem::take(&mut self.lookup_scratch);
+        let groups = self.cfg.groups.len();
+        sc.ready.resize_with(groups, Vec::new);
+        sc.maybe.resize_with(groups, Vec::new);
+        for g in 0..groups {
+            sc.states.clear();
+            sc.slots.clear();
             {
                 let keys = self.chunk_keys(r, g, hit, cap);
-                states.reserve(keys.len());
-                slots.reserve(keys.len());
+                sc.states.reserve(keys.len());
+                sc.slots.reserve(keys.len());
                 let full = self.cfg.groups[g].sliding_window.is_none();
-                self.pools[g].lookup_slots(&keys, &mut states, &mut slots, full);
+                self.pools[g].lookup_slots(&keys, &mut sc.states, &mut sc.slots, full);
             }
             let rg = &mut r.groups[g];
             let first = hit / self.cfg.chunk_tokens(g);
-            for (c, &slot) in (first..).zip(&slots) {
+            for (c, &slot) in (first..).zip(&sc.slots) {
                 if slot != SlotId::NONE {
                     rg.hint(c, slot);
                 }
             }
-            ready.push(prefix_counts(&states, |st| {
+            prefix_counts_into(&sc.states, &mut sc.ready[g], |st| {
                 matches!(st, KeyState::Ready { .. })
-            }));
-            maybe.push(prefix_counts(&states, |st| st != KeyState::Absent));
+            });
+            prefix_counts_into(&sc.states, &mut sc.maybe[g], |st| st != KeyState::Absent);
         }
-        let end = self.best_end(&ready, hit, cap);
-        (end, self.best_end(&maybe, hit, cap) > end)
+        let end = self.best_end(&sc.ready[..groups], hit, cap);
+        let more = self.best_end(&sc.maybe[..groups], hit, cap) > end;
+        self.lookup_scratch = sc;
+        (end, more)
     }
 
     /// Keys of group `g`'s chunks from the one holding token `hit` to the last one ending by
@@ -459,15 +479,24 @@ impl Scheduler {
 }
 
 /// `c[i]` = how many of the first `i` items (keys, or their states) are available.
-pub(super) fn prefix_counts<T: Copy>(
-    items: &[T],
-    mut available: impl FnMut(T) -> bool,
-) -> Vec<u32> {
+pub(super) fn prefix_counts<T: Copy>(items: &[T], available: impl FnMut(T) -> bool) -> Vec<u32> {
     let mut c = Vec::with_capacity(items.len() + 1);
-    c.push(0u32);
-    for &k in items {
-        let last = *c.last().expect("seeded");
-        c.push(last + u32::from(available(k)));
-    }
+    prefix_counts_into(items, &mut c, available);
     c
+}
+
+/// [`prefix_counts`] into `c` (emptied first; its room is reused).
+fn prefix_counts_into<T: Copy>(
+    items: &[T],
+    c: &mut Vec<u32>,
+    mut available: impl FnMut(T) -> bool,
+) {
+    c.clear();
+    c.reserve(items.len() + 1);
+    let mut n = 0u32;
+    c.push(n);
+    for &k in items {
+        n += u32::from(available(k));
+        c.push(n);
+    }
 }

@@ -179,6 +179,7 @@ pub struct Scheduler {
     retry: Vec<u32>,
     /// Store planning's working lists, reused (`stores.rs`).
     store_scratch: stores::StoreScratch,
+    lookup_scratch: lookup::LookupScratch,
     /// Completed jobs' lists, kept for the next store jobs (`stores.rs`).
     spares: spares::Spares,
     /// Jobs flushed by a reset, added to the next plan's flush set.
@@ -237,6 +238,7 @@ impl Scheduler {
             allocated: Vec::new(),
             retry: Vec::new(),
             store_scratch: stores::StoreScratch::default(),
+            lookup_scratch: lookup::LookupScratch::default(),
             spares: spares::Spares::default(),
             reset_flush: Vec::new(),
             reset_tier_flush: Vec::new(),
