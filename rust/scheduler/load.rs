@@ -93,10 +93,10 @@ impl Scheduler {
             }
         }
         let owner = self.req(i).owner;
-        let transfers = if load_tokens > 0 {
+        let (transfers, slots) = if load_tokens > 0 {
             self.pin_load(i, &tables, hit_tokens, end)?
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let first_chunks = transfers
             .iter()
@@ -149,10 +149,12 @@ impl Scheduler {
             };
             class.extend_from_slice(&t.gpu_blocks);
         }
+        // The plan's copy of the transfers in kept lists (the plan is handed back once encoded).
+        let planned: Vec<GroupTransfer> = transfers.iter().map(|t| self.spares.copy(t)).collect();
         let payload = JobPayload {
             req: i,
-            slots: transfers.iter().map(|t| t.slot_hints(bpc)).collect(),
-            transfers: transfers.clone(),
+            slots,
+            transfers,
             chunks: super::stores::StoreChunks::default(),
             first_chunks,
             load_end: end,
@@ -162,14 +164,8 @@ impl Scheduler {
             .tracker
             .create(JobKind::Load, owner, eager, deferred, payload)
             .expect("blocks validated, no pending job");
-        let slots = &self
-            .tracker
-            .jobs()
-            .get(job)
-            .expect("just created")
-            .payload
-            .slots;
-        for (t, slots) in transfers.iter().zip(slots) {
+        let payload = &self.tracker.jobs().get(job).expect("just created").payload;
+        for (t, slots) in payload.transfers.iter().zip(&payload.slots) {
             let loaders = &mut self.loaders[t.group as usize];
             if let Some(&last) = slots.iter().max() {
                 if loaders.len() <= last.0 as usize {
@@ -180,7 +176,7 @@ impl Scheduler {
                 loaders[s.0 as usize] = job;
             }
         }
-        for t in &transfers {
+        for t in &planned {
             self.stats.load_blocks += t.gpu_blocks.len() as u64;
             self.stats.load_bytes += t.gpu_blocks.len() as u64
                 * self.cfg.groups[t.group as usize].bytes_per_chunk
@@ -194,7 +190,7 @@ impl Scheduler {
             id: job,
             kind: JobKind::Load,
             request: id.to_owned(),
-            transfers,
+            transfers: planned,
         });
         Ok(Some(job))
     }
@@ -208,16 +204,19 @@ impl Scheduler {
     }
 
     /// Builds the copies of a load of tokens `[hit, end)` into `tables` and pins their slots
-    /// (all or nothing).
+    /// (all or nothing): the copies per group, and the slot of each of their keys.
     pub(super) fn pin_load(
         &mut self,
         i: u32,
         tables: &[Vec<BlockId>],
         hit: u32,
         end: u32,
-    ) -> Result<Vec<GroupTransfer>> {
+    ) -> Result<(Vec<GroupTransfer>, Vec<Vec<SlotId>>)> {
         let bpc = self.cfg.blocks_per_chunk;
         let mut out: Vec<GroupTransfer> = Vec::new();
+        let mut pinned = Vec::new();
+        // Per chunk copied: its chunk index and its slot hint; per block, its key's index.
+        let (mut chunks, mut hints, mut kidx) = std::mem::take(&mut self.load_scratch);
         for (g, t) in tables.iter().enumerate() {
             let bs = self.cfg.groups[g].block_size;
             let first_pos = self.first_needed_chunk(g, hit, end) * bpc;
@@ -229,8 +228,8 @@ impl Scheduler {
                 cpu_blocks: Vec::with_capacity(n),
                 keys: Vec::with_capacity(n.div_ceil(bpc as usize)),
             };
-            let mut kidx = Vec::with_capacity(n);
-            let mut chunks = Vec::with_capacity(n.div_ceil(bpc as usize));
+            kidx.clear();
+            chunks.clear();
             let mut last_chunk = u32::MAX;
             let first_chunk = first_pos / bpc;
             let keys = self.chunk_key_slice(self.req(i), g, first_chunk..(end / bs).div_ceil(bpc));
@@ -254,13 +253,15 @@ impl Scheduler {
                 continue;
             }
             let slots = &self.req(i).groups[g].slots;
-            let hints: Vec<SlotId> = chunks
-                .iter()
-                .map(|&c| slots.get(c as usize).copied().unwrap_or(SlotId::NONE))
-                .collect();
+            hints.clear();
+            hints.extend(
+                chunks
+                    .iter()
+                    .map(|&c| slots.get(c as usize).copied().unwrap_or(SlotId::NONE)),
+            );
             match self.pools[g].prepare_load_hinted(&tr.keys, &hints) {
                 Ok(slots) => {
-                    for (cpu, k) in tr.cpu_blocks.iter_mut().zip(kidx) {
+                    for (cpu, &k) in tr.cpu_blocks.iter_mut().zip(&kidx) {
                         *cpu += slots[k].0 * bpc;
                     }
                     let rg = &mut self.req_mut(i).groups[g];
@@ -268,16 +269,77 @@ impl Scheduler {
                         rg.hint(c, slot);
                     }
                     out.push(tr);
+                    pinned.push(slots);
                 }
                 Err(e) => {
-                    for done in &out {
-                        let undone = self.pools[done.group as usize].complete_load(&done.keys);
+                    for (done, slots) in out.iter().zip(&pinned) {
+                        let pool = &mut self.pools[done.group as usize];
+                        let undone = pool.complete_load_hinted(&done.keys, slots);
                         debug_assert!(undone.is_ok(), "{undone:?}");
                     }
+                    self.load_scratch = (chunks, hints, kidx);
                     return Err(e);
                 }
             }
         }
-        Ok(out)
+        self.load_scratch = (chunks, hints, kidx);
+        Ok((out, pinned))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{GroupConfig, SchedulerConfig};
+    use crate::error::Error;
+    use crate::ids::{BlockId, Key};
+    use crate::scheduler::{Scheduler, StepInput};
+
+    fn blocks(ids: &[u32]) -> Vec<Vec<BlockId>> {
+        let t: Vec<BlockId> = ids.iter().copied().map(BlockId).collect();
+        vec![t.clone(), t.iter().map(|b| BlockId(b.0 + 32)).collect()]
+    }
+
+    /// A load whose second group's chunk went missing after the lookup (here: dropped from
+    /// that group's pool behind the scheduler's back) fails whole: the first group's slots,
+    /// pinned before the second failed, are unpinned, and a new lookup loads what is left.
+    #[test]
+    fn a_load_failing_in_its_second_group_unpins_the_first() {
+        let group = GroupConfig {
+            block_size: 4,
+            sliding_window: None,
+            bytes_per_chunk: 64,
+        };
+        let mut s = Scheduler::new(SchedulerConfig::new(vec![group; 2], 64, 16)).unwrap();
+        let keys = vec![Key(7), Key(8)];
+        s.add_request("a", 9, keys.clone()).unwrap();
+        assert_eq!(s.lookup("a", 0).unwrap(), Some(0));
+        s.allocate("a", &blocks(&[1, 2, 3]), 0, 0).unwrap();
+        let plan = s
+            .schedule(&StepInput {
+                scheduled: vec!["a".to_owned()],
+                computed: vec![9],
+                new_blocks: Vec::new(),
+                resumed: Vec::new(),
+                finished: Vec::new(),
+                aborted: Vec::new(),
+                preempted: Vec::new(),
+                written: Some(Vec::new()),
+            })
+            .unwrap();
+        for job in &plan.stores {
+            s.complete(job.id, 0, true).unwrap();
+        }
+        s.add_request("b", 9, keys.clone()).unwrap();
+        assert_eq!(s.lookup("b", 0).unwrap(), Some(8));
+        assert_eq!(s.pools[1].discard(&keys[1..]), vec![Key(8)]);
+        let err = s.allocate("b", &blocks(&[4, 5, 6]), 0, 8).unwrap_err();
+        assert!(matches!(err, Error::UnknownKey(Key(8))), "{err:?}");
+        assert_eq!(s.pools[0].stats().pinned, 0, "group 0's pins are undone");
+        assert_eq!(s.pools[1].stats().pinned, 0);
+        assert_eq!(s.lookup("b", 0).unwrap(), Some(4));
+        let job = s.allocate("b", &blocks(&[4, 5, 6]), 0, 4).unwrap();
+        assert!(job.is_some());
+        assert_eq!(s.pools[0].stats().pinned, 1);
+        assert_eq!(s.pools[1].stats().pinned, 1);
     }
 }

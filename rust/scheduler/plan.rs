@@ -1,7 +1,7 @@
 //! What crosses the scheduler's surface: the step's input, the plan it returns (jobs and their
 //! per-group copies, the flush set), completed jobs, pool events and the counters.
 
-use crate::ids::{BlockId, JobId, Key, SlotId};
+use crate::ids::{BlockId, JobId, Key};
 use crate::jobs::JobKind;
 use crate::pool::PoolEventKind;
 
@@ -16,22 +16,6 @@ pub struct GroupTransfer {
     pub cpu_blocks: Vec<u32>,
     /// Keys of the chunks touched, in order.
     pub keys: Vec<Key>,
-}
-
-impl GroupTransfer {
-    /// The slot of each key as its CPU blocks say (consecutive blocks of one slot are one
-    /// chunk): hints for the pool's `*_hinted` calls, which check them, so a transfer whose
-    /// blocks do not line up with its keys only costs the index probes it would have made.
-    pub(super) fn slot_hints(&self, blocks_per_chunk: u32) -> Vec<SlotId> {
-        let mut out: Vec<SlotId> = Vec::with_capacity(self.keys.len());
-        for &b in &self.cpu_blocks {
-            let slot = SlotId(b / blocks_per_chunk);
-            if out.last() != Some(&slot) {
-                out.push(slot);
-            }
-        }
-        out
-    }
 }
 
 /// A store or load job of a plan.

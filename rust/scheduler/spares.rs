@@ -85,6 +85,20 @@ impl Spares {
         v
     }
 
+    /// A copy of `t` in kept lists.
+    pub(super) fn copy(&mut self, t: &GroupTransfer) -> GroupTransfer {
+        let mut gpu_blocks = self.blocks(t.gpu_blocks.len());
+        gpu_blocks.extend_from_slice(&t.gpu_blocks);
+        let mut cpu_blocks = self.cpu(t.cpu_blocks.len());
+        cpu_blocks.extend_from_slice(&t.cpu_blocks);
+        GroupTransfer {
+            group: t.group,
+            gpu_blocks,
+            cpu_blocks,
+            keys: self.keys(&t.keys),
+        }
+    }
+
     /// An empty list of transfers.
     pub(super) fn transfers(&mut self) -> Vec<GroupTransfer> {
         take(&mut self.transfers, 0)
