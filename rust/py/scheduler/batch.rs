@@ -324,9 +324,10 @@ fn added_values<'py>(
     let (mut new, mut old) = (0, n_new);
     let mut found = 0;
     let (mut pos, mut key, mut value) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+    let dict = added.as_ptr();
     // SAFETY: `added` is a dict (checked by `dict_arg`) held for the whole loop, which runs
     // no Python code (it compares addresses and takes references): the entries stay put.
-    while unsafe { pyo3::ffi::PyDict_Next(added.as_ptr(), &mut pos, &mut key, &mut value) } != 0 {
+    while unsafe { pyo3::ffi::PyDict_Next(dict, &raw mut pos, &raw mut key, &raw mut value) } != 0 {
         let at = key as usize;
         let k = if let Some(d) = ahead(&named[old..], at) {
             old += d + 1;
