@@ -292,7 +292,8 @@ mod tests {
     use crate::config::{GroupConfig, SchedulerConfig};
     use crate::error::Error;
     use crate::ids::{BlockId, Key};
-    use crate::scheduler::{Scheduler, StepInput};
+    use crate::scheduler::positions::tests::step;
+    use crate::scheduler::Scheduler;
 
     fn blocks(ids: &[u32]) -> Vec<Vec<BlockId>> {
         let t: Vec<BlockId> = ids.iter().copied().map(BlockId).collect();
@@ -314,18 +315,7 @@ mod tests {
         s.add_request("a", 9, keys.clone()).unwrap();
         assert_eq!(s.lookup("a", 0).unwrap(), Some(0));
         s.allocate("a", &blocks(&[1, 2, 3]), 0, 0).unwrap();
-        let plan = s
-            .schedule(&StepInput {
-                scheduled: vec!["a".to_owned()],
-                computed: vec![9],
-                new_blocks: Vec::new(),
-                resumed: Vec::new(),
-                finished: Vec::new(),
-                aborted: Vec::new(),
-                preempted: Vec::new(),
-                written: Some(Vec::new()),
-            })
-            .unwrap();
+        let plan = s.schedule(&step(&[("a", 9)])).unwrap();
         for job in &plan.stores {
             s.complete(job.id, 0, true).unwrap();
         }

@@ -151,12 +151,13 @@ impl Scheduler {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use crate::config::{GroupConfig, SchedulerConfig};
     use crate::ids::{BlockId, Key};
     use crate::scheduler::{Scheduler, StepInput};
 
-    fn step(scheduled: &[(&str, u32)]) -> StepInput<String> {
+    /// A step of `scheduled` `(request, computed tokens)` pairs, nothing else in it.
+    pub(in crate::scheduler) fn step(scheduled: &[(&str, u32)]) -> StepInput<String> {
         StepInput {
             scheduled: scheduled.iter().map(|(r, _)| (*r).to_owned()).collect(),
             computed: scheduled.iter().map(|(_, c)| *c).collect(),
