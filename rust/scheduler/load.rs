@@ -11,6 +11,15 @@ use super::plan::{GroupTransfer, PlannedJob};
 use super::requests::Status;
 use super::{JobPayload, Scheduler};
 
+/// `pin_load`'s working lists, kept by the scheduler between calls (a load names hundreds of
+/// chunks): per chunk copied, its chunk index and its slot hint; per block, its key's index.
+#[derive(Debug, Default)]
+pub(super) struct LoadScratch {
+    chunks: Vec<u32>,
+    hints: Vec<SlotId>,
+    kidx: Vec<usize>,
+}
+
 impl Scheduler {
     /// Records the blocks the engine allocated for an admitted request (its whole block table
     /// per group), its engine prefix hit `hit_tokens`, and `load_tokens` to load from the CPU
@@ -215,8 +224,11 @@ impl Scheduler {
         let bpc = self.cfg.blocks_per_chunk;
         let mut out: Vec<GroupTransfer> = Vec::new();
         let mut pinned = Vec::new();
-        // Per chunk copied: its chunk index and its slot hint; per block, its key's index.
-        let (mut chunks, mut hints, mut kidx) = std::mem::take(&mut self.load_scratch);
+        let LoadScratch {
+            mut chunks,
+            mut hints,
+            mut kidx,
+        } = std::mem::take(&mut self.load_scratch);
         for (g, t) in tables.iter().enumerate() {
             let bs = self.cfg.groups[g].block_size;
             let first_pos = self.first_needed_chunk(g, hit, end) * bpc;
@@ -277,12 +289,20 @@ impl Scheduler {
                         let undone = pool.complete_load_hinted(&done.keys, slots);
                         debug_assert!(undone.is_ok(), "{undone:?}");
                     }
-                    self.load_scratch = (chunks, hints, kidx);
+                    self.load_scratch = LoadScratch {
+                        chunks,
+                        hints,
+                        kidx,
+                    };
                     return Err(e);
                 }
             }
         }
-        self.load_scratch = (chunks, hints, kidx);
+        self.load_scratch = LoadScratch {
+            chunks,
+            hints,
+            kidx,
+        };
         Ok((out, pinned))
     }
 }

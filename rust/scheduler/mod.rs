@@ -179,9 +179,10 @@ pub struct Scheduler {
     retry: Vec<u32>,
     /// Store planning's working lists, reused (`stores.rs`).
     store_scratch: stores::StoreScratch,
+    /// Lookups' working lists, reused (`lookup.rs`).
     lookup_scratch: lookup::LookupScratch,
-    /// `pin_load`'s working lists (chunks, slot hints, key indices), kept between calls.
-    load_scratch: (Vec<u32>, Vec<SlotId>, Vec<usize>),
+    /// Load pinning's working lists, reused (`load.rs`).
+    load_scratch: load::LoadScratch,
     /// Completed jobs' lists, kept for the next store jobs (`stores.rs`).
     spares: spares::Spares,
     /// Jobs flushed by a reset, added to the next plan's flush set.
@@ -241,7 +242,7 @@ impl Scheduler {
             retry: Vec::new(),
             store_scratch: stores::StoreScratch::default(),
             lookup_scratch: lookup::LookupScratch::default(),
-            load_scratch: Default::default(),
+            load_scratch: load::LoadScratch::default(),
             spares: spares::Spares::default(),
             reset_flush: Vec::new(),
             reset_tier_flush: Vec::new(),
