@@ -55,6 +55,7 @@ impl Scheduler {
         });
         work.append(&mut retry);
         self.plan_all(&work, &mut stores);
+        self.assign_pending();
         // 5: the single fence check, after this step's stores exist.
         let flush = self.fence_check(
             &written,
@@ -120,7 +121,8 @@ impl Scheduler {
 
     /// Phase 3: this step's re-allocations (by `allocate` since the previous step, and
     /// `new_blocks`) drop the unstored positions they replace; resumed requests start a new
-    /// block table; the new blocks are appended and their unstored positions indexed.
+    /// block table; the new blocks are appended, their unstored positions indexed after phase
+    /// 4 (`assign_pending`).
     fn reallocate(&mut self, resumed: &[u32], new_blocks: &[(u32, usize, &[BlockId])]) {
         let null = self.cfg.null_block;
         let mut reallocated = std::mem::take(&mut self.reallocated);
@@ -164,7 +166,22 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// After phase 4: indexes the positions this step's re-allocations and appends brought
+    /// (`pending_assign`) that are still unstored. A chunk stored in this very step (a
+    /// prefill's, or the one a decode completes) leaves its positions below the store cursor:
+    /// indexed, they would die at once (an entry below the cursor is dead), so they are not.
+    /// Nothing reads the index between phase 3, whose invalidations all come first, and here.
+    fn assign_pending(&mut self) {
         let mut pending = std::mem::take(&mut self.pending_assign);
+        let bpc = self.cfg.blocks_per_chunk;
+        let reqs = &self.reqs;
+        pending.retain(|&(i, g, pos)| {
+            reqs[i as usize]
+                .as_ref()
+                .is_some_and(|r| pos >= r.groups[g as usize].cursor * bpc)
+        });
         for (k, &(i, g, pos)) in pending.iter().enumerate() {
             let ahead = pending.get(k + AHEAD).and_then(|&(j, g, pos)| {
                 let r = self.reqs[j as usize].as_ref()?;
