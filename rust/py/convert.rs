@@ -490,7 +490,7 @@ pub fn request_id_owned(
 pub fn items<'py>(
     obj: &Bound<'py, PyAny>,
     what: &(impl Display + ?Sized),
-    expected: &str,
+    expected: &(impl Display + ?Sized),
     err: fn(String) -> PyErr,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let bad = || err(format!("{what} must be {expected}, got {}", describe(obj)));

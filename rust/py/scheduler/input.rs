@@ -65,12 +65,20 @@ pub(super) fn tuples<'a, 'py: 'a, const N: usize>(
     what: &'a str,
     shape: &'a str,
 ) -> PyResult<impl ExactSizeIterator<Item = PyResult<[Bound<'py, PyAny>; N]>> + 'a> {
-    let expected = format!("a sequence of {shape}s");
-    let items = convert::items(obj, what, &expected, StepInputError::new_err)?;
+    let items = convert::items(obj, what, &SequenceOf(shape), StepInputError::new_err)?;
     Ok(items.into_iter().enumerate().map(move |(i, item)| {
         let f = fields(&item, N, || format!("{what}[{i}]"), shape)?;
         Ok(<[_; N]>::try_from(f).expect("N fields"))
     }))
+}
+
+/// "a sequence of {shape}s", written only for a message.
+struct SequenceOf<'a>(&'a str);
+
+impl std::fmt::Display for SequenceOf<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a sequence of {}s", self.0)
+    }
 }
 
 /// The scheduled requests and their computed tokens: `(request_id, tokens)` pairs when
