@@ -302,56 +302,71 @@ def _capacity(conn: Any, connector: str) -> str:
 
 def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResult:
     """Runs ``w.steps`` engine steps of the workload with ``connector``; the bench's core."""
-    v = _import_vllm()
-    s, hasher = build_scheduler(w, connector)
-    conn = s.get_kv_connector()
-    prof = cProfile.Profile() if profile else None
-    timers = Timers(conn, prof, w.clock)
-    clock = timers.clock
-    worker = FakeWorker(connector, w.seed)
-    convs = Conversations(w)
-    res = RunResult(
-        connector, w.b, w.attention, w.steps, w.warmup, cpu_capacity=_capacity(conn, connector)
-    )
+    run = WorkloadRun(w, connector, profile)
+    for step in range(w.steps):
+        run.step(step)
+    return run.close()
 
-    # 2B live conversations: their context so far and next turn; ready ones queue for a slot.
-    n_slots = w.conversations_per_slot * w.b
-    next_cid = n_slots
-    context: dict[int, array.array] = {}
-    turn_of: dict[int, int] = {}
-    ready: deque[tuple[int, int]] = deque((0, k) for k in range(n_slots))  # (ready step, cid)
-    waiting: list[tuple[int, int]] = []  # idle conversations: (ready step, cid)
-    inflight: dict[str, tuple[int, Any, array.array]] = {}  # rid -> (cid, request, answer)
-    params_cache: dict[int, Any] = {}
 
-    def submit(cid: int) -> float:
+class WorkloadRun:
+    """One run of the workload, a step at a time (``benches/vllm_ab.py`` interleaves two)."""
+
+    def __init__(self, w: Workload, connector: str, profile: bool = False) -> None:
+        self.w = w
+        self.v = _import_vllm()
+        self.s, self.hasher = build_scheduler(w, connector)
+        conn = self.s.get_kv_connector()
+        self.prof = cProfile.Profile() if profile else None
+        self.timers = Timers(conn, self.prof, w.clock)
+        self.clock = self.timers.clock
+        self.worker = FakeWorker(connector, w.seed)
+        self.convs = Conversations(w)
+        self.res = RunResult(
+            connector, w.b, w.attention, w.steps, w.warmup, cpu_capacity=_capacity(conn, connector)
+        )
+        # 2B live conversations: their context so far and next turn; ready ones queue for a
+        # slot.
+        n_slots = w.conversations_per_slot * w.b
+        self.next_cid = n_slots
+        self.context: dict[int, array.array] = {}
+        self.turn_of: dict[int, int] = {}
+        self.ready: deque[tuple[int, int]] = deque((0, k) for k in range(n_slots))
+        self.waiting: list[tuple[int, int]] = []  # idle conversations: (ready step, cid)
+        self.inflight: dict[str, tuple[int, Any, array.array]] = {}  # rid -> (cid, req, answer)
+        self.params_cache: dict[int, Any] = {}
+
+    def submit(self, cid: int) -> float:
         """Adds conversation ``cid``'s next turn; returns the seconds in ``add_request`` (the
         request's block hashes are computed before, untimed, as a frontend would)."""
-        c = convs.get(cid)
-        t = turn_of.get(cid, 0)
-        ctx = context.get(cid, array.array("H")) + c.turns[t].user
-        context[cid] = ctx
+        v, res = self.v, self.res
+        c = self.convs.get(cid)
+        t = self.turn_of.get(cid, 0)
+        ctx = self.context.get(cid, array.array("H")) + c.turns[t].user
+        self.context[cid] = ctx
         answer = c.turns[t].answer
         n = len(answer)
-        sp = params_cache.get(n)
+        sp = self.params_cache.get(n)
         if sp is None:
-            sp = params_cache[n] = v.SamplingParams(max_tokens=n, ignore_eos=True)
+            sp = self.params_cache[n] = v.SamplingParams(max_tokens=n, ignore_eos=True)
         rid = f"c{cid}t{t}"
         req = v.Request(
             request_id=rid,
             prompt_token_ids=ctx.tolist(),
             sampling_params=sp,
             pooling_params=None,
-            block_hasher=hasher,
+            block_hasher=self.hasher,
         )
-        inflight[rid] = (cid, req, answer)
+        self.inflight[rid] = (cid, req, answer)
         res.submitted += 1
         res.prompt_tokens += len(ctx)
-        t_add = clock()
-        s.add_request(req)
-        return clock() - t_add
+        t_add = self.clock()
+        self.s.add_request(req)
+        return self.clock() - t_add
 
-    for step in range(w.steps):
+    def step(self, step: int) -> None:
+        """Engine step ``step`` (0, 1, ... in order)."""
+        w, v, s, res, timers, clock = self.w, self.v, self.s, self.res, self.timers, self.clock
+        inflight, waiting, ready = self.inflight, self.waiting, self.ready
         timers.step = 0.0
         # Idle conversations whose gap is over join the queue (ordered by ready step, id).
         if waiting:
@@ -361,14 +376,14 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
                 ready.extend(due)
         adding = 0.0
         while ready and len(inflight) < w.b:
-            adding += submit(ready.popleft()[1])
+            adding += self.submit(ready.popleft()[1])
         t1 = clock()
         so = s.schedule()
         t2 = clock()
         res.preemptions += len(so.preempted_req_ids or ())
-        loads_before = worker.load_jobs
-        report, recv = worker.step(step, so.kv_connector_metadata)
-        res.step_loads.append(worker.load_jobs - loads_before)
+        loads_before = self.worker.load_jobs
+        report, recv = self.worker.step(step, so.kv_connector_metadata)
+        res.step_loads.append(self.worker.load_jobs - loads_before)
         res.step_tokens.append(so.total_num_scheduled_tokens)
         ids = list(so.num_scheduled_tokens)
         sampled = []
@@ -395,46 +410,50 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
         for rid in [r for r in ids if inflight[r][1].is_finished()]:
             cid, req, answer = inflight.pop(rid)
             res.finished.append(rid)
-            context[cid] = context[cid] + answer
-            c = convs.get(cid)
-            t = turn_of.get(cid, 0)
+            self.context[cid] = self.context[cid] + answer
+            c = self.convs.get(cid)
+            t = self.turn_of.get(cid, 0)
             gap = c.turns[t].gap
             if t + 1 < len(c.turns):
-                turn_of[cid] = t + 1
+                self.turn_of[cid] = t + 1
                 waiting.append((step + 1 + gap, cid))
             else:
-                context.pop(cid, None)
-                turn_of.pop(cid, None)
-                convs.cache.pop(cid, None)
-                waiting.append((step + 1 + gap, next_cid))
-                next_cid += 1
-    res.methods = {
-        name: {
-            "calls": timers.calls[name],
-            "total_ms": 1e3 * timers.total[name],
-            "us_per_call": 1e6 * timers.total[name] / timers.calls[name],
-            "gc_ms": 1e3 * timers.gc_total[name],
+                self.context.pop(cid, None)
+                self.turn_of.pop(cid, None)
+                self.convs.cache.pop(cid, None)
+                waiting.append((step + 1 + gap, self.next_cid))
+                self.next_cid += 1
+
+    def close(self) -> RunResult:
+        """The run's result; shuts the engine down."""
+        res, timers, worker = self.res, self.timers, self.worker
+        res.methods = {
+            name: {
+                "calls": timers.calls[name],
+                "total_ms": 1e3 * timers.total[name],
+                "us_per_call": 1e6 * timers.total[name] / timers.calls[name],
+                "gc_ms": 1e3 * timers.gc_total[name],
+            }
+            for name in timers.total
+            if timers.calls[name]
         }
-        for name in timers.total
-        if timers.calls[name]
-    }
-    res.flushed_jobs = worker.flushed
-    res.load_jobs = worker.load_jobs
-    res.store_jobs = worker.store_jobs
-    res.stored_blocks = dict(sorted(worker.stored_blocks.items()))
-    res.loaded_blocks = dict(sorted(worker.loaded_blocks.items()))
-    res.loaded = dict(timers.loaded)
-    res.local = dict(timers.local)
-    res.loaded_tokens = sum(timers.loaded.values())
-    timers.close()
-    if prof is not None:
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
-        res.profile = buf.getvalue()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        s.shutdown()
-    return res
+        res.flushed_jobs = worker.flushed
+        res.load_jobs = worker.load_jobs
+        res.store_jobs = worker.store_jobs
+        res.stored_blocks = dict(sorted(worker.stored_blocks.items()))
+        res.loaded_blocks = dict(sorted(worker.loaded_blocks.items()))
+        res.loaded = dict(timers.loaded)
+        res.local = dict(timers.local)
+        res.loaded_tokens = sum(timers.loaded.values())
+        timers.close()
+        if self.prof is not None:
+            buf = io.StringIO()
+            pstats.Stats(self.prof, stream=buf).sort_stats("cumulative").print_stats(25)
+            res.profile = buf.getvalue()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.s.shutdown()
+        return res
 
 
 def compare(a: RunResult, b: RunResult) -> dict[str, Any]:
