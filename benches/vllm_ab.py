@@ -41,21 +41,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="full", choices=("full", "hybrid"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=600, help="timed steps per round")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 300 + B)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     pinned = _pin()
     sys.path.insert(0, a.other)
     import kvoffload.scheduler as facade
 
-    cores = {
-        "other": importlib.import_module("kvbase._core").Scheduler,
-        "this": facade.Scheduler,
+    mods = {
+        "other": importlib.import_module("kvbase._core"),
+        "this": importlib.import_module("kvoffload._core"),
     }
-    warmup = 300 + a.b
+    cores = {build: m.Scheduler for build, m in mods.items()}
+    warmup = 300 + a.b if a.warmup is None else a.warmup
     w = Workload(b=a.b, attention=a.attention, steps=warmup + a.steps, warmup=warmup, seed=a.seed)
     print(f"# {' '.join(sys.argv)} ({pinned})")
+    for build, m in mods.items():
+        print(f"# {build}: {m.__file__}")
     medians: dict[str, list[float]] = {k: [] for k in cores}
     calls: dict[str, dict[str, list[tuple[float, int]]]] = {k: {} for k in cores}
+    same = True
     for r in range(a.rounds):
         # Which engine is built first (its memory mapped first) alternates too.
         runs = {}
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         res = {build: run.close() for build, run in runs.items()}
         if res["other"].finished != res["this"].finished:
             print(f"round {r}: the two builds finished different requests")
+            same = False
         for build, x in res.items():
             medians[build].append(x.summary()["median_ms"])
             for name, m in x.methods.items():
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in sorted(calls["this"], key=lambda n: -per_call("this", n)):
         o, t = per_call("other", name), per_call("this", name)
         print(f"{name:<32} {o:>9.1f} {t:>9.1f} {o / t:>9.3f}x")
-    return 0
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -102,3 +102,28 @@ def test_workload_is_seeded() -> None:
         prompt = sum(len(t.user) for t in ca.turns) + sum(len(t.answer) for t in ca.turns[:-1])
         assert prompt <= w.max_prompt_tokens
         assert 1 <= len(ca.turns) <= w.max_turns
+
+
+def test_ab_bench_runs_one_build_against_itself(tmp_path: Path) -> None:
+    """``benches/vllm_ab.py`` with this build as the other one too (an A/A run): both engines
+    finish the same requests in every round, and it reports each round and each method."""
+    import subprocess
+
+    import kvoffload._core as core
+
+    kvbase = tmp_path / "kvbase"
+    kvbase.mkdir()
+    (kvbase / "__init__.py").write_text("")
+    so = Path(core.__file__)
+    (kvbase / so.name).write_bytes(so.read_bytes())
+    ab = BENCH.with_name("vllm_ab.py")
+    argv = [sys.executable, str(ab), str(tmp_path), "--b", "8", "--rounds", "2"]
+    out = subprocess.run(
+        [*argv, "--steps", "12", "--warmup", "12"], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"# other: {kvbase / so.name}" in out.stdout  # the other engine ran that copy
+    assert "round 0: other" in out.stdout
+    assert "round 1: other" in out.stdout
+    assert "finished different" not in out.stdout
+    assert "build_connector_meta" in out.stdout
