@@ -20,8 +20,9 @@
   flushes a pending store before any of its blocks is written again.
 * **Failed loads.** Under ``kv_load_failure_policy="fail"`` (vLLM's default) vLLM finishes the
   request with an error. Under ``"recompute"`` it either keeps the blocks and recomputes from
-  the first invalid block (block-level report with a valid prefix: the recomputed blocks count
-  as written again), or frees them and asks ``get_num_new_matched_tokens`` again: the adapter
+  the first invalid block (block-level report with a valid prefix: the request held those
+  blocks since the step that allocated them and counted them written, so no store read them
+  since and no flush is due), or frees them and asks ``get_num_new_matched_tokens`` again: the adapter
   then calls the core's ``preempt``. ``reset_cache`` with loads in flight reports those loads
   as failed (``"recompute"`` only; refused under ``"fail"``).
 
@@ -162,25 +163,25 @@ class SchedulerSide:
         t = perf_counter()
         rid = request.request_id
         try:
-            tables = blocks.blocks  # the core reads each KVCacheBlock's block_id itself
             hit = self.hit.pop(rid, None)
             if hit is None:
                 # A call without this step's lookup is the second one after an asynchronous
                 # load (the core holds the request as running), or an allocation the adapter
                 # cannot tell written blocks of (the conservative fence).
                 if self.sched.status(rid) == "running":
-                    # The new blocks arrive with the scheduler output. After a failed load
-                    # vLLM kept the valid prefix and recomputes from the first invalid block:
-                    # those blocks are written again (the core reads their block ids).
-                    first = request.num_computed_tokens // self.block_size
-                    for tb in tables:
-                        self.written.extend(tb[first:])
+                    # The blocks allocated since arrive with the scheduler output (its whole
+                    # table: the core appends them, written). The others, the load's and, after
+                    # a failed load, those vLLM recomputes from the first invalid block on, were
+                    # written in the step of the first call (its flush covered them), and the
+                    # request has held them since: no store can have read them meanwhile (it
+                    # had a load pending), so writing them again needs no flush.
                     return
                 self.conservative = True
                 hit = 0
             # The blocks beyond the hit are written this step: the core adds them to the
-            # step's written set itself (Scheduler.schedule_batch).
-            job = self.sched.allocate(rid, tables, hit, num_external_tokens)
+            # step's written set itself (Scheduler.schedule_batch). It reads each
+            # KVCacheBlock's block_id itself.
+            job = self.sched.allocate(rid, blocks.blocks, hit, num_external_tokens)
             if num_external_tokens > 0:
                 if job is None:
                     raise KvOffloadError(
