@@ -22,9 +22,9 @@
   request with an error. Under ``"recompute"`` it either keeps the blocks and recomputes from
   the first invalid block (block-level report with a valid prefix: the request held those
   blocks since the step that allocated them and counted them written, so no store read them
-  since and no flush is due), or frees them and asks ``get_num_new_matched_tokens`` again: the adapter
-  then calls the core's ``preempt``. ``reset_cache`` with loads in flight reports those loads
-  as failed (``"recompute"`` only; refused under ``"fail"``).
+  since and no flush is due), or frees them and asks ``get_num_new_matched_tokens`` again:
+  the adapter then calls the core's ``preempt``. ``reset_cache`` with loads in flight reports
+  those loads as failed (``"recompute"`` only; refused under ``"fail"``).
 
 **Lower tiers** (``disk_path`` or ``remote_url``): the core plans write-behind and promotion
 jobs itself (a lookup that finds chunks only below the CPU pool promotes them and answers
