@@ -6,7 +6,7 @@
 
 use crate::ids::{BlockId, Key};
 
-use super::plan::{GroupTransfer, StepPlan};
+use super::plan::{GroupTransfer, PlannedJob, StepPlan};
 use super::stores::StoreChunks;
 use super::Scheduler;
 
@@ -23,6 +23,9 @@ pub(super) struct Spares {
     keys: Vec<Vec<Key>>,
     transfers: Vec<Vec<GroupTransfer>>,
     names: Vec<String>,
+    /// Plans' job lists (their entries are written once per job and step: kept, they are
+    /// written where the previous plans' were).
+    jobs: Vec<Vec<PlannedJob>>,
 }
 
 /// A kept list with room for `n` items, or a new one.
@@ -99,6 +102,11 @@ impl Spares {
         }
     }
 
+    /// An empty list of a plan's jobs with room for `n`.
+    pub(super) fn jobs(&mut self, n: usize) -> Vec<PlannedJob> {
+        take(&mut self.jobs, n)
+    }
+
     /// An empty list of transfers.
     pub(super) fn transfers(&mut self) -> Vec<GroupTransfer> {
         take(&mut self.transfers, 0)
@@ -136,9 +144,12 @@ impl Scheduler {
     /// plan back allocates no list per job in the steady state. Optional: a plan dropped
     /// instead costs those allocations, nothing else.
     pub fn recycle(&mut self, plan: StepPlan) {
-        for job in plan.loads.into_iter().chain(plan.stores) {
-            self.spares.put_transfers(job.transfers);
-            self.spares.put_name(job.request);
+        for mut jobs in [plan.loads, plan.stores] {
+            for job in jobs.drain(..) {
+                self.spares.put_transfers(job.transfers);
+                self.spares.put_name(job.request);
+            }
+            keep(&mut self.spares.jobs, jobs);
         }
     }
 }

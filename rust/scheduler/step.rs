@@ -31,7 +31,7 @@ impl Scheduler {
         let mut retry = std::mem::take(&mut self.retry);
         // Sized for half again the previous plan's (decode-heavy steps plan about as many
         // each): one allocation, not one per doubling.
-        let mut stores = Vec::with_capacity(self.last_stores + self.last_stores / 2);
+        let mut stores = self.spares.jobs(self.last_stores + self.last_stores / 2);
         let mut work = step.released;
         work.extend(retry.iter().copied().filter(|i| {
             self.reqs[*i as usize]
