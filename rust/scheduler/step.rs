@@ -29,8 +29,8 @@ impl Scheduler {
         // 2: stores of released requests read their blocks as they are before this step's
         // re-allocations; armed at creation, the fence check flushes them if need be.
         let mut retry = std::mem::take(&mut self.retry);
-        // Sized for half again the previous plan's (decode-heavy steps plan about as many
-        // each): one allocation, not one per doubling.
+        // A plan's list handed back (`recycle`), with room for half again the previous plan's
+        // (decode-heavy steps plan about as many each): no allocation, not one per doubling.
         let mut stores = self.spares.jobs(self.last_stores + self.last_stores / 2);
         let mut work = step.released;
         work.extend(retry.iter().copied().filter(|i| {
