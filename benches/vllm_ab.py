@@ -15,9 +15,10 @@ checkout's for both, so a change to it is measured by separate runs. Run (the ot
 The engine built first runs 1.5-2.5% slower (an A/A run of one build against itself shows
 it), so which one is built first alternates by round too: use an even number of rounds (an
 A/A run's mean ratio then stays within 1.5% of 1, per call too). Per round (a fresh pair of
-engines) it prints each build's median connector time per step and
-the ratio; then per connector method each build's µs per call over all rounds and the ratio.
-Both engines get the same requests: that they finished the same ones is checked.
+engines) it prints each build's median connector time per step and the ratio; then per
+connector method each build's µs per call over all rounds (warmup steps included) and the
+ratio. Both engines get the same requests: that they finished the same ones is checked (exit
+status 1 otherwise).
 """
 
 from __future__ import annotations
