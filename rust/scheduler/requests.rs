@@ -94,12 +94,9 @@ pub(super) struct Request {
     pub(super) store_due: u32,
     pub(super) status: Status,
     pub(super) live: Live,
-    /// Per KV group its block table and store cursor: the first group's in the second line
-    /// (store planning reads it next, for each request with a chunk to store), not behind a
-    /// pointer of its own.
-    pub(super) groups: Groups,
     // The rest: read when the request changes, not every step.
     pub(super) id: String,
+    pub(super) groups: Vec<ReqGroup>,
     pub(super) first_ask: Option<u64>,
     /// A lower tier's answer about its chunks was pending at its last ask (a remote tier's
     /// existence check): the next ask may still promote, as the first one could.
@@ -110,13 +107,8 @@ pub(super) struct Request {
     pub(super) epoch: u32,
 }
 
-/// A request's per-group tables: the first group's inline.
-pub(super) type Groups = smallvec::SmallVec<[ReqGroup; 1]>;
-
-// The step's fields share the first cache line, the first group's table the second.
+// The step's fields share the first cache line.
 const _: () = assert!(std::mem::offset_of!(Request, live) + 8 <= 64);
-const _: () = assert!(std::mem::offset_of!(Request, groups) == 64);
-const _: () = assert!(std::mem::size_of::<Groups>() <= 64);
 
 impl Scheduler {
     /// The slab index of request `id`.
@@ -177,7 +169,7 @@ impl Scheduler {
         }
         let owner = OwnerId(self.next_owner);
         self.next_owner += 1;
-        let groups = smallvec::smallvec![
+        let groups = vec![
             ReqGroup {
                 blocks: Vec::new(),
                 cursor: 0,
