@@ -5,12 +5,18 @@ goes first alternates). Across processes this VM's speed drifts by up to 30% wit
 and within one run by as much; interleaved, both builds see the same machine at every step,
 so the ratio is the evidence for a change of a few percent, where separate runs show noise.
 
-Only the core is swapped: the connector's Python (``kvoffload.integrations.vllm``) is this
-checkout's for both, so a change to it is measured by separate runs. Run (the other build's
-``_core*.so`` copied into ``DIR/kvbase/`` with an empty ``__init__.py``, as for
-``schedule_batch_ab.py``; in ``.venv-vllm``)::
+Two ways to give the other build (in ``.venv-vllm``)::
 
     .venv-vllm/bin/python benches/vllm_ab.py DIR [--b 512] [--attention full] [--rounds 2]
+
+* The core alone: its ``_core*.so`` copied into ``DIR/kvbase/`` with an empty
+  ``__init__.py``, as for ``schedule_batch_ab.py``. Both engines run this checkout's
+  connector (``kvoffload.integrations.vllm``); the other one builds the other core.
+* The whole package: ``benches/ab_prepare.py REV DIR`` builds revision ``REV`` and installs
+  its package as ``DIR/kvbase`` (``kvoffload`` renamed in its Python sources). The other
+  engine then runs that revision's connector (``kvbase.integrations.vllm``) and its core, so
+  a change to the adapter's Python is measured too. The other core still raises this
+  checkout's ``kvoffload.errors`` exceptions (the workload raises none).
 
 The engine built first runs 1.5-2.5% slower (an A/A run of one build against itself shows
 it), so which one is built first alternates by round too: use an even number of rounds (an
@@ -37,7 +43,9 @@ from vllm_workload_run import WorkloadRun
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("other", help="directory holding kvbase/_core*.so (the other build)")
+    ap.add_argument(
+        "other", help="directory holding kvbase/_core*.so, or a whole kvbase package"
+    )
     ap.add_argument("--b", type=int, default=512)
     ap.add_argument("--attention", default="full", choices=("full", "hybrid"))
     ap.add_argument("--rounds", type=int, default=2)
@@ -54,11 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         "this": importlib.import_module("kvoffload._core"),
     }
     cores = {build: m.Scheduler for build, m in mods.items()}
+    # Whole-package mode: the other engine runs the other revision's adapter too.
+    whole = (Path(a.other) / "kvbase" / "integrations" / "vllm").is_dir()
+    modules = {
+        "other": "kvbase.integrations.vllm" if whole else "kvoffload.integrations.vllm",
+        "this": "kvoffload.integrations.vllm",
+    }
     warmup = 300 + a.b if a.warmup is None else a.warmup
     w = Workload(b=a.b, attention=a.attention, steps=warmup + a.steps, warmup=warmup, seed=a.seed)
     print(f"# {' '.join(sys.argv)} ({pinned})")
     for build, m in mods.items():
-        print(f"# {build}: {m.__file__}")
+        print(f"# {build}: {m.__file__}, connector {modules[build]}")
     medians: dict[str, list[float]] = {k: [] for k in cores}
     calls: dict[str, dict[str, list[tuple[float, int]]]] = {k: {} for k in cores}
     same = True
@@ -66,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         # Which engine is built first (its memory mapped first) alternates too.
         runs = {}
         for build in list(cores) if r % 2 == 0 else list(reversed(cores)):
-            core = cores[build]
-            # The connector builds its core through the facade's name for the class.
-            facade.Scheduler = core
+            # This checkout's connector builds its core through the facade's name for the
+            # class (the other package's, through its own).
+            facade.Scheduler = cores[build] if not whole else cores["this"]
             try:
-                runs[build] = WorkloadRun(w, "ours")
+                runs[build] = WorkloadRun(w, "ours", module=modules[build])
             finally:
                 facade.Scheduler = cores["this"]
         order = [runs["other"], runs["this"]]

@@ -152,8 +152,11 @@ def _import_vllm() -> Any:
     )
 
 
-def build_scheduler(w: Workload, connector: str) -> tuple[Any, Any]:
-    """vLLM's real Scheduler with ``connector`` ("vllm" or "ours"), and the block hasher."""
+def build_scheduler(
+    w: Workload, connector: str, module: str = "kvoffload.integrations.vllm"
+) -> tuple[Any, Any]:
+    """vLLM's real Scheduler with ``connector`` ("vllm" or "ours", whose adapter ``module``
+    holds), and the block hasher."""
     v = _import_vllm()
     hybrid = w.attention == "hybrid"
     model = v.vc.ModelConfig(
@@ -200,7 +203,7 @@ def build_scheduler(w: Workload, connector: str) -> tuple[Any, Any]:
     elif connector == "ours":
         ktc = v.vc.KVTransferConfig(
             kv_connector="KvOffloadConnector",
-            kv_connector_module_path="kvoffload.integrations.vllm",
+            kv_connector_module_path=module,
             kv_role="kv_both",
             kv_connector_extra_config={
                 "cpu_bytes": cpu_bytes,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import cProfile
 import gc
+import importlib
 import io
 import os
 import pstats
@@ -166,7 +167,9 @@ class FakeWorker:
     """Completes each job 1-2 steps after it was planned (at once if flushed); speaks the
     connector's plan and report messages, nothing else of it."""
 
-    def __init__(self, connector: str, seed: int) -> None:
+    def __init__(
+        self, connector: str, seed: int, module: str = "kvoffload.integrations.vllm"
+    ) -> None:
         self.connector = connector
         self.seed = seed
         self.due: dict[int, list[tuple[int, str | None]]] = {}
@@ -183,9 +186,8 @@ class FakeWorker:
 
             self._vllm_meta = OffloadingWorkerMetadata
         else:
-            from kvoffload.integrations.vllm import KvOffloadWorkerMetadata
-
-            self._ours_meta = KvOffloadWorkerMetadata
+            # The report class of the adapter under test (its scheduler side checks it).
+            self._ours_meta = importlib.import_module(module).KvOffloadWorkerMetadata
 
     def _count(self, into: dict[int, int], group: int, n: int) -> None:
         into[group] = into.get(group, 0) + n
@@ -311,15 +313,21 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
 class WorkloadRun:
     """One run of the workload, a step at a time (``benches/vllm_ab.py`` interleaves two)."""
 
-    def __init__(self, w: Workload, connector: str, profile: bool = False) -> None:
+    def __init__(
+        self,
+        w: Workload,
+        connector: str,
+        profile: bool = False,
+        module: str = "kvoffload.integrations.vllm",
+    ) -> None:
         self.w = w
         self.v = _import_vllm()
-        self.s, self.hasher = build_scheduler(w, connector)
+        self.s, self.hasher = build_scheduler(w, connector, module)
         conn = self.s.get_kv_connector()
         self.prof = cProfile.Profile() if profile else None
         self.timers = Timers(conn, self.prof, w.clock)
         self.clock = self.timers.clock
-        self.worker = FakeWorker(connector, w.seed)
+        self.worker = FakeWorker(connector, w.seed, module)
         self.convs = Conversations(w)
         self.res = RunResult(
             connector, w.b, w.attention, w.steps, w.warmup, cpu_capacity=_capacity(conn, connector)

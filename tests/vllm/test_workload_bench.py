@@ -127,3 +127,30 @@ def test_ab_bench_runs_one_build_against_itself(tmp_path: Path) -> None:
     assert "round 1: other" in out.stdout
     assert "finished different" not in out.stdout
     assert "build_connector_meta" in out.stdout
+
+
+def test_ab_bench_whole_package_mode_runs_the_other_connector(tmp_path: Path) -> None:
+    """``benches/vllm_ab.py`` against a whole package installed by ``ab_prepare.py``'s
+    ``install_package`` (this build's, renamed ``kvbase``): the other engine runs the renamed
+    connector and its core, and both finish the same requests."""
+    import subprocess
+
+    import kvoffload
+
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from ab_prepare import install_package
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    dest = install_package(Path(kvoffload.__file__).parent, tmp_path)
+    side = (dest / "integrations" / "vllm" / "scheduler_side.py").read_text()
+    assert "from kvbase.errors import" in side and "kvoffload" not in side
+    ab = BENCH.with_name("vllm_ab.py")
+    argv = [sys.executable, str(ab), str(tmp_path), "--b", "8", "--rounds", "2"]
+    out = subprocess.run(
+        [*argv, "--steps", "12", "--warmup", "12"], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "connector kvbase.integrations.vllm" in out.stdout
+    assert f"# other: {dest}" in out.stdout
+    assert "round 1: other" in out.stdout and "finished different" not in out.stdout
