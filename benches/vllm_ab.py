@@ -43,9 +43,7 @@ from vllm_workload_run import WorkloadRun
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument(
-        "other", help="directory holding kvbase/_core*.so, or a whole kvbase package"
-    )
+    ap.add_argument("other", help="directory holding kvbase/_core*.so, or a whole kvbase package")
     ap.add_argument("--b", type=int, default=512)
     ap.add_argument("--attention", default="full", choices=("full", "hybrid"))
     ap.add_argument("--rounds", type=int, default=2)
