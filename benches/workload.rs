@@ -282,7 +282,7 @@ fn main() {
                 .collect();
             let (t0, a0) = (clock.now(), allocs());
             let n = s
-                .lookup_request(&r.id, r.prompt, &hashes, held as usize, 0)
+                .lookup_request(&r.id, r.prompt, hashes, held as usize, 0)
                 .unwrap();
             t.heap[2] += allocs() - a0;
             t.lookup += clock.since(t0);

@@ -47,7 +47,10 @@ fn refused(r: kvoffload::Result<impl std::fmt::Debug>, id: &str, what: &str) {
 /// pool and finished, so a later request with the same hashes can load them.
 fn store(s: &mut Scheduler, id: &str, first: u128, n: u32, blocks: &[u32]) {
     let hs = keys(first, u128::from(n));
-    assert_eq!(s.lookup_request(id, 4 * n + 1, &hs, 0, 0).unwrap(), Some(0));
+    assert_eq!(
+        s.lookup_request(id, 4 * n + 1, hs.clone(), 0, 0).unwrap(),
+        Some(0)
+    );
     s.allocate(id, &[bl(blocks)], 0, 0).unwrap();
     let plan = s.schedule(&step(&[(id, 4 * n)], &[], blocks)).unwrap();
     for j in plan.stores {
@@ -64,11 +67,20 @@ fn a_resent_whole_list_appends_only_its_new_hashes() {
     // The whole list again, then grown by three: only those three are appended.
     s.sync_request("a", 25, &hs[..3], 0).unwrap();
     assert_eq!(s.num_hashes("a").unwrap(), 3);
-    assert_eq!(s.lookup_request("a", 25, &hs, 0, 0).unwrap(), Some(0));
+    assert_eq!(
+        s.lookup_request("a", 25, hs.clone(), 0, 0).unwrap(),
+        Some(0)
+    );
     assert_eq!(s.num_hashes("a").unwrap(), 6);
     // From the last held hash on (what the binding sends), and the tail alone.
-    assert_eq!(s.lookup_request("a", 25, &hs[5..], 5, 0).unwrap(), Some(0));
-    assert_eq!(s.lookup_request("a", 25, &[], 6, 0).unwrap(), Some(0));
+    assert_eq!(
+        s.lookup_request("a", 25, hs[5..].to_vec(), 5, 0).unwrap(),
+        Some(0)
+    );
+    assert_eq!(
+        s.lookup_request("a", 25, Vec::new(), 6, 0).unwrap(),
+        Some(0)
+    );
     assert_eq!(s.num_hashes("a").unwrap(), 6);
 }
 
@@ -79,7 +91,10 @@ fn a_resent_list_still_finds_the_stored_prefix() {
     // "b" shares a's four chunks; the engine sends its whole list on every ask.
     let hs = keys(1, 4);
     for _ in 0..3 {
-        assert_eq!(s.lookup_request("b", 17, &hs, 0, 0).unwrap(), Some(16));
+        assert_eq!(
+            s.lookup_request("b", 17, hs.clone(), 0, 0).unwrap(),
+            Some(16)
+        );
     }
     assert_eq!(s.num_hashes("b").unwrap(), 4);
     assert!(s
@@ -95,7 +110,7 @@ fn a_shorter_list_is_refused_and_changes_nothing() {
     s.sync_request("a", 21, &hs, 0).unwrap();
     let before = view(&s, "a");
     refused(
-        s.lookup_request("a", 21, &hs[..4], 0, 0),
+        s.lookup_request("a", 21, hs[..4].to_vec(), 0, 0),
         "a",
         "a hash list of 4",
     );
@@ -106,7 +121,10 @@ fn a_shorter_list_is_refused_and_changes_nothing() {
     );
     refused(s.sync_request("a", 21, &[], 0), "a", "a hash list of 0");
     assert_eq!(view(&s, "a"), before);
-    assert_eq!(s.lookup_request("a", 21, &hs, 0, 0).unwrap(), Some(0));
+    assert_eq!(
+        s.lookup_request("a", 21, hs.clone(), 0, 0).unwrap(),
+        Some(0)
+    );
 }
 
 #[test]
@@ -120,12 +138,12 @@ fn a_different_list_is_refused_and_changes_nothing() {
     let mut other = keys(1, 8);
     other[4] = Key(99);
     refused(
-        s.lookup_request("a", 41, &other[4..], 4, 0),
+        s.lookup_request("a", 41, other[4..].to_vec(), 4, 0),
         "a",
         "position 4",
     );
     refused(
-        s.lookup_request("a", 41, &keys(50, 8), 0, 0),
+        s.lookup_request("a", 41, keys(50, 8), 0, 0),
         "a",
         "position 0",
     );
@@ -153,24 +171,27 @@ fn a_different_list_is_refused_and_changes_nothing() {
 fn a_running_request_sent_a_bad_list_is_not_released() {
     let mut s = core();
     let hs = keys(1, 3);
-    assert_eq!(s.lookup_request("a", 13, &hs, 0, 0).unwrap(), Some(0));
+    assert_eq!(
+        s.lookup_request("a", 13, hs.clone(), 0, 0).unwrap(),
+        Some(0)
+    );
     s.allocate("a", &[bl(&[1, 2, 3])], 0, 0).unwrap();
     s.schedule(&step(&[("a", 12)], &[], &[])).unwrap();
     assert_eq!(s.status("a").unwrap(), Status::Running);
     let before = view(&s, "a");
     refused(
-        s.lookup_request("a", 13, &keys(5, 3), 0, 0),
+        s.lookup_request("a", 13, keys(5, 3), 0, 0),
         "a",
         "position 0",
     );
     refused(
-        s.lookup_request("a", 13, &hs[..2], 0, 0),
+        s.lookup_request("a", 13, hs[..2].to_vec(), 0, 0),
         "a",
         "a hash list of 2",
     );
     assert_eq!(view(&s, "a"), before);
     // The right list releases it (the engine queued it again) and looks it up.
-    assert!(s.lookup_request("a", 13, &hs, 0, 0).is_ok());
+    assert!(s.lookup_request("a", 13, hs.clone(), 0, 0).is_ok());
     assert_eq!(s.status("a").unwrap(), Status::Preempted);
 }
 
@@ -179,19 +200,28 @@ fn a_waiting_re_ask_answers_later_until_its_load_is_done_and_zero_when_nothing_i
     let mut s = core();
     store(&mut s, "a", 1, 4, &[1, 2, 3, 4]);
     let hs = keys(1, 4);
-    assert_eq!(s.lookup_request("b", 17, &hs, 0, 0).unwrap(), Some(16));
+    assert_eq!(
+        s.lookup_request("b", 17, hs.clone(), 0, 0).unwrap(),
+        Some(16)
+    );
     let load = s
         .allocate("b", &[bl(&[5, 6, 7, 8, 9])], 0, 16)
         .unwrap()
         .expect("a load job");
     // "c" wants the same chunks: it waits for b's load, asked again and again.
     for _ in 0..3 {
-        assert_eq!(s.lookup_request("c", 17, &hs, 0, 0).unwrap(), None);
+        assert_eq!(s.lookup_request("c", 17, hs.clone(), 0, 0).unwrap(), None);
     }
     // The engine's own prefix cache now serves all 16 tokens: nothing is left to load, and
     // the answer is 0 at once, waiting or not.
-    assert_eq!(s.lookup_request("c", 17, &hs, 4, 16).unwrap(), Some(0));
-    assert_eq!(s.lookup_request("d", 17, &hs, 0, 0).unwrap(), None);
+    assert_eq!(
+        s.lookup_request("c", 17, hs.clone(), 4, 16).unwrap(),
+        Some(0)
+    );
+    assert_eq!(s.lookup_request("d", 17, hs.clone(), 0, 0).unwrap(), None);
     s.complete(load, 0, true).unwrap();
-    assert_eq!(s.lookup_request("d", 17, &hs, 0, 0).unwrap(), Some(16));
+    assert_eq!(
+        s.lookup_request("d", 17, hs.clone(), 0, 0).unwrap(),
+        Some(16)
+    );
 }

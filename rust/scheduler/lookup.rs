@@ -67,7 +67,7 @@ impl Scheduler {
         &mut self,
         id: &str,
         prompt_len: u32,
-        hashes: &[Key],
+        hashes: Vec<Key>,
         from: usize,
         hit: u32,
     ) -> Result<Option<u32>> {
@@ -82,9 +82,11 @@ impl Scheduler {
             });
         }
         match self.index.get(id).copied() {
-            None => self.sync_request(id, prompt_len, hashes, from)?,
+            // Not tracked: registered with `hashes` as given (no copy).
+            None if from == 0 => self.add_request(id, prompt_len, hashes)?,
+            None => self.sync_request(id, prompt_len, &hashes, from)?,
             Some(i) => {
-                let new = self.new_hashes(i, id, hashes, from)?;
+                let new = self.new_hashes(i, id, &hashes, from)?;
                 if self.req(i).status == Status::Running {
                     self.preempt(id)?;
                 } else {

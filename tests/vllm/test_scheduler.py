@@ -357,3 +357,72 @@ def test_bad_extra_config_is_a_clear_error(extra: dict[str, Any], match: str) ->
     vc, kcc = make_config(32, extra)
     with pytest.raises(ConfigError, match=match):
         KvOffloadConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_a_request_freed_before_its_first_lookup_is_released_once(async_sched: bool) -> None:
+    # on_new_request only keeps the hash list; the first lookup registers the request. One
+    # aborted while still waiting (never looked up) is registered by request_finished, so
+    # the next step releases it as aborted and the core drops it; nothing is left behind.
+    h = Harness(64, async_scheduling=async_sched)
+    side = h.conn.scheduler_side
+    h.add("w", prompt(5, 64), max_tokens=4)
+    assert "w" in side.hashes
+    assert side.sched.num_requests == 0  # not registered before its lookup
+    h.sched.finish_requests(["w"], RequestStatus.FINISHED_ABORTED)
+    assert side.sched.status("w") == "waiting"
+    assert side.aborted == {"w"}
+    h.step()
+    assert side.sched.num_requests == 0
+    assert not side.hashes
+    assert not side.aborted
+    assert not side.released
+    h.add("x", prompt(5, 64), max_tokens=4)  # the same prompt runs normally afterwards
+    h.run_until_done()
+    h.drain()
+    h.assert_clean()
+
+
+def _side() -> Any:
+    from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+    from kvoffload.scheduler import KvGroup, OffloadConfig
+
+    cfg = OffloadConfig(groups=(KvGroup(block_size=BS),), num_gpu_blocks=64, cpu_chunks=32)
+    return SchedulerSide(cfg, exact_fence=True, kv_events=False)
+
+
+def _request(rid: str, n: int) -> Any:
+    from types import SimpleNamespace
+
+    hashes = [i.to_bytes(32, "big") for i in range(1, n // BS + 1)]
+    return SimpleNamespace(request_id=rid, block_hashes=hashes, num_prompt_tokens=n, num_tokens=n)
+
+
+def _freed_output(done: set[str]) -> Any:
+    """A step that schedules nothing and reports ``done`` freed."""
+    from types import SimpleNamespace
+
+    cached = SimpleNamespace(
+        req_ids=[], num_computed_tokens=[], new_block_ids=[], resumed_req_ids=set()
+    )
+    return SimpleNamespace(
+        scheduled_cached_reqs=cached,
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={},
+        finished_req_ids=done,
+        preempted_req_ids=set(),
+    )
+
+
+def test_requests_freed_without_request_finished_are_released_only_if_tracked() -> None:
+    # vLLM 0.32 calls request_finished for every freed request; a freed id it did not report
+    # (the adapter's safety net) is released when the core tracks it (it was looked up) and
+    # only forgotten when not (it never was): no unknown id reaches the core's step.
+    side = _side()
+    side.on_new_request(_request("seen", 4 * BS))
+    side.on_new_request(_request("unseen", 4 * BS))
+    assert side.get_num_new_matched_tokens(_request("seen", 4 * BS), 0) == (0, False)
+    assert side.sched.status("seen") == "waiting"
+    side.build_connector_meta(_freed_output({"seen", "unseen"}))
+    assert not side.hashes
+    # "seen" released (as finished, nothing pending: dropped); "unseen" never reached the core.
+    assert side.sched.num_requests == 0

@@ -389,7 +389,7 @@ impl Scheduler {
         let n = request_tokens(prompt_len, "prompt_len")?;
         let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
         let (mut core, _, from, tail) = self.tail_under_lock(id, block_hashes)?;
-        core.lookup_request(id, n, &tail, from, hit).map_err(to_py)
+        core.lookup_request(id, n, tail, from, hit).map_err(to_py)
     }
 
     /// Bounds each CPU pool's event queue to `limit` keys; 0 records no events (for an engine

@@ -1,10 +1,11 @@
 """The connector's scheduler side: vLLM's scheduler-side calls mapped onto the Rust core.
 
-* ``on_new_request`` registers the request with its chained block hashes (vLLM's ``BlockHash``
-  bytes, turned into the 64-bit ints vLLM publishes in its KV events); hashes of generated
-  tokens are sent as they appear.
-* ``get_num_new_matched_tokens`` is ``lookup``: ``None`` (vLLM 0.32 supports "ask again
-  later"), ``0``, or tokens to load asynchronously (``load_kv_async=True``).
+* ``on_new_request`` keeps the request's live list of chained block hashes (vLLM's
+  ``BlockHash`` bytes, which the core turns into the 64-bit ints vLLM publishes in its KV
+  events); hashes of generated tokens are read as they appear.
+* ``get_num_new_matched_tokens`` is ``lookup``, which registers the request with the core at
+  its first ask: ``None`` (vLLM 0.32 supports "ask again later"), ``0``, or tokens to load
+  asynchronously (``load_kv_async=True``).
 * ``update_state_after_alloc`` is ``allocate`` with the request's whole block table, vLLM's
   block lists as they are (the core reads each ``KVCacheBlock.block_id``). Written blocks are
   told from prefix-cache re-use with what vLLM provides: the positions below the block-aligned
@@ -57,7 +58,12 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.request import RequestStatus
 
-from kvoffload.errors import DuplicateReportError, KvOffloadError, UnknownJobError
+from kvoffload.errors import (
+    DuplicateReportError,
+    KvOffloadError,
+    UnknownJobError,
+    UnknownRequestError,
+)
 from kvoffload.integrations.vllm.messages import (
     TIER_COUNTERS,
     KvOffloadMetadata,
@@ -118,17 +124,15 @@ class SchedulerSide:
         """Whether some job is still pending in the core."""
         return self.sched.num_pending > 0
 
-    # vLLM's three calls for a new request (about three of each per step): their own time
-    # joins the step's (``sched_seconds``). Each reads what it needs of the request once.
+    # vLLM's three calls for a new request (about three of each per step): the time of the
+    # two that call the core joins the step's (``sched_seconds``). Each reads what it needs
+    # of the request once.
 
     def on_new_request(self, request: Request) -> None:
-        t = perf_counter()
-        rid = request.request_id
-        hashes = request.block_hashes
-        self.hashes[rid] = hashes
-        n = request.num_prompt_tokens
-        self.sched.sync_request(rid, n if n > 1 else 1, hashes)
-        self.t += perf_counter() - t
+        # Only the live hash list is kept: the request's first lookup registers it with the
+        # core (one core call per new request fewer), and ``request_finished`` registers one
+        # freed before any lookup, so its step can release it.
+        self.hashes[request.request_id] = request.block_hashes
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -211,7 +215,14 @@ class SchedulerSide:
         # saw most of them), the aborted ones told apart (set operations: no loop over
         # requests).
         done = so.finished_req_ids
-        released = (self.released & done) | (self.hashes.keys() & done)
+        released = self.released & done
+        stray = self.hashes.keys() & done
+        if stray:
+            # Freed without request_finished (vLLM 0.32 always calls it): released if the
+            # core tracks them (a request never looked up is not), forgotten either way.
+            released |= {rid for rid in stray if self._tracked(rid)}
+            for rid in stray - released:
+                del self.hashes[rid]
         self.released -= released
         aborted = released & self.aborted
         finished = released - aborted
@@ -262,6 +273,14 @@ class SchedulerSide:
             del self.step_times[:50_000]
         self.t = 0.0
         return meta
+
+    def _tracked(self, rid: str) -> bool:
+        """Whether the core tracks request ``rid``."""
+        try:
+            self.sched.status(rid)
+        except UnknownRequestError:
+            return False
+        return True
 
     def request_finished(self, request: Request) -> None:
         """vLLM frees ``request`` (its id joins the next step's finished ids): the core gets
