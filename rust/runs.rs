@@ -279,9 +279,15 @@ pub fn push(out: &mut Vec<u8>, r: Run) {
 }
 
 /// The runs of a plan's jobs (loads first, then stores): consecutive GPU blocks with
-/// consecutive CPU positions form one run.
-pub fn encode<'a>(jobs: impl Iterator<Item = &'a PlannedJob>) -> Vec<u8> {
-    let mut out = Vec::new();
+/// consecutive CPU positions form one run. The buffer is sized once, for a run per block at
+/// most (a step's few hundred blocks: a few KiB), not grown run by run.
+pub fn encode<'a>(jobs: impl Iterator<Item = &'a PlannedJob> + Clone) -> Vec<u8> {
+    let blocks: usize = jobs
+        .clone()
+        .flat_map(|j| &j.transfers)
+        .map(|t| t.gpu_blocks.len())
+        .sum();
+    let mut out = Vec::with_capacity(blocks * RUN_BYTES);
     for (k, job) in jobs.enumerate() {
         for t in &job.transfers {
             let n = t.gpu_blocks.len();

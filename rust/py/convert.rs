@@ -316,7 +316,12 @@ pub fn report_ids(
             describe(ids)
         ))
     })?;
-    iter.map(|job| completion(&job?, worker)).collect()
+    // Sized once from the sequence's length (a collect through `?` would grow it job by job).
+    let mut out = Vec::with_capacity(ids.len().unwrap_or(0));
+    for job in iter {
+        out.push(completion(&job?, worker)?);
+    }
+    Ok(out)
 }
 
 /// Maps a core error of a completion, naming the rank the caller passed.

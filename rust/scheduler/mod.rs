@@ -177,6 +177,8 @@ pub struct Scheduler {
     allocated: Vec<BlockId>,
     /// Requests whose store planning is retried next step (no room, or a load pending).
     retry: Vec<u32>,
+    /// The step's list of requests to plan, kept between steps (a running batch's worth).
+    work: Vec<u32>,
     /// Store planning's working lists, reused (`stores.rs`).
     store_scratch: stores::StoreScratch,
     /// Lookups' working lists, reused (`lookup.rs`).
@@ -240,6 +242,7 @@ impl Scheduler {
             last_stores: 0,
             allocated: Vec::new(),
             retry: Vec::new(),
+            work: Vec::new(),
             store_scratch: stores::StoreScratch::default(),
             lookup_scratch: lookup::LookupScratch::default(),
             load_scratch: load::LoadScratch::default(),

@@ -32,7 +32,9 @@ impl Scheduler {
         // A plan's list handed back (`recycle`), with room for half again the previous plan's
         // (decode-heavy steps plan about as many each): no allocation, not one per doubling.
         let mut stores = self.spares.jobs(self.last_stores + self.last_stores / 2);
-        let mut work = step.released;
+        let mut work = std::mem::take(&mut self.work);
+        work.clear();
+        work.extend_from_slice(&step.released);
         work.extend(retry.iter().copied().filter(|i| {
             self.reqs[*i as usize]
                 .as_ref()
@@ -56,6 +58,7 @@ impl Scheduler {
         work.append(&mut retry);
         self.plan_all(&work, &mut stores);
         self.assign_pending();
+        self.work = work;
         // 5: the single fence check, after this step's stores exist.
         let flush = self.fence_check(
             &written,

@@ -98,9 +98,9 @@ impl Scheduler {
         let mut reports = Vec::new();
         for (ids, ok) in [(Some(finished), true), (failed, false)] {
             let Some(ids) = ids else { continue };
-            for (id, clamped, _) in convert::report_ids(ids, worker)? {
-                reports.push((id, clamped, ok));
-            }
+            let ids = convert::report_ids(ids, worker)?;
+            reports.reserve(ids.len());
+            reports.extend(ids.into_iter().map(|(id, clamped, _)| (id, clamped, ok)));
         }
         apply(&mut self.lock(), &reports).map_err(|e| match e {
             Error::WorkerOutOfRange { job, .. } => convert::completion_error(e, job, w, clamped),
