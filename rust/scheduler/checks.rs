@@ -79,7 +79,12 @@ impl Scheduler {
 
     /// [`Scheduler::engine_block`] of each block.
     pub(super) fn engine_blocks(&self, blocks: &[BlockId]) -> Result<Vec<BlockId>> {
-        blocks.iter().map(|b| self.engine_block(*b)).collect()
+        // Sized once (a collect through `Result` would grow it block by block).
+        let mut out = Vec::with_capacity(blocks.len());
+        for &b in blocks {
+            out.push(self.engine_block(b)?);
+        }
+        Ok(out)
     }
 }
 

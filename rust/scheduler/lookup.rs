@@ -331,6 +331,11 @@ impl Scheduler {
             }
             let rg = &mut r.groups[g];
             let first = hit / self.cfg.chunk_tokens(g);
+            // The hints' list sized once for the chunks probed, not grown chunk by chunk.
+            let probed = first as usize + sc.slots.len();
+            if rg.slots.len() < probed {
+                rg.slots.resize(probed, SlotId::NONE);
+            }
             for (c, &slot) in (first..).zip(&sc.slots) {
                 if slot != SlotId::NONE {
                     rg.hint(c, slot);
