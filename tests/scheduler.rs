@@ -468,7 +468,7 @@ fn stale_handles_resolve_by_id() {
         s.extend_hashes_many(&[(a.clone(), keys(1))]),
         Err(Error::UnknownRequest("a".into()))
     );
-    let input = StepInput {
+    let input: StepInput<_> = StepInput {
         scheduled: vec![a],
         computed: vec![4],
         new_blocks: Vec::new(),

@@ -385,7 +385,8 @@ def feed(s: Scheduler, call: str, arg: Any) -> None:
             "batch",
             {"tables": [("a", [[1, 2, "x"]])]},
             InvalidBlockError,
-            "tables[0][1][0][0] must be an integer, got 'x' (str)",
+            # Position 2 of the caller's list ("a" holds two blocks: only the third is read).
+            "tables[0][1][0][2] must be an integer, got 'x' (str)",
         ),
         (
             "batch",

@@ -95,19 +95,48 @@ pub fn for_each_item<'py>(
 
 /// Extracts block ids (each `0 <= b < 2**32 - 1`).
 pub fn blocks(obj: &Bound<'_, PyAny>, what: &(impl Display + ?Sized)) -> PyResult<Vec<BlockId>> {
-    // A list's or a tuple's length is known: one allocation instead of growing one by one.
-    let n = obj
-        .cast::<PyList>()
-        .map(PyListMethods::len)
-        .or_else(|_| obj.cast::<PyTuple>().map(PyTupleMethods::len))
-        .unwrap_or(0);
-    let mut out = Vec::with_capacity(n);
-    for_each_item(obj, what, |i, item| {
-        out.push(block_named(item, || format!("{what}[{i}]"))?);
-        Ok(())
-    })
-    .map_err(block_error)?;
+    let mut out = Vec::new();
+    blocks_into(obj, 0, what, &mut out)?;
     Ok(out)
+}
+
+/// Appends the block ids of `obj` from position `start` on to `out` (a list's or a tuple's
+/// are read in place, with room made once); returns how many. On error `out` may hold some
+/// of them.
+pub fn blocks_into(
+    obj: &Bound<'_, PyAny>,
+    start: usize,
+    what: &(impl Display + ?Sized),
+    out: &mut Vec<BlockId>,
+) -> PyResult<usize> {
+    let before = out.len();
+    let item = |i: usize, b: &Bound<'_, PyAny>| block_named(b, || format!("{what}[{i}]"));
+    let mut read = || -> PyResult<()> {
+        if let Ok(list) = obj.cast::<PyList>() {
+            out.reserve(list.len().saturating_sub(start));
+            // The length is read again before each item: an item's `__index__` may change it.
+            let mut i = start;
+            while i < list.len() {
+                out.push(item(i, &list.get_item(i)?)?);
+                i += 1;
+            }
+        } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+            out.reserve(tuple.len().saturating_sub(start));
+            for (i, b) in tuple.iter().enumerate().skip(start) {
+                out.push(item(i, &b)?);
+            }
+        } else {
+            for_each_item(obj, what, |i, b| {
+                if i >= start {
+                    out.push(item(i, b)?);
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    };
+    read().map_err(block_error)?;
+    Ok(out.len() - before)
 }
 
 /// A `TypeError` of a block list (not a sequence) as `InvalidBlockError`.

@@ -143,13 +143,27 @@ pub fn engine_hashes_from(
     spare: usize,
     what: &(impl Display + ?Sized),
 ) -> PyResult<Vec<Key>> {
+    let mut out = Vec::new();
+    engine_hashes_into(obj, start, spare, what, &mut out)?;
+    Ok(out)
+}
+
+/// [`engine_hashes_from`], appending to `out` (room made once, `spare` more than the hashes).
+/// On error `out` may hold some of them.
+pub fn engine_hashes_into(
+    obj: &Bound<'_, PyAny>,
+    start: usize,
+    spare: usize,
+    what: &(impl Display + ?Sized),
+    out: &mut Vec<Key>,
+) -> PyResult<()> {
     let Some(items) = Items::of(obj) else {
         return Err(InvalidKeyError::new_err(format!(
             "{what} must be a list or tuple of hashes (bytes or int), got {}",
             describe(obj)
         )));
     };
-    let mut out = Vec::with_capacity(items.len().saturating_sub(start) + spare);
+    out.reserve(items.len().saturating_sub(start) + spare);
     for i in start..start + AHEAD.min(items.len().saturating_sub(start)) {
         prefetch_bytes(items.get(i));
     }
@@ -175,7 +189,7 @@ pub fn engine_hashes_from(
         }
         i += 1;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Asks for the hashes of `items` from position `start` on (the first [`AHEAD`]: the

@@ -123,9 +123,9 @@ pub(super) struct CheckedStep<'a> {
 impl Scheduler {
     /// Checks a whole step input before anything changes, in a fixed order so that the same
     /// bad input always raises the same error.
-    pub(super) fn check_step<'a, S: RequestRef>(
+    pub(super) fn check_step<'a, S: RequestRef, B: AsRef<[BlockId]>>(
         &mut self,
-        input: &'a StepInput<S>,
+        input: &'a StepInput<S, B>,
     ) -> Result<CheckedStep<'a>> {
         if input.scheduled.len() != input.computed.len() {
             return Err(Error::StepInputLength {
@@ -199,10 +199,11 @@ impl Scheduler {
                 });
             }
             live(self, i, "only running requests get blocks")?;
+            let blocks = blocks.as_ref();
             for &b in blocks {
                 self.engine_block(b)?;
             }
-            new_blocks.push((i, *g as usize, blocks.as_slice()));
+            new_blocks.push((i, *g as usize, blocks));
         }
         let null = self.cfg.null_block;
         let fresh = new_blocks

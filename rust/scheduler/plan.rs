@@ -73,16 +73,18 @@ pub struct SchedulerEvent {
     pub keys: Vec<Key>,
 }
 
-/// The input of one [`Scheduler::schedule`] call; `S` is any string type for request ids.
+/// The input of one [`Scheduler::schedule`] call; `S` is any string type for request ids, `B`
+/// any owner of a block list (an adapter that converts a step into one flat list hands out
+/// slices of it).
 #[derive(Debug, Clone)]
-pub struct StepInput<S = String> {
+pub struct StepInput<S = String, B = Vec<BlockId>> {
     /// Scheduled requests.
     pub scheduled: Vec<S>,
     /// Tokens computed by the end of this step, one per scheduled request.
     pub computed: Vec<u32>,
     /// Blocks appended to a request's block table in one group this step. For a resumed
     /// request: its whole new block table.
-    pub new_blocks: Vec<(S, u32, Vec<BlockId>)>,
+    pub new_blocks: Vec<(S, u32, B)>,
     /// Requests resumed from preemption this step.
     pub resumed: Vec<S>,
     /// Requests that finished normally.

@@ -19,7 +19,10 @@ impl Scheduler {
     /// Applies one engine step and returns its plan: loads created since the previous plan,
     /// stores for chunks that became full, and the flush set of the single fence check.
     /// Everything is validated before anything changes.
-    pub fn schedule<S: RequestRef>(&mut self, input: &StepInput<S>) -> Result<StepPlan> {
+    pub fn schedule<S: RequestRef, B: AsRef<[BlockId]>>(
+        &mut self,
+        input: &StepInput<S, B>,
+    ) -> Result<StepPlan> {
         let mut step = self.check_step(input)?;
         self.step += 1;
         self.stats.steps += 1;

@@ -30,7 +30,7 @@ use rustc_hash::FxHashSet;
 
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyTuple};
 
 use super::super::convert::{self, At};
 use super::super::engine::{self, Items};
@@ -84,7 +84,7 @@ impl Scheduler {
         let tails: Vec<(Resolved<&str>, &[Key])> = step
             .hash_tails
             .iter()
-            .map(|(k, tail)| (ids[*k].borrowed(), &tail[..]))
+            .map(|(k, tail)| (ids[*k].borrowed(), &step.keys[tail.clone()]))
             .collect();
         core.extend_hashes_many(&tails).map_err(to_py)?;
         let mut written = step.written.take();
@@ -95,9 +95,10 @@ impl Scheduler {
         let input = StepInput {
             scheduled: names(&step.scheduled).collect(),
             computed: std::mem::take(&mut step.tokens),
-            new_blocks: std::mem::take(&mut step.new_blocks)
-                .into_iter()
-                .map(|(k, g, blocks)| (ids[k].borrowed(), g, blocks))
+            new_blocks: step
+                .new_blocks
+                .iter()
+                .map(|(k, g, blocks)| (ids[*k].borrowed(), *g, &step.blocks[blocks.clone()]))
                 .collect(),
             resumed: Vec::new(),
             finished: names(&step.finished).collect(),
@@ -175,7 +176,7 @@ impl Scheduler {
             (sizes, self.locks.load(Ordering::Relaxed))
         };
 
-        let mut hash_tails = Vec::new();
+        let (mut hash_tails, mut keys) = (Vec::new(), Vec::new());
         if let Some(lists) = hashes {
             // A request named twice (scheduled and released: the step fails) gets one tail.
             let mut seen_handles =
@@ -196,10 +197,10 @@ impl Scheduler {
                     due.push((k, held));
                 }
             }
-            hash_tails = read_hash_tails(lists, &ids, &due)?;
+            read_hash_tails(lists, &ids, &due, &mut hash_tails, &mut keys)?;
         }
-        let mut new_blocks = Vec::new();
-        let mut fresh = Vec::new();
+        // Every new block, in one list: `new_blocks` names ranges of it.
+        let (mut new_blocks, mut blocks) = (Vec::new(), Vec::new());
         if let Some(app) = args.appended.filter(|a| !a.is_none()) {
             let items = convert::items(
                 app,
@@ -219,25 +220,31 @@ impl Scheduler {
                     continue;
                 }
                 let what = At("appended", k);
-                let lists = group_lists(item, &what)?;
                 let who = scheduled.start + n_new + k;
-                append_groups(who, &lists, &[], &what, &mut new_blocks, &mut fresh)?;
+                if let Ok(lists) = item.cast::<PyTuple>() {
+                    // vLLM's own: a tuple per request, one list per group (no copy).
+                    let lists = lists.as_slice();
+                    append_groups(who, lists, &[], &what, &mut new_blocks, &mut blocks)?;
+                } else {
+                    let lists = group_lists(item, &what)?;
+                    append_groups(who, &lists, &[], &what, &mut new_blocks, &mut blocks)?;
+                }
             }
         }
         for (k, (lists, held)) in table_lists.iter().zip(&sizes.tables).enumerate() {
             let who = tables.start + k;
             if let Some(i) = k.checked_sub(n_tables) {
                 let what = At(&At("new", i), 2);
-                append_groups(who, lists, held, &what, &mut new_blocks, &mut fresh)?;
+                append_groups(who, lists, held, &what, &mut new_blocks, &mut blocks)?;
             } else {
                 let what = At(&At("tables", k), 1);
-                append_groups(who, lists, held, &what, &mut new_blocks, &mut fresh)?;
+                append_groups(who, lists, held, &what, &mut new_blocks, &mut blocks)?;
             }
         }
         let written = match args.written {
             Some(w) if !w.is_none() => {
                 let mut w = engine::engine_blocks(w, "written")?;
-                w.append(&mut fresh);
+                w.extend_from_slice(&blocks);
                 Some(w)
             }
             _ => None,
@@ -250,7 +257,9 @@ impl Scheduler {
             preempted,
             tokens,
             new_blocks,
+            blocks,
             hash_tails,
+            keys,
             written,
             ptrs,
             old_ids,
@@ -268,8 +277,14 @@ struct Converted {
     aborted: Range<usize>,
     preempted: Range<usize>,
     tokens: Vec<u32>,
-    new_blocks: Vec<(usize, u32, Vec<BlockId>)>,
-    hash_tails: Vec<(usize, Vec<Key>)>,
+    /// `(request, group, range of blocks)` per list of new blocks.
+    new_blocks: Vec<(usize, u32, Range<usize>)>,
+    /// The new blocks of every request and group, one after the other.
+    blocks: Vec<BlockId>,
+    /// `(request, range of keys)` per request with hashes the core lacks.
+    hash_tails: Vec<(usize, Range<usize>)>,
+    /// Those hashes, one request after the other.
+    keys: Vec<Key>,
     written: Option<Vec<BlockId>>,
     /// The scheduled ids' object addresses, in order (`ids.rs`).
     ptrs: Vec<usize>,
@@ -480,24 +495,27 @@ fn dict_arg<'a, 'py>(
 }
 
 /// The hashes beyond the held ones of each of `due` (`(k, held)`: the request `ids[k]`, which
-/// holds `held`), read from `lists[id]`: `(k, tail)` where the list is longer. A request with no
-/// list, or a list no longer, gets none. The reads go in stages over all of `due`, each
-/// starting the next stage's cache misses (the id objects, the lists, their item arrays, the
-/// new hashes: each cold after the engine's own work, and each read only through the one
-/// before), so the misses of different requests overlap instead of a chain per request.
+/// holds `held`), read from `lists[id]` into `keys`, with `(k, range of keys)` in `tails` where
+/// the list is longer. A request with no list, or a list no longer, gets none. The reads go in
+/// stages over all of `due`, each starting the next stage's cache misses (the id objects, the
+/// lists, their item arrays, the new hashes: each cold after the engine's own work, and each
+/// read only through the one before), so the misses of different requests overlap instead of
+/// a chain per request.
 fn read_hash_tails(
     lists: &Bound<'_, PyDict>,
     ids: &[Resolved<PyBackedStr>],
     due: &[(usize, usize)],
-) -> PyResult<Vec<(usize, Vec<Key>)>> {
+    tails: &mut Vec<(usize, Range<usize>)>,
+    keys: &mut Vec<Key>,
+) -> PyResult<()> {
     let py = lists.py();
-    let keys: Vec<_> = due
+    let names: Vec<_> = due
         .iter()
         .map(|&(k, _)| id_obj(py, ids[k].name()))
         .collect();
     let mut found = Vec::with_capacity(due.len());
-    for (key, &(_, held)) in keys.iter().zip(due) {
-        let list = lists.get_item(key)?;
+    for (name, &(_, held)) in names.iter().zip(due) {
+        let list = lists.get_item(name)?;
         if let Some(items) = list.as_ref().and_then(Items::of) {
             items.prefetch_from(held);
         }
@@ -508,24 +526,22 @@ fn read_hash_tails(
             engine::prefetch_hashes(items, held);
         }
     }
-    let mut out = Vec::new();
-    for ((list, key), &(k, held)) in found.iter().zip(&keys).zip(due) {
+    for ((list, name), &(k, held)) in found.iter().zip(&names).zip(due) {
         let Some(list) = list else { continue };
         let n = list.len().map_err(|_| {
             InvalidKeyError::new_err(format!(
                 "{} must be a list or tuple of hashes (bytes or int), got {}",
-                HashesOf(key),
+                HashesOf(name),
                 convert::describe(list)
             ))
         })?;
         if n > held {
-            out.push((
-                k,
-                engine::engine_hashes_from(list, held, 0, &HashesOf(key))?,
-            ));
+            let start = keys.len();
+            engine::engine_hashes_into(list, held, 0, &HashesOf(name), keys)?;
+            tails.push((k, start..keys.len()));
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The name of `hashes[key]` in messages (`key` rendered by `str`, only for a message).
@@ -553,33 +569,15 @@ fn group_lists<'py>(
     )
 }
 
-/// The blocks of `list` from position `start` on (a list or tuple is sliced first).
-fn blocks_from(
-    list: &Bound<'_, PyAny>,
-    start: usize,
-    what: &(impl Display + ?Sized),
-) -> PyResult<Vec<BlockId>> {
-    if start == 0 {
-        return convert::blocks(list, what);
-    }
-    if let Ok(l) = list.cast::<PyList>() {
-        return convert::blocks(&l.get_slice(start, l.len()).into_any(), what);
-    }
-    if let Ok(t) = list.cast::<PyTuple>() {
-        return convert::blocks(&t.get_slice(start, t.len()).into_any(), what);
-    }
-    Ok(convert::blocks(list, what)?.split_off(start))
-}
-
-/// Appends `(who, group, blocks)` for every non-empty group list of `lists` (each from its
-/// position in `from`), and the blocks to `written`.
+/// Appends `(who, group, range)` for every non-empty group list of `lists` (each from its
+/// position in `from`), the blocks to `blocks`.
 fn append_groups(
     who: usize,
     lists: &[Bound<'_, PyAny>],
     from: &[usize],
     what: &(impl Display + ?Sized),
-    new_blocks: &mut Vec<(usize, u32, Vec<BlockId>)>,
-    written: &mut Vec<BlockId>,
+    new_blocks: &mut Vec<(usize, u32, Range<usize>)>,
+    blocks: &mut Vec<BlockId>,
 ) -> PyResult<()> {
     for (g, list) in lists.iter().enumerate() {
         let start = from.get(g).copied().unwrap_or(0);
@@ -593,9 +591,9 @@ fn append_groups(
         if n <= start {
             continue;
         }
-        let blocks = blocks_from(list, start, &At(what, g))?;
-        written.extend_from_slice(&blocks);
-        new_blocks.push((who, g as u32, blocks));
+        let first = blocks.len();
+        convert::blocks_into(list, start, &At(what, g), blocks)?;
+        new_blocks.push((who, g as u32, first..blocks.len()));
     }
     Ok(())
 }
