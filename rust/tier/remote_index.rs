@@ -143,12 +143,14 @@ impl RemoteIndex {
         while let Ok((keys, found)) = self.answers.try_recv() {
             // A check that failed (error, deadline, probation) is a miss like an expired one:
             // its keys are absent until the retry time passes (asking again at once would hold
-            // the requests while the server stays slow).
-            self.stats.expired_checks += u64::from(found.is_none());
+            // the requests while the server stays slow). One that expired first was counted
+            // then: its late answer is not counted again.
+            let mut live = false;
             for (i, k) in keys.iter().enumerate() {
                 if self.inflight.remove(k).is_none() {
                     continue; // expired meanwhile: the late answer is not trusted
                 }
+                live = true;
                 if !matches!(
                     self.entries.get(k),
                     Some(Entry::Writing | Entry::Present { pins: 1.., .. })
@@ -160,6 +162,7 @@ impl RemoteIndex {
                     self.entries.insert(*k, e);
                 }
             }
+            self.stats.expired_checks += u64::from(live && found.is_none());
         }
         // Unanswered in time: a miss until the retry time passes.
         let mut expired = Vec::new();
