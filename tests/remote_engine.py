@@ -28,6 +28,12 @@ PROMPT = 3 * BLOCK + 5
 MODEL = "toy"
 
 
+DEADLINE_MS = 30_000.0
+"""The shared tier's deadline in these engines: no healthy check, write or read of a loaded
+machine misses it (the default, 1 s, could, and a missed one fails the test); a dead server
+refuses connections at once, so no test waits for it."""
+
+
 def config(url: str, salt: str = "", **kw: Any) -> OffloadConfig:
     """The engines' configuration: one group, 8 CPU slots, the shared tier at ``url``."""
     return OffloadConfig(
@@ -37,7 +43,7 @@ def config(url: str, salt: str = "", **kw: Any) -> OffloadConfig:
         remote_url=url,
         remote_model=MODEL,
         cache_salt=salt,
-        **kw,
+        **{"remote_deadline_ms": DEADLINE_MS, **kw},
     )
 
 
@@ -48,7 +54,9 @@ def engine(
     g = torch.Generator().manual_seed(seed)
     kv = [{f"layer{i}": torch.randn(32, BLOCK, 4, 64, generator=g) for i in range(2)}]
     worker = TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
-    remote = open_remote_worker(worker, url, [BLOCK], model=MODEL, cache_salt=salt)
+    remote = open_remote_worker(
+        worker, url, [BLOCK], model=MODEL, cache_salt=salt, deadline_ms=DEADLINE_MS
+    )
     return kv, worker, remote
 
 
@@ -58,7 +66,7 @@ def drain(sched: OffloadScheduler, plan: Any, remote: RemoteWorker) -> list[tupl
     if not jobs:
         return []
     remote.submit(jobs)
-    done = dict(remote.wait([j[0] for j in jobs], timeout=30))
+    done = dict(remote.wait([j[0] for j in jobs], timeout=2 * DEADLINE_MS / 1000))
     for j in jobs:
         sched.complete(j[0], ok=done[j[0]])
     return [(j[1], done[j[0]]) for j in jobs]
@@ -67,7 +75,7 @@ def drain(sched: OffloadScheduler, plan: Any, remote: RemoteWorker) -> list[tupl
 def ask(sched: OffloadScheduler, remote: RemoteWorker, rid: str) -> int:
     """Asks until the lookup answers, stepping the engine between asks (bounded in time: the
     existence check of a lookup is answered or forgotten within the deadline)."""
-    end = time.monotonic() + 30
+    end = time.monotonic() + 2 * DEADLINE_MS / 1000
     while time.monotonic() < end:
         n = sched.lookup(rid, num_computed_tokens=0)
         if n is not None:
@@ -257,6 +265,7 @@ HOST_WORKLOAD: dict[str, Any] = {
     "num_requests": 40,
     "scale": 0.5,
     "cpu_chunks": 64,
+    "remote_deadline_ms": DEADLINE_MS,  # the test asserts no failed tier job
 }
 """What every test host runs: long shared system prompts (their chunks are what hosts share)."""
 

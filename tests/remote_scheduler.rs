@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 use std::thread::sleep;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvoffload::scheduler::{Scheduler, StepPlan};
 use kvoffload::tier::io::{RemoteGroup, WorkerJob};
@@ -30,7 +30,9 @@ struct Engine {
 impl Engine {
     fn new(url: &str, salt: &str) -> Self {
         let mut rc = RemoteConfig::new(url);
-        rc.deadline = Duration::from_secs(2);
+        // Far longer than any operation of a loaded machine: a healthy server's answer, write
+        // or read must never miss it (2 s could); a dead server fails at once all the same.
+        rc.deadline = Duration::from_secs(30);
         rc.probation = Duration::from_millis(100);
         let client = Arc::new(RemoteClient::new(rc).unwrap());
         let mut s = Scheduler::new(config()).unwrap();
@@ -68,7 +70,8 @@ impl Engine {
         let jobs: Vec<WorkerJob> = plan.tier_jobs.iter().map(WorkerJob::from).collect();
         let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
         self.tier.worker.submit(jobs);
-        let done = self.tier.worker.wait(&ids, Duration::from_secs(20));
+        // Longer than the client's deadline: a job's operations end within it.
+        let done = self.tier.worker.wait(&ids, Duration::from_secs(60));
         assert_eq!(done.len(), ids.len());
         let mut seen = Vec::new();
         for j in &plan.tier_jobs {
@@ -100,7 +103,9 @@ impl Engine {
         if self.s.status(id).is_err() {
             self.s.add_request(id, 17, keys()).unwrap();
         }
-        for _ in 0..2000 {
+        // Bounded in time (past the client's deadline), not in asks (2000 were ~2 s).
+        let until = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < until {
             if let Some(n) = self.s.lookup(id, 0).unwrap() {
                 return Some(n);
             }

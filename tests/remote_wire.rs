@@ -8,8 +8,12 @@ use std::net::{TcpListener, TcpStream};
 use std::thread::{self, sleep};
 use std::time::{Duration, Instant};
 
-/// How long the fake server waits for the next command's lead before it replies.
-const LEAD_WAIT: Duration = Duration::from_secs(2);
+/// How long the fake server waits for the next command's lead before it replies: a bound
+/// only (the lead of a command that follows is waited for, not timed), far past any stall of a
+/// loaded machine (2 s was not).
+const LEAD_WAIT: Duration = Duration::from_secs(30);
+/// After the last command no lead can come: how long the server looks for stray bytes then.
+const LAST_WAIT: Duration = Duration::from_secs(2);
 
 use kvoffload::tier::remote::{value_key, RemoteClient, RemoteConfig, WriteItem};
 use kvoffload::Key;
@@ -66,12 +70,14 @@ struct Seen {
 
 /// A fake server for `connections` connections, one after the other: it answers each
 /// complete command `+OK` once the next command's lead has arrived (or `LEAD_WAIT` passed
-/// without one) and then `pause` more, and closes a connection after `replies[i]` replies
-/// (`None`: when the client does). Waiting for the lead, not for a fixed time, keeps a slow
-/// client (a loaded machine) from reading as one that sent nothing ahead.
+/// without one; `LAST_WAIT` after the command that starts with `last`, the client's last) and
+/// then `pause` more, and closes a connection after `replies[i]` replies (`None`: when the
+/// client does). Waiting for the lead, not for a fixed time, keeps a slow client (a loaded
+/// machine) from reading as one that sent nothing ahead.
 fn fake_server(
     replies: Vec<Option<usize>>,
     pause: Duration,
+    last: Vec<u8>,
 ) -> (u16, thread::JoinHandle<Vec<Seen>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -80,19 +86,25 @@ fn fake_server(
             .into_iter()
             .map(|limit| {
                 let (mut s, _) = listener.accept().unwrap();
-                serve(&mut s, limit, pause)
+                serve(&mut s, limit, pause, &last)
             })
             .collect()
     });
     (port, handle)
 }
 
-fn serve(s: &mut TcpStream, limit: Option<usize>, pause: Duration) -> Seen {
+fn serve(s: &mut TcpStream, limit: Option<usize>, pause: Duration, last: &[u8]) -> Seen {
     let mut seen = Seen::default();
     let mut buf = Vec::new();
     let mut chunk = vec![0u8; 1 << 16];
     loop {
         if let Some(n) = (!buf.is_empty()).then(|| command_len(&buf)).flatten() {
+            // Only the last command has no lead to wait for: the bound for the others is long.
+            let wait = if buf.starts_with(last) {
+                LAST_WAIT
+            } else {
+                LEAD_WAIT
+            };
             buf.drain(..n);
             // Everything the client sent before it could have seen this reply: the next lead
             // (waited for), then whatever else arrives within `pause`.
@@ -104,7 +116,7 @@ fn serve(s: &mut TcpStream, limit: Option<usize>, pause: Duration) -> Seen {
                     Ok(0) => break,
                     Ok(k) => buf.extend_from_slice(&chunk[..k]),
                     Err(_) => {
-                        if !lead_seen && (is_lead(&buf) || waited.elapsed() > LEAD_WAIT) {
+                        if !lead_seen && (is_lead(&buf) || waited.elapsed() > wait) {
                             lead_seen = true;
                             sleep(pause);
                         } else if lead_seen {
@@ -133,7 +145,8 @@ fn serve(s: &mut TcpStream, limit: Option<usize>, pause: Duration) -> Seen {
 fn client(port: u16) -> RemoteClient {
     let mut cfg = RemoteConfig::new(&format!("redis://127.0.0.1:{port}"));
     cfg.connections = 1;
-    cfg.deadline = Duration::from_secs(5);
+    // Longer than LEAD_WAIT: a reply the server holds for a slow client's lead is not late.
+    cfg.deadline = Duration::from_secs(60);
     cfg.probation_after = 100;
     RemoteClient::new(cfg).unwrap()
 }
@@ -166,7 +179,7 @@ fn write(c: &RemoteClient, ns: u128, keys: &[u64]) -> Vec<bool> {
 
 #[test]
 fn the_next_lead_and_nothing_more_arrives_before_each_reply() {
-    let (port, server) = fake_server(vec![None], Duration::from_millis(30));
+    let (port, server) = fake_server(vec![None], Duration::from_millis(30), lead(7, 4));
     let c = client(port);
     assert_eq!(write(&c, 7, &[1, 2, 3, 4]), vec![true; 4]);
     drop(c); // closes the pooled connection
@@ -179,7 +192,7 @@ fn the_next_lead_and_nothing_more_arrives_before_each_reply() {
 fn a_broken_connection_takes_the_next_lead_with_it() {
     // The first connection answers one command, then closes while the second is on its way:
     // the third chunk starts on a new connection with its whole command.
-    let (port, server) = fake_server(vec![Some(2), None], Duration::from_millis(30));
+    let (port, server) = fake_server(vec![Some(2), None], Duration::from_millis(30), lead(7, 4));
     let c = client(port);
     assert_eq!(write(&c, 7, &[1, 2, 3, 4]), vec![true, false, true, true]);
     let s = c.stats();

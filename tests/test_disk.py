@@ -355,6 +355,9 @@ def test_both_tiers_restart_promotes_from_disk_and_refills_the_shared_tier(
         disk_path=str(tmp_path / "a"),
         disk_bytes=16 << 20,
         remote_url=redis.url,
+        # No failed tier job is allowed below: no healthy operation may miss the deadline
+        # (the default, 1 s, a loaded machine could).
+        remote_deadline_ms=30_000.0,
     )
     runs = [simulate(cfg)]
     written = runs[0].tier_written_chunks

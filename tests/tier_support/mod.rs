@@ -91,6 +91,46 @@ impl Server {
         }
     }
 
+    /// Stops the server (SIGSTOP) and returns once the kernel reports it stopped: until
+    /// [`Server::resume`] it answers nothing (connections and commands wait in the kernel), so
+    /// a test can observe a question in flight without racing the server's answer.
+    pub fn pause(&self) {
+        let pid = self.signal(libc::SIGSTOP);
+        // The signal takes effect asynchronously: wait for state `T` in /proc/PID/stat.
+        let stat = format!("/proc/{pid}/stat");
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = std::fs::read_to_string(&stat).unwrap();
+            let state = s.rsplit(')').next().unwrap().trim_start();
+            if state.starts_with('T') {
+                return;
+            }
+            assert!(Instant::now() < until, "redis-server did not stop: {s}");
+            sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Lets a [`Server::pause`]d server run again (SIGCONT; harmless when it runs).
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// Sends `sig` to the server process; returns its pid.
+    fn signal(&self, sig: libc::c_int) -> u32 {
+        let pid = self.child.as_ref().expect("the server runs").id();
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) on our own child's pid (not reaped: `child` is held) with a valid
+        // signal number touches no memory of this process.
+        let rc = unsafe { libc::kill(pid as libc::pid_t, sig) };
+        assert_eq!(
+            rc,
+            0,
+            "kill({pid}, {sig}): {}",
+            std::io::Error::last_os_error()
+        );
+        pid
+    }
+
     /// A fresh connection of the `redis` crate.
     pub fn con(&self) -> redis::Connection {
         redis::Client::open(self.url().as_str())
