@@ -282,15 +282,19 @@ class SchedulerSide:
             return False
         return True
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(
+        self, request: Request, block_ids: Any = None
+    ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM frees ``request`` (its id joins the next step's finished ids): the core gets
         the hashes of its last tokens now, and the adapter lets go of its hash list, so the
         last reference to the list (and its hashes) stays vLLM's to drop, outside the step.
-        An aborted one is remembered, so the step releases it as aborted."""
+        An aborted one is remembered, so the step releases it as aborted. vLLM's
+        ``request_finished`` (``_all_groups``) itself: ``block_ids`` is not read, and the
+        blocks are freed at once (``(False, None)``); the fence protects pending stores."""
         rid = request.request_id
         hashes = self.hashes.pop(rid, None)
         if hashes is None:
-            return
+            return False, None
         t = perf_counter()
         try:
             n = request.num_prompt_tokens
@@ -300,6 +304,7 @@ class SchedulerSide:
             if request.status == RequestStatus.FINISHED_ABORTED:
                 self.aborted.add(rid)
             self.t += perf_counter() - t
+        return False, None
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         t = time.perf_counter()
