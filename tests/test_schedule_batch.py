@@ -376,6 +376,13 @@ def feed(s: Scheduler, call: str, arg: Any) -> None:
             "appended[0][1][1] must be an integer, got None (NoneType)",
         ),
         (
+            # vLLM's shape: a tuple of per-group lists (read in place).
+            "batch",
+            {"appended": [([1], [2, None])]},
+            InvalidBlockError,
+            "appended[0][1][1] must be an integer, got None (NoneType)",
+        ),
+        (
             "batch",
             {"tables": [("a", 3)]},
             StepInputError,
@@ -387,6 +394,12 @@ def feed(s: Scheduler, call: str, arg: Any) -> None:
             InvalidBlockError,
             # Position 2 of the caller's list ("a" holds two blocks: only the third is read).
             "tables[0][1][0][2] must be an integer, got 'x' (str)",
+        ),
+        (
+            "batch",
+            {"tables": [("a", [(1, 2, 3, "x")])]},
+            InvalidBlockError,
+            "tables[0][1][0][3] must be an integer, got 'x' (str)",
         ),
         (
             "batch",

@@ -101,15 +101,13 @@ pub fn blocks(obj: &Bound<'_, PyAny>, what: &(impl Display + ?Sized)) -> PyResul
 }
 
 /// Appends the block ids of `obj` from position `start` on to `out` (a list's or a tuple's
-/// are read in place, with room made once); returns how many. On error `out` may hold some
-/// of them.
+/// are read in place, with room made once). On error `out` may hold some of them.
 pub fn blocks_into(
     obj: &Bound<'_, PyAny>,
     start: usize,
     what: &(impl Display + ?Sized),
     out: &mut Vec<BlockId>,
-) -> PyResult<usize> {
-    let before = out.len();
+) -> PyResult<()> {
     let item = |i: usize, b: &Bound<'_, PyAny>| block_named(b, || format!("{what}[{i}]"));
     let mut read = || -> PyResult<()> {
         if let Ok(list) = obj.cast::<PyList>() {
@@ -135,8 +133,7 @@ pub fn blocks_into(
         }
         Ok(())
     };
-    read().map_err(block_error)?;
-    Ok(out.len() - before)
+    read().map_err(block_error)
 }
 
 /// A `TypeError` of a block list (not a sequence) as `InvalidBlockError`.
