@@ -22,6 +22,13 @@ pub enum Error {
     #[error("job {0} already completed: duplicate completion rejected")]
     JobAlreadyCompleted(JobId),
 
+    /// A report of a job that no plan has handed out yet.
+    #[error(
+        "job {0} was not handed out in a plan yet: no worker can have run it; report it after \
+         the plan that carries it"
+    )]
+    JobNotPlanned(JobId),
+
     /// A second report of one job from the same worker rank.
     #[error("job {job}: worker {worker} already reported it; duplicate report rejected")]
     DuplicateReport {

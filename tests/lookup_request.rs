@@ -219,6 +219,7 @@ fn a_waiting_re_ask_answers_later_until_its_load_is_done_and_zero_when_nothing_i
         Some(0)
     );
     assert_eq!(s.lookup_request("d", 17, hs.clone(), 0, 0).unwrap(), None);
+    s.schedule(&step(&[], &[], &[])).unwrap();
     s.complete(load, 0, true).unwrap();
     assert_eq!(
         s.lookup_request("d", 17, hs.clone(), 0, 0).unwrap(),

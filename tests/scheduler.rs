@@ -161,6 +161,9 @@ fn failed_load_reports_blocks_drops_chunks_and_preempt_makes_it_lookable() {
         .allocate("b", &[bl(&[5, 6, 7]), bl(&[15, 16, 17])], 0, n)
         .unwrap()
         .unwrap();
+    // Reported once a plan handed it out.
+    assert_eq!(s.complete(load, 0, false), Err(Error::JobNotPlanned(load)));
+    s.schedule(&step(&[], &[], &[])).unwrap();
     let done = s.complete(load, 0, false).unwrap().unwrap();
     assert!(!done.ok);
     assert_eq!(done.invalid_blocks, bl(&[5, 6, 15, 16]));
@@ -266,6 +269,7 @@ fn a_duplicated_report_does_not_publish_a_torn_store() {
     // The same rule for a load: a duplicated report does not unpin its slots.
     assert_eq!(s.lookup("b", 0).unwrap(), Some(8));
     let load = s.allocate("b", &[bl(&[5, 6, 7])], 0, 8).unwrap().unwrap();
+    s.schedule(&step(&[], &[], &[])).unwrap();
     assert_eq!(states(&s, &ks), vec![KeyState::Ready { pins: 1 }; 2]);
     assert_eq!(s.complete(load, 1, true), Ok(None));
     let before = view(&s, &ks);

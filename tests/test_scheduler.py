@@ -330,6 +330,7 @@ def test_failed_load_reports_its_destination_blocks():
         s.complete_many([j.job_id], worker=1)
     s.schedule(StepInput(finished=["a"], written=[]))
     load = admit(s, "b", [[5, 6, 7]], prompt=9, expect_load=8)
+    assert [j.job_id for j in s.schedule(StepInput(written=[])).loads] == [load]
     assert s.complete(load, worker=0, ok=True) is None  # one worker succeeded
     done = s.complete(load, worker=1, ok=False)  # the other failed: the load failed
     assert done.kind == "load"

@@ -263,17 +263,15 @@ fn int_arg(obj: &Bound<'_, PyAny>, what: &str, err: fn(String) -> PyErr) -> PyRe
 /// A rank beyond `u32` is clamped so that the core checks the report in its usual order
 /// (late, unknown, rank out of range, already completed, duplicate); [`completion_error`] then
 /// names the rank the caller passed.
-pub fn completion(
-    job: &Bound<'_, PyAny>,
-    worker: Option<&Bound<'_, PyAny>>,
-) -> PyResult<(JobId, u32, i128)> {
+pub fn completion(job: &Bound<'_, PyAny>, worker: &Arg<'_>) -> PyResult<(JobId, u32, i128)> {
     let id = int_arg(job, "job id", UnknownJobError::new_err)?;
     let id = u64::try_from(id).map(JobId).map_err(|_| {
         UnknownJobError::new_err(format!("unknown job {id}: job ids are non-negative"))
     })?;
     let worker = match worker {
-        Some(w) => int_arg(w, "worker rank", CompletionError::new_err)?,
-        None => 0,
+        // An explicit `None` is no rank: a worker that lost its rank must not report as rank 0.
+        Arg::Given(w) => int_arg(w, "worker rank", CompletionError::new_err)?,
+        Arg::Omitted => 0,
     };
     if worker < 0 {
         return Err(CompletionError::new_err(format!(
@@ -297,14 +295,11 @@ pub struct Report {
 }
 
 impl Report {
-    /// Converts the arguments (`worker` defaults to 0, `ok` to `True`).
-    pub fn new(
-        job: &Bound<'_, PyAny>,
-        worker: Option<&Bound<'_, PyAny>>,
-        ok: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
+    /// Converts the arguments (`worker` defaults to 0, `ok` to `True` when omitted; given, they
+    /// must be an int and a bool: `None` or a truthy object fails closed, naming the value).
+    pub fn new(job: &Bound<'_, PyAny>, worker: &Arg<'_>, ok: &Arg<'_>) -> PyResult<Self> {
         let (job, worker, given) = completion(job, worker)?;
-        let ok = ok_flag(ok)?;
+        let ok = flag(ok, "ok", true, CompletionError::new_err)?;
         Ok(Self {
             job,
             worker,
@@ -319,23 +314,9 @@ impl Report {
     }
 }
 
-/// The `ok` flag of a completion report: a `bool` (default `True`); anything else raises
-/// `CompletionError` naming the value.
-fn ok_flag(ok: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
-    match ok {
-        None => Ok(true),
-        Some(o) => o.cast::<PyBool>().map(PyBoolMethods::is_true).map_err(|_| {
-            CompletionError::new_err(format!("ok must be True or False, got {}", describe(o)))
-        }),
-    }
-}
-
 /// Job ids of one worker report (`complete_many`): any iterable of integers; anything else
 /// raises `UnknownJobError` naming the value.
-pub fn report_ids(
-    ids: &Bound<'_, PyAny>,
-    worker: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Vec<(JobId, u32, i128)>> {
+pub fn report_ids(ids: &Bound<'_, PyAny>, worker: &Arg<'_>) -> PyResult<Vec<(JobId, u32, i128)>> {
     let iter = ids.try_iter().map_err(|_| {
         UnknownJobError::new_err(format!(
             "job ids must be an iterable of integers, got {}",

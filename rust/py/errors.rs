@@ -88,6 +88,14 @@ create_exception!(
     "A request id that is not registered (or was dropped after it finished)."
 );
 
+create_exception!(
+    kvoffload.errors,
+    InternalError,
+    KvOffloadError,
+    "A bug inside kvoffload (a Rust panic). The object it happened in refuses every later call \
+     with this error, since its state may be half-applied: build a new one."
+);
+
 /// Maps a core error to its Python exception.
 // By value so that call sites read `.map_err(to_py)`.
 #[allow(clippy::needless_pass_by_value)]
@@ -96,9 +104,9 @@ pub fn to_py(e: Error) -> PyErr {
     match e {
         Error::Config(_) => ConfigError::new_err(msg),
         Error::UnknownJob(_) => UnknownJobError::new_err(msg),
-        Error::JobAlreadyCompleted(_) | Error::WorkerOutOfRange { .. } => {
-            CompletionError::new_err(msg)
-        }
+        Error::JobAlreadyCompleted(_)
+        | Error::JobNotPlanned(_)
+        | Error::WorkerOutOfRange { .. } => CompletionError::new_err(msg),
         Error::DuplicateReport { .. } => DuplicateReportError::new_err(msg),
         Error::BlockOutOfRange { .. } | Error::EmptyJob(_) => InvalidBlockError::new_err(msg),
         Error::OwnerBusy { .. } | Error::RequestState { .. } => RequestStateError::new_err(msg),

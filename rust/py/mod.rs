@@ -32,9 +32,9 @@ mod _core {
     use super::copy::{check_runs, Copier};
     #[pymodule_export]
     use super::errors::{
-        CompletionError, ConfigError, DuplicateReportError, InvalidBlockError, InvalidKeyError,
-        InvalidRequestError, KeyStateError, KvOffloadError, RequestStateError, StepInputError,
-        UnknownJobError, UnknownKeyError, UnknownRequestError,
+        CompletionError, ConfigError, DuplicateReportError, InternalError, InvalidBlockError,
+        InvalidKeyError, InvalidRequestError, KeyStateError, KvOffloadError, RequestStateError,
+        StepInputError, UnknownJobError, UnknownKeyError, UnknownRequestError,
     };
     #[pymodule_export]
     use super::pool::{CpuPool, StorePlan};

@@ -8,6 +8,8 @@
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
+
+use crate::py::sync::guarded;
 use pyo3::types::{IntoPyDict, PyDict};
 
 use super::convert;
@@ -80,11 +82,15 @@ impl From<CoreStorePlan> for StorePlan {
 
 #[pymethods]
 impl StorePlan {
-    fn __repr__(&self) -> String {
-        format!(
-            "StorePlan(keys={:?}, slots={:?}, evicted={:?}, filtered={:?})",
-            self.keys, self.slots, self.evicted, self.filtered
-        )
+    fn __repr__(&self) -> PyResult<String> {
+        guarded(|| {
+            Ok({
+                format!(
+                    "StorePlan(keys={:?}, slots={:?}, evicted={:?}, filtered={:?})",
+                    self.keys, self.slots, self.evicted, self.filtered
+                )
+            })
+        })
     }
 }
 
@@ -96,7 +102,7 @@ pub struct CpuPool {
 
 impl CpuPool {
     /// The core lock, waited for with the GIL released; never held while calling Python.
-    fn lock(&self) -> MutexGuard<'_, Pool> {
+    fn lock(&self) -> PyResult<MutexGuard<'_, Pool>> {
         super::sync::lock(&self.inner)
     }
 }
@@ -135,158 +141,196 @@ impl CpuPool {
 
     /// The bound of the event queue, in keys (0: events are not recorded).
     #[getter]
-    fn max_event_keys(&self) -> usize {
-        self.lock().event_limit()
+    fn max_event_keys(&self) -> PyResult<usize> {
+        guarded(|| Ok({ self.lock()?.event_limit() }))
     }
 
     /// Number of slots.
     #[getter]
-    fn capacity(&self) -> u32 {
-        self.lock().capacity()
+    fn capacity(&self) -> PyResult<u32> {
+        guarded(|| Ok({ self.lock()?.capacity() }))
     }
 
     /// The eviction policy: `"lru"` or `"arc"`.
     #[getter]
-    fn policy(&self) -> &'static str {
-        self.lock().policy().name()
+    fn policy(&self) -> PyResult<&'static str> {
+        guarded(|| Ok({ self.lock()?.policy().name() }))
     }
 
     /// Lookups needed before a key is admitted (0 or 1: no filter).
     #[getter]
-    fn store_threshold(&self) -> u32 {
-        self.lock().config().store_threshold
+    fn store_threshold(&self) -> PyResult<u32> {
+        guarded(|| Ok({ self.lock()?.config().store_threshold }))
     }
 
     /// How many leading keys are ready, and the state of every key (`"absent"`, `"storing"`,
     /// `"ready"`).
     fn lookup(&self, keys: &Bound<'_, PyAny>) -> PyResult<(usize, Vec<&'static str>)> {
-        let keys = convert::keys(keys, "keys")?;
-        let mut states = Vec::with_capacity(keys.len());
-        let prefix = self.lock().lookup_states(&keys, &mut states);
-        Ok((prefix, states.into_iter().map(KeyState::name).collect()))
+        guarded(|| {
+            let keys = convert::keys(keys, "keys")?;
+            let mut states = Vec::with_capacity(keys.len());
+            let prefix = self.lock()?.lookup_states(&keys, &mut states);
+            Ok((prefix, states.into_iter().map(KeyState::name).collect()))
+        })
     }
 
     /// The state of one key: `"absent"`, `"storing"` or `"ready"` (no side effects).
     fn state(&self, key: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-        let key = convert::key(key, "key")?;
-        Ok(self.lock().state(key).name())
+        guarded(|| {
+            let key = convert::key(key, "key")?;
+            Ok(self.lock()?.state(key).name())
+        })
     }
 
     /// Loads in flight on a key (0 unless it is ready and pinned).
     fn pins(&self, key: &Bound<'_, PyAny>) -> PyResult<u32> {
-        let key = convert::key(key, "key")?;
-        Ok(match self.lock().state(key) {
-            KeyState::Ready { pins } => pins,
-            _ => 0,
+        guarded(|| {
+            let key = convert::key(key, "key")?;
+            Ok(match self.lock()?.state(key) {
+                KeyState::Ready { pins } => pins,
+                _ => 0,
+            })
         })
     }
 
     /// The slot of a present (storing or ready) key, else `None`.
     fn slot(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
-        let key = convert::key(key, "key")?;
-        Ok(self.lock().slot(key).map(|s| s.0))
+        guarded(|| {
+            let key = convert::key(key, "key")?;
+            Ok(self.lock()?.slot(key).map(|s| s.0))
+        })
     }
 
     /// Reserves slots for the absent keys, evicting if needed; `None` when there is not
     /// enough evictable room (nothing changed).
     fn prepare_store(&self, keys: &Bound<'_, PyAny>) -> PyResult<Option<StorePlan>> {
-        let keys = convert::keys(keys, "keys")?;
-        Ok(self.lock().prepare_store(&keys).map(StorePlan::from))
+        guarded(|| {
+            let keys = convert::keys(keys, "keys")?;
+            Ok(self.lock()?.prepare_store(&keys).map(StorePlan::from))
+        })
     }
 
     /// Publishes (`ok`) or drops (failed) the stores of `keys`.
     #[pyo3(signature = (keys, ok = Arg::Omitted), text_signature = "(self, keys, ok=True)")]
     #[allow(clippy::needless_pass_by_value)]
     fn complete_store(&self, keys: &Bound<'_, PyAny>, ok: Arg<'_>) -> PyResult<()> {
-        let keys = convert::keys(keys, "keys")?;
-        let ok = convert::flag(&ok, "ok", true, super::errors::CompletionError::new_err)?;
-        self.lock().complete_store(&keys, ok).map_err(to_py)
+        guarded(|| {
+            let keys = convert::keys(keys, "keys")?;
+            let ok = convert::flag(&ok, "ok", true, super::errors::CompletionError::new_err)?;
+            self.lock()?.complete_store(&keys, ok).map_err(to_py)
+        })
     }
 
     /// Pins ready keys for a load; returns their slots.
     fn prepare_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        let keys = convert::keys(keys, "keys")?;
-        let slots = self.lock().prepare_load(&keys).map_err(to_py)?;
-        Ok(slot_ids(&slots))
+        guarded(|| {
+            let keys = convert::keys(keys, "keys")?;
+            let slots = self.lock()?.prepare_load(&keys).map_err(to_py)?;
+            Ok(slot_ids(&slots))
+        })
     }
 
     /// Unpins keys whose load finished.
     fn complete_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
-        let keys = convert::keys(keys, "keys")?;
-        self.lock().complete_load(&keys).map_err(to_py)
+        guarded(|| {
+            let keys = convert::keys(keys, "keys")?;
+            self.lock()?.complete_load(&keys).map_err(to_py)
+        })
     }
 
     /// Recency update, last key first, so the earliest prefix chunk ends most recent.
     fn touch(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
-        let keys = convert::keys(keys, "keys")?;
-        self.lock().touch(&keys);
-        Ok(())
+        guarded(|| {
+            let keys = convert::keys(keys, "keys")?;
+            self.lock()?.touch(&keys);
+            Ok(())
+        })
     }
 
     /// Recency only (no use counted, absent keys skipped), last key first.
     fn refresh(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
-        let keys = convert::keys(keys, "keys")?;
-        self.lock().refresh(&keys);
-        Ok(())
+        guarded(|| {
+            let keys = convert::keys(keys, "keys")?;
+            self.lock()?.refresh(&keys);
+            Ok(())
+        })
     }
 
     /// Drops ready, unpinned entries whose content is no longer trusted; returns the keys
     /// dropped (absent, storing and pinned keys are left alone).
     fn discard(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
-        let keys = convert::keys(keys, "keys")?;
-        Ok(ints(&self.lock().discard(&keys)))
+        guarded(|| {
+            let keys = convert::keys(keys, "keys")?;
+            Ok(ints(&self.lock()?.discard(&keys)))
+        })
     }
 
     /// Drains the events: `(kind, keys, medium)` with kind `"stored"` or `"removed"`.
-    fn take_events(&self) -> Vec<(&'static str, Vec<u128>, &'static str)> {
-        self.lock()
-            .take_events()
-            .into_iter()
-            .map(|e| (e.kind.name(), ints(&e.keys), e.medium()))
-            .collect()
+    fn take_events(&self) -> PyResult<Vec<(&'static str, Vec<u128>, &'static str)>> {
+        guarded(|| {
+            Ok({
+                self.lock()?
+                    .take_events()
+                    .into_iter()
+                    .map(|e| (e.kind.name(), ints(&e.keys), e.medium()))
+                    .collect()
+            })
+        })
     }
 
     /// Empties the pool (ready keys are announced in one `removed` event).
-    fn reset(&self) {
-        self.lock().reset();
+    fn reset(&self) -> PyResult<()> {
+        guarded(|| {
+            Ok({
+                self.lock()?.reset();
+            })
+        })
     }
 
     /// Occupancy and counters (`target` only for ARC).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        // Read under the lock, built after it (see `super::sync`).
-        let s = self.lock().stats();
-        let d = pool_counters(&s).into_py_dict(py)?;
-        if let Some(t) = s.target {
-            d.set_item("target", t)?;
-        }
-        Ok(d)
+        guarded(|| {
+            // Read under the lock, built after it (see `super::sync`).
+            let s = self.lock()?.stats();
+            let d = pool_counters(&s).into_py_dict(py)?;
+            if let Some(t) = s.target {
+                d.set_item("target", t)?;
+            }
+            Ok(d)
+        })
     }
 
     /// The policy's lists, least recent first: `lru` (LRU) or `t1`, `t2`, `b1`, `b2` (ARC).
     fn order<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let o = self.lock().order(); // the guard is dropped at the end of this statement
-        let d = PyDict::new(py);
-        for (name, keys) in o.resident.into_iter().chain(o.ghosts) {
-            d.set_item(name, ints(&keys))?;
-        }
-        Ok(d)
+        guarded(|| {
+            let o = self.lock()?.order(); // the guard is dropped at the end of this statement
+            let d = PyDict::new(py);
+            for (name, keys) in o.resident.into_iter().chain(o.ghosts) {
+                d.set_item(name, ints(&keys))?;
+            }
+            Ok(d)
+        })
     }
 
     /// Number of present keys (storing or ready).
-    fn __len__(&self) -> usize {
-        self.lock().len()
+    fn __len__(&self) -> PyResult<usize> {
+        guarded(|| Ok({ self.lock()?.len() }))
     }
 
-    fn __repr__(&self) -> String {
-        let p = self.lock();
-        let s = p.stats();
-        format!(
-            "CpuPool(capacity={}, policy='{}', used={}, storing={}, pinned={})",
-            s.capacity,
-            p.policy(),
-            s.used,
-            s.storing,
-            s.pinned
-        )
+    fn __repr__(&self) -> PyResult<String> {
+        guarded(|| {
+            Ok({
+                let p = self.lock()?;
+                let s = p.stats();
+                format!(
+                    "CpuPool(capacity={}, policy='{}', used={}, storing={}, pinned={})",
+                    s.capacity,
+                    p.policy(),
+                    s.used,
+                    s.storing,
+                    s.pinned
+                )
+            })
+        })
     }
 }

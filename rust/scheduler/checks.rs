@@ -186,9 +186,26 @@ impl Scheduler {
                 request: id,
             });
         }
+        // A request that releases its blocks in this step neither resumes nor gets blocks in it
+        // (its release would be applied first, and its new table would outlive it).
+        if let Some(&i) = resumed.iter().find(|i| released.contains(i)) {
+            return Err(Error::RequestState {
+                request: self.req(i).id.clone(),
+                reason: "is resumed and released (finished, aborted or preempted) in one step"
+                    .into(),
+            });
+        }
         let mut new_blocks = Vec::with_capacity(input.new_blocks.len());
         for (id, g, blocks) in &input.new_blocks {
             let i = self.idx_of(id)?;
+            if !released.is_empty() && released.contains(&i) {
+                return Err(Error::RequestState {
+                    request: id.id().to_owned(),
+                    reason: "gets new blocks and is released (finished, aborted or preempted) \
+                        in one step"
+                        .into(),
+                });
+            }
             if *g as usize >= self.cfg.groups.len() {
                 return Err(Error::RequestState {
                     request: id.id().to_owned(),

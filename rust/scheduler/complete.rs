@@ -44,12 +44,11 @@ impl Scheduler {
 
     /// Checks a batch of reports, a duplicate within the batch included; changes nothing.
     fn validate_reports(&self, reports: &[(JobId, u32, bool)]) -> Result<()> {
-        let jobs = self.tracker.jobs();
         // Reports in increasing order (the usual case) hold no duplicate: no list to sort.
         let mut last = None;
         let mut increasing = true;
         for &(job, worker, _) in reports {
-            if jobs.validate(job, worker)? {
+            if self.validate_report(job, worker)? {
                 increasing &= last < Some((job, worker));
                 last = Some((job, worker));
             }
@@ -59,7 +58,7 @@ impl Scheduler {
         }
         let mut live: Vec<_> = reports
             .iter()
-            .filter(|&&(job, worker, _)| matches!(jobs.validate(job, worker), Ok(true)))
+            .filter(|&&(job, worker, _)| matches!(self.validate_report(job, worker), Ok(true)))
             .map(|&(job, worker, _)| (job, worker))
             .collect();
         live.sort_unstable();
@@ -68,6 +67,17 @@ impl Scheduler {
             return Err(Error::DuplicateReport { job, worker });
         }
         Ok(())
+    }
+
+    /// Validates one report without changing anything: `Ok(false)` for a late one (a job from
+    /// before the last reset). A job no plan handed out yet cannot have been run by a worker:
+    /// its report is refused (the plan would otherwise carry a job whose outcome is known).
+    fn validate_report(&self, job: JobId, worker: u32) -> Result<bool> {
+        let live = self.tracker.jobs().validate(job, worker)?;
+        if live && job >= self.planned_below {
+            return Err(Error::JobNotPlanned(job));
+        }
+        Ok(live)
     }
 
     /// Brings into the cache what completing the jobs of `reports` (validated) will read: each
@@ -130,6 +140,7 @@ impl Scheduler {
         ok: bool,
         named: bool,
     ) -> Result<Option<Finished>> {
+        self.validate_report(job, worker)?;
         let Completion::Done(mut j) = self.tracker.complete(job, worker, ok)? else {
             return Ok(None);
         };

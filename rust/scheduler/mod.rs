@@ -197,6 +197,10 @@ pub struct Scheduler {
     tiers: Vec<Vec<tiers::GroupTier>>,
     /// Tier jobs created since the previous plan.
     new_tier_jobs: Vec<TierJob>,
+    /// Every job below this id was handed out in a plan (ids are monotonic and a plan carries
+    /// every job created before it): a report of a later job is refused, so no plan carries a
+    /// job whose outcome is already known.
+    planned_below: JobId,
 }
 
 impl Scheduler {
@@ -252,6 +256,7 @@ impl Scheduler {
             stats: SchedulerStats::default(),
             tiers: Vec::new(),
             new_tier_jobs: Vec::new(),
+            planned_below: JobId(0),
             cfg,
         })
     }

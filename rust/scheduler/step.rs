@@ -69,6 +69,7 @@ impl Scheduler {
             input.written.is_some(),
         );
         self.last_stores = stores.len();
+        self.planned_below = self.tracker.jobs().next_id();
         Ok(StepPlan {
             loads: std::mem::take(&mut self.new_loads),
             stores,

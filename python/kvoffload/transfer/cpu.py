@@ -10,10 +10,16 @@ waits for a load) cannot stall the copies. A lane holds the engine's runtime onl
 runs, never the engine itself, so an engine dropped without ``shutdown`` (even in a reference
 cycle, even collected on its own copy thread) stops its lanes and frees its pool. Why the CPU copy
 runs in the core rather than in torch: ``docs/design-notes.md``.
+
+Lanes are daemon threads (an engine never shut down must not hold the interpreter open), so at
+interpreter exit every live lane is stopped, its queued jobs cancelled, and joined while the
+interpreter is still whole (``atexit`` runs before daemon threads are torn down): a lane torn
+down inside a copy, with the GIL released in the core, would abort the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -63,6 +69,9 @@ def _lane_main(
 class _Lane:
     """A background thread that runs one direction's jobs in submission order (CPU engines)."""
 
+    # Every lane not collected yet, for the exit hook.
+    live: weakref.WeakSet[_Lane] = weakref.WeakSet()
+
     def __init__(self, name: str, runtime: _Runtime, sink: _Completions) -> None:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.cancel = threading.Event()
@@ -73,6 +82,7 @@ class _Lane:
             daemon=True,
         )
         self._thread.start()
+        _Lane.live.add(self)
 
     def put(self, job: _Job) -> None:
         self._queue.put(job)
@@ -87,6 +97,16 @@ class _Lane:
         """Wait for the thread to end, unless this is that thread (it ends after this job)."""
         if self._thread is not threading.current_thread():
             self._thread.join()
+
+
+@atexit.register
+def _stop_lanes_at_exit() -> None:
+    """Stops every live lane (queued jobs cancelled, the running copy finished) and joins it."""
+    lanes = list(_Lane.live)
+    for lane in lanes:
+        lane.stop(cancel=True)
+    for lane in lanes:
+        lane.join()
 
 
 def _storage_bytes(x: torch.Tensor) -> npt.NDArray[np.uint8]:

@@ -65,7 +65,7 @@ impl Scheduler {
     pub(super) fn batch_step(&self, args: &Args<'_, '_>) -> PyResult<StepPlan> {
         loop {
             let (mut step, seen) = self.batch_input(args)?;
-            let core = self.lock();
+            let core = self.lock()?;
             if self.locks.load(Ordering::Relaxed) != seen + 1 {
                 drop(core);
                 self.keep_ids(&mut step);
@@ -115,7 +115,7 @@ impl Scheduler {
         let mut kept = std::mem::take(&mut step.old_ids);
         let scheduled = step.ids.drain(step.scheduled.clone());
         ids::keep(scheduled, &step.ptrs, &mut kept);
-        let replaced = super::super::sync::lock(&self.ids).put(kept);
+        let replaced = super::super::sync::lock_cache(&self.ids).put(kept);
         drop(replaced);
     }
 
@@ -128,7 +128,7 @@ impl Scheduler {
         // others are matched against the previous step's ids (`ids.rs`).
         let new = new_requests(args.new)?;
         let n_new = new.objs.len();
-        let mut old_ids = super::super::sync::lock(&self.ids).take();
+        let mut old_ids = super::super::sync::lock_cache(&self.ids).take();
         let mut named = Vec::new();
         for (id, obj) in new.ids.into_iter().zip(&new.objs) {
             named.push(Named::new(id, obj.as_ptr() as usize));
@@ -161,7 +161,7 @@ impl Scheduler {
         let mut ids = Vec::with_capacity(end);
         let mut ptrs = Vec::with_capacity(named.len());
         let (sizes, seen) = {
-            let core = self.lock();
+            let core = self.lock()?;
             ids::resolve_named(&core, named, &mut ids, &mut ptrs);
             for list in [finished_ids, aborted_ids, preempted_ids, table_ids] {
                 ids.extend(list.into_iter().map(|id| core.resolved(id)));

@@ -22,13 +22,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
+
+use crate::py::sync::guarded;
 use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PyTuple};
 
 use self::config::resolve;
 use self::input::{block_lists, id_list, new_blocks_input, request_tokens, scheduled_input};
 use self::plan::job_obj;
 pub use self::plan::{CompletedJob, StepPlan, TransferJob};
-use super::convert;
+use super::convert::{self, Arg};
 use super::engine::engine_hashes_from;
 use super::errors::to_py;
 use crate::error::Error;
@@ -55,10 +57,10 @@ const HASH_ROOM: usize = 32;
 
 impl Scheduler {
     /// The core lock, waited for with the GIL released; never held while calling Python.
-    fn lock(&self) -> MutexGuard<'_, Core> {
-        let core = super::sync::lock(&self.inner);
+    fn lock(&self) -> PyResult<MutexGuard<'_, Core>> {
+        let core = super::sync::lock(&self.inner)?;
         self.locks.fetch_add(1, Ordering::Relaxed);
-        core
+        Ok(core)
     }
 
     /// The hashes of `block_hashes` (a request's whole hash list) from the last one the core
@@ -70,14 +72,14 @@ impl Scheduler {
     /// meanwhile it is converted again, so the tail is never appended at the wrong position.
     fn tail_under_lock(&self, id: &str, block_hashes: &Bound<'_, PyAny>) -> PyResult<Tail<'_>> {
         loop {
-            let held = self.lock().num_hashes(id).ok();
+            let held = self.lock()?.num_hashes(id).ok();
             // (A `block_hashes` that is no sequence fails in the conversion, as it should.)
             let len = block_hashes.len().unwrap_or(usize::MAX);
             let from = held.map_or(0, |n| n.saturating_sub(1).min(len));
             // A new request's list becomes its own: room for the hashes it decodes.
             let spare = if held.is_none() { HASH_ROOM } else { 0 };
             let tail = engine_hashes_from(block_hashes, from, spare, "block_hashes")?;
-            let core = self.lock();
+            let core = self.lock()?;
             if core.num_hashes(id).ok() == held {
                 return Ok((core, held, from, tail));
             }
@@ -89,7 +91,7 @@ impl Scheduler {
         &self,
         finished: &Bound<'_, PyAny>,
         failed: Option<&Bound<'_, PyAny>>,
-        worker: Option<&Bound<'_, PyAny>>,
+        worker: &Arg<'_>,
         apply: impl FnOnce(&mut Core, &[(crate::JobId, u32, bool)]) -> Result<T, Error>,
     ) -> PyResult<T> {
         // The rank is checked even for an empty report.
@@ -102,7 +104,7 @@ impl Scheduler {
             reports.reserve(ids.len());
             reports.extend(ids.into_iter().map(|(id, clamped, _)| (id, clamped, ok)));
         }
-        apply(&mut self.lock(), &reports).map_err(|e| match e {
+        apply(&mut *self.lock()?, &reports).map_err(|e| match e {
             Error::WorkerOutOfRange { job, .. } => convert::completion_error(e, job, w, clamped),
             e => to_py(e),
         })
@@ -156,10 +158,12 @@ impl Scheduler {
         prompt_len: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let id = convert::request_id(request_id, "request_id")?;
-        let n = request_tokens(prompt_len, "prompt_len")?;
-        let hashes = convert::keys(block_hashes, "block_hashes")?;
-        self.lock().add_request(id, n, hashes).map_err(to_py)
+        guarded(|| {
+            let id = convert::request_id(request_id, "request_id")?;
+            let n = request_tokens(prompt_len, "prompt_len")?;
+            let hashes = convert::keys(block_hashes, "block_hashes")?;
+            self.lock()?.add_request(id, n, hashes).map_err(to_py)
+        })
     }
 
     /// Appends chained hashes as the request's tokens grow.
@@ -168,9 +172,11 @@ impl Scheduler {
         request_id: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let id = convert::request_id(request_id, "request_id")?;
-        let hashes = convert::keys(block_hashes, "block_hashes")?;
-        self.lock().extend_hashes(id, &hashes).map_err(to_py)
+        guarded(|| {
+            let id = convert::request_id(request_id, "request_id")?;
+            let hashes = convert::keys(block_hashes, "block_hashes")?;
+            self.lock()?.extend_hashes(id, &hashes).map_err(to_py)
+        })
     }
 
     /// Tokens loadable beyond the engine's prefix hit; `None`: ask again later.
@@ -179,9 +185,11 @@ impl Scheduler {
         request_id: &Bound<'_, PyAny>,
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
-        let id = convert::request_id(request_id, "request_id")?;
-        let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
-        self.lock().lookup(id, hit).map_err(to_py)
+        guarded(|| {
+            let id = convert::request_id(request_id, "request_id")?;
+            let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
+            self.lock()?.lookup(id, hit).map_err(to_py)
+        })
     }
 
     /// Records the request's block table (one list per group, of block ids or of the engine's
@@ -194,22 +202,26 @@ impl Scheduler {
         num_computed_tokens: &Bound<'_, PyAny>,
         num_load_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u64>> {
-        let id = convert::request_id(request_id, "request_id")?;
-        let tables = block_lists(block_ids, "block_ids")?;
-        let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
-        let load = request_tokens(num_load_tokens, "num_load_tokens")?;
-        let job = self
-            .lock()
-            .allocate(id, &tables, hit, load)
-            .map_err(to_py)?;
-        Ok(job.map(|j| j.0))
+        guarded(|| {
+            let id = convert::request_id(request_id, "request_id")?;
+            let tables = block_lists(block_ids, "block_ids")?;
+            let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
+            let load = request_tokens(num_load_tokens, "num_load_tokens")?;
+            let job = self
+                .lock()?
+                .allocate(id, &tables, hit, load)
+                .map_err(to_py)?;
+            Ok(job.map(|j| j.0))
+        })
     }
 
     /// The engine released a running request's blocks outside a step (e.g. after a failed
     /// load); idempotent.
     fn preempt(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = convert::request_id(request_id, "request_id")?;
-        self.lock().preempt(id).map_err(to_py)
+        guarded(|| {
+            let id = convert::request_id(request_id, "request_id")?;
+            self.lock()?.preempt(id).map_err(to_py)
+        })
     }
 
     /// Applies one engine step; returns its plan. `scheduled` holds `(request_id, tokens)`
@@ -231,46 +243,48 @@ impl Scheduler {
         preempted: Option<&Bound<'_, PyAny>>,
         written: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StepPlan> {
-        let (scheduled, computed) = scheduled_input(scheduled, computed)?;
-        let new_blocks = match new_blocks {
-            Some(b) if !b.is_none() => new_blocks_input(b)?,
-            _ => Vec::new(),
-        };
-        let written = match written {
-            Some(w) if !w.is_none() => Some(convert::blocks(w, "written")?),
-            _ => None,
-        };
-        let input = StepInput {
-            scheduled,
-            computed,
-            new_blocks,
-            resumed: id_list(resumed, "resumed")?,
-            finished: id_list(finished, "finished")?,
-            aborted: id_list(aborted, "aborted")?,
-            preempted: id_list(preempted, "preempted")?,
-            written,
-        };
-        let plan = self.lock().schedule(&input).map_err(to_py)?;
-        let loads = plan
-            .loads
-            .into_iter()
-            .map(|j| job_obj(py, j))
-            .collect::<PyResult<Vec<_>>>()?;
-        let stores = plan
-            .stores
-            .into_iter()
-            .map(|j| job_obj(py, j))
-            .collect::<PyResult<Vec<_>>>()?;
-        Ok(StepPlan {
-            loads: PyList::new(py, loads)?.unbind(),
-            stores: PyList::new(py, stores)?.unbind(),
-            flush: PyList::new(py, plan.flush.iter().map(|j| j.0))?.unbind(),
-            tier_jobs: PyList::new(
-                py,
-                plan.tier_jobs.into_iter().map(super::tier::tier_job_tuple),
-            )?
-            .unbind(),
-            tier_flush: plan.tier_flush.iter().map(|j| j.0).collect(),
+        guarded(|| {
+            let (scheduled, computed) = scheduled_input(scheduled, computed)?;
+            let new_blocks = match new_blocks {
+                Some(b) if !b.is_none() => new_blocks_input(b)?,
+                _ => Vec::new(),
+            };
+            let written = match written {
+                Some(w) if !w.is_none() => Some(convert::blocks(w, "written")?),
+                _ => None,
+            };
+            let input = StepInput {
+                scheduled,
+                computed,
+                new_blocks,
+                resumed: id_list(resumed, "resumed")?,
+                finished: id_list(finished, "finished")?,
+                aborted: id_list(aborted, "aborted")?,
+                preempted: id_list(preempted, "preempted")?,
+                written,
+            };
+            let plan = self.lock()?.schedule(&input).map_err(to_py)?;
+            let loads = plan
+                .loads
+                .into_iter()
+                .map(|j| job_obj(py, j))
+                .collect::<PyResult<Vec<_>>>()?;
+            let stores = plan
+                .stores
+                .into_iter()
+                .map(|j| job_obj(py, j))
+                .collect::<PyResult<Vec<_>>>()?;
+            Ok(StepPlan {
+                loads: PyList::new(py, loads)?.unbind(),
+                stores: PyList::new(py, stores)?.unbind(),
+                flush: PyList::new(py, plan.flush.iter().map(|j| j.0))?.unbind(),
+                tier_jobs: PyList::new(
+                    py,
+                    plan.tier_jobs.into_iter().map(super::tier::tier_job_tuple),
+                )?
+                .unbind(),
+                tier_flush: plan.tier_flush.iter().map(|j| j.0).collect(),
+            })
         })
     }
 
@@ -316,37 +330,39 @@ impl Scheduler {
         Bound<'py, PyBytes>,
         Vec<u64>,
     )> {
-        let args = batch::Args {
-            scheduled,
-            computed,
-            new,
-            added,
-            appended,
-            tables,
-            hashes,
-            finished,
-            aborted,
-            preempted,
-            written,
-        };
-        let mut plan = self.batch_step(&args)?;
-        let runs = crate::runs::encode(plan.loads.iter().chain(&plan.stores));
-        let tier_jobs = super::tier::encode_tier_jobs(&plan.tier_jobs);
-        let out = (
-            plan.loads.iter().map(|j| j.id.0).collect(),
-            plan.loads
-                .iter_mut()
-                .map(|j| std::mem::take(&mut j.request))
-                .collect(),
-            plan.stores.iter().map(|j| j.id.0).collect(),
-            plan.flush.iter().map(|j| j.0).collect(),
-            PyBytes::new(py, &runs),
-            PyBytes::new(py, &tier_jobs),
-            plan.tier_flush.iter().map(|j| j.0).collect(),
-        );
-        // Encoded: the jobs' lists serve the next plans' jobs.
-        self.lock().recycle(plan);
-        Ok(out)
+        guarded(|| {
+            let args = batch::Args {
+                scheduled,
+                computed,
+                new,
+                added,
+                appended,
+                tables,
+                hashes,
+                finished,
+                aborted,
+                preempted,
+                written,
+            };
+            let mut plan = self.batch_step(&args)?;
+            let runs = crate::runs::encode(plan.loads.iter().chain(&plan.stores));
+            let tier_jobs = super::tier::encode_tier_jobs(&plan.tier_jobs);
+            let out = (
+                plan.loads.iter().map(|j| j.id.0).collect(),
+                plan.loads
+                    .iter_mut()
+                    .map(|j| std::mem::take(&mut j.request))
+                    .collect(),
+                plan.stores.iter().map(|j| j.id.0).collect(),
+                plan.flush.iter().map(|j| j.0).collect(),
+                PyBytes::new(py, &runs),
+                PyBytes::new(py, &tier_jobs),
+                plan.tier_flush.iter().map(|j| j.0).collect(),
+            );
+            // Encoded: the jobs' lists serve the next plans' jobs.
+            self.lock()?.recycle(plan);
+            Ok(out)
+        })
     }
 
     /// Registers a request (prompt length and hashes) if the core does not track it, else
@@ -362,14 +378,16 @@ impl Scheduler {
         prompt_len: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let id = convert::request_id(request_id, "request_id")?;
-        let n = request_tokens(prompt_len, "prompt_len")?;
-        match self.tail_under_lock(id, block_hashes)? {
-            // Not tracked: registered with the list as converted (the core's copy spared).
-            (mut core, None, _, tail) => core.add_request(id, n, tail),
-            (mut core, Some(_), from, tail) => core.sync_request(id, n, &tail, from),
-        }
-        .map_err(to_py)
+        guarded(|| {
+            let id = convert::request_id(request_id, "request_id")?;
+            let n = request_tokens(prompt_len, "prompt_len")?;
+            match self.tail_under_lock(id, block_hashes)? {
+                // Not tracked: registered with the list as converted (the core's copy spared).
+                (mut core, None, _, tail) => core.add_request(id, n, tail),
+                (mut core, Some(_), from, tail) => core.sync_request(id, n, &tail, from),
+            }
+            .map_err(to_py)
+        })
     }
 
     /// An engine's ask in one call (vLLM's `get_num_new_matched_tokens`): [`Self::sync_request`]
@@ -385,78 +403,112 @@ impl Scheduler {
         block_hashes: &Bound<'_, PyAny>,
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
-        let id = convert::request_id(request_id, "request_id")?;
-        let n = request_tokens(prompt_len, "prompt_len")?;
-        let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
-        let (mut core, _, from, tail) = self.tail_under_lock(id, block_hashes)?;
-        core.lookup_request(id, n, tail, from, hit).map_err(to_py)
+        guarded(|| {
+            let id = convert::request_id(request_id, "request_id")?;
+            let n = request_tokens(prompt_len, "prompt_len")?;
+            let hit = request_tokens(num_computed_tokens, "num_computed_tokens")?;
+            let (mut core, _, from, tail) = self.tail_under_lock(id, block_hashes)?;
+            core.lookup_request(id, n, tail, from, hit).map_err(to_py)
+        })
     }
 
     /// Bounds each CPU pool's event queue to `limit` keys; 0 records no events (for an engine
     /// that publishes none).
     fn set_event_limit(&self, limit: &Bound<'_, PyAny>) -> PyResult<()> {
-        let limit = convert::config_int(limit, "limit")?;
-        let limit = crate::config::event_limit(limit).map_err(to_py)?;
-        self.lock().set_event_limit(limit);
-        Ok(())
+        guarded(|| {
+            let limit = convert::config_int(limit, "limit")?;
+            let limit = crate::config::event_limit(limit).map_err(to_py)?;
+            self.lock()?.set_event_limit(limit);
+            Ok(())
+        })
+    }
+
+    /// Panics inside the core with its lock held, as an internal bug would: the boundary's tests
+    /// check that it raises `InternalError` and that the object then refuses every call. Never
+    /// called by kvoffload itself.
+    fn _debug_panic(&self) -> PyResult<()> {
+        guarded(|| {
+            let _core = self.lock()?;
+            panic!("Scheduler._debug_panic was called")
+        })
     }
 
     /// Records worker `worker`'s report for `job`. Returns the completed job when every worker
     /// reported, else `None` (also for reports of jobs from before a reset).
-    #[pyo3(signature = (job, worker = None, ok = None))]
+    #[pyo3(
+        signature = (job, worker = Arg::Omitted, ok = Arg::Omitted),
+        text_signature = "(self, job, worker=0, ok=True)"
+    )]
+    #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
     fn complete(
         &self,
         job: &Bound<'_, PyAny>,
-        worker: Option<&Bound<'_, PyAny>>,
-        ok: Option<&Bound<'_, PyAny>>,
+        worker: Arg<'_>,
+        ok: Arg<'_>,
     ) -> PyResult<Option<CompletedJob>> {
-        let r = convert::Report::new(job, worker, ok)?;
-        Ok(self
-            .lock()
-            .complete(r.job, r.worker, r.ok)
-            .map_err(|e| r.error(e))?
-            .map(CompletedJob::from))
+        guarded(|| {
+            let r = convert::Report::new(job, &worker, &ok)?;
+            Ok(self
+                .lock()?
+                .complete(r.job, r.worker, r.ok)
+                .map_err(|e| r.error(e))?
+                .map(CompletedJob::from))
+        })
     }
 
     /// Records one worker's report, all or nothing: `finished` and `failed` job ids from
     /// worker `worker`. Returns the jobs that completed.
-    #[pyo3(signature = (finished, failed = None, worker = None))]
+    #[pyo3(
+        signature = (finished, failed = None, worker = Arg::Omitted),
+        text_signature = "(self, finished, failed=None, worker=0)"
+    )]
+    #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
     fn complete_many(
         &self,
         finished: &Bound<'_, PyAny>,
         failed: Option<&Bound<'_, PyAny>>,
-        worker: Option<&Bound<'_, PyAny>>,
+        worker: Arg<'_>,
     ) -> PyResult<Vec<CompletedJob>> {
-        let done = self.report(finished, failed, worker, Core::complete_many)?;
-        Ok(done.into_iter().map(CompletedJob::from).collect())
+        guarded(|| {
+            let done = self.report(finished, failed, &worker, Core::complete_many)?;
+            Ok(done.into_iter().map(CompletedJob::from).collect())
+        })
     }
 
     /// [`Self::complete_many`] for a caller that needs no job objects: returns how many jobs
     /// completed `(ok, failed)`.
-    #[pyo3(signature = (finished, failed = None, worker = None))]
+    #[pyo3(
+        signature = (finished, failed = None, worker = Arg::Omitted),
+        text_signature = "(self, finished, failed=None, worker=0)"
+    )]
+    #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
     fn complete_counts(
         &self,
         finished: &Bound<'_, PyAny>,
         failed: Option<&Bound<'_, PyAny>>,
-        worker: Option<&Bound<'_, PyAny>>,
+        worker: Arg<'_>,
     ) -> PyResult<(usize, usize)> {
-        self.report(finished, failed, worker, Core::complete_counts)
+        guarded(|| self.report(finished, failed, &worker, Core::complete_counts))
     }
 
     /// Forgets every pending job and empties the CPU tier. Returns `(flushed job ids,
     /// [(request_id, cancelled load job id)])`.
-    fn reset(&self) -> (Vec<u64>, Vec<(String, u64)>) {
-        let (flushed, cancelled) = self.lock().reset();
-        (
-            flushed.into_iter().map(|j| j.0).collect(),
-            cancelled.into_iter().map(|(r, j)| (r, j.0)).collect(),
-        )
+    fn reset(&self) -> PyResult<(Vec<u64>, Vec<(String, u64)>)> {
+        guarded(|| {
+            Ok({
+                let (flushed, cancelled) = self.lock()?.reset();
+                (
+                    flushed.into_iter().map(|j| j.0).collect(),
+                    cancelled.into_iter().map(|(r, j)| (r, j.0)).collect(),
+                )
+            })
+        })
     }
 
     /// Drains pool and tier events: `(kind, group, keys, medium)` with kind `"stored"` /
     /// `"removed"` and medium `"cpu"` or a tier's (`"disk"`).
-    fn take_events(&self) -> Vec<(&'static str, u32, Vec<u128>, &'static str)> {
-        stats::take_events(&mut self.lock())
+    fn take_events(&self) -> PyResult<Vec<(&'static str, u32, Vec<u128>, &'static str)>> {
+        guarded(|| Ok({ stats::take_events(&mut *self.lock()?) }))
     }
 
     /// Attaches a disk tier under `path` to every group (`disk_bytes` per group and worker),
@@ -478,22 +530,23 @@ impl Scheduler {
         probation_after: Option<&Bound<'_, PyAny>>,
         probation_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let mut watch = crate::scheduler::DiskWatch::default();
-        if let Some(d) = deadline_ms {
-            watch.deadline = super::remote::ms_arg("disk_deadline_ms", d)?;
-        }
-        if let Some(n) = probation_after {
-            watch.probation_after = super::remote::count_arg("disk_probation_after", n)?;
-        }
-        if let Some(d) = probation_ms {
-            watch.probation = super::remote::ms_arg("disk_probation_ms", d)?;
-        }
-        let model = model.to_string();
-        py.detach(|| {
-            self.lock()
-                .attach_disk_with(&path, disk_bytes, &model, watch)
+        guarded(|| {
+            let mut watch = crate::scheduler::DiskWatch::default();
+            if let Some(d) = deadline_ms {
+                watch.deadline = super::remote::ms_arg("disk_deadline_ms", d)?;
+            }
+            if let Some(n) = probation_after {
+                watch.probation_after = super::remote::count_arg("disk_probation_after", n)?;
+            }
+            if let Some(d) = probation_ms {
+                watch.probation = super::remote::ms_arg("disk_probation_ms", d)?;
+            }
+            let model = model.to_string();
+            let mut guard = self.lock()?;
+            let core: &mut Core = &mut guard;
+            py.detach(|| core.attach_disk_with(&path, disk_bytes, &model, watch))
+                .map_err(to_py)
         })
-        .map_err(to_py)
     }
 
     /// Attaches the shared (Redis) tier at `url` to every group: chunks stored in the CPU pool
@@ -513,101 +566,117 @@ impl Scheduler {
         retry_s: f64,
         io_cpus: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let cpus = super::tier_worker::io_cpus_arg(io_cpus)?;
-        let client = super::remote::client(url, deadline_ms)?;
-        let secs = |field: &str, v: f64| {
-            if v.is_finite() && v > 0.0 && v <= 1e6 {
-                Ok(std::time::Duration::from_secs_f64(v))
-            } else {
-                Err(super::errors::ConfigError::new_err(format!(
-                    "{field} must be a number of seconds in (0, 1e6], got {v}"
-                )))
-            }
-        };
-        let (ttl, retry) = (
-            secs("remote_ttl_s", ttl_s)?,
-            secs("remote_retry_s", retry_s)?,
-        );
-        self.lock()
-            .attach_remote(
-                &std::sync::Arc::new(client),
-                model,
-                cache_salt,
-                ttl,
-                retry,
-                cpus.as_ref(),
-            )
-            .map_err(to_py)
+        guarded(|| {
+            let cpus = super::tier_worker::io_cpus_arg(io_cpus)?;
+            let client = super::remote::client(url, deadline_ms)?;
+            let secs = |field: &str, v: f64| {
+                if v.is_finite() && v > 0.0 && v <= 1e6 {
+                    Ok(std::time::Duration::from_secs_f64(v))
+                } else {
+                    Err(super::errors::ConfigError::new_err(format!(
+                        "{field} must be a number of seconds in (0, 1e6], got {v}"
+                    )))
+                }
+            };
+            let (ttl, retry) = (
+                secs("remote_ttl_s", ttl_s)?,
+                secs("remote_retry_s", retry_s)?,
+            );
+            self.lock()?
+                .attach_remote(
+                    &std::sync::Arc::new(client),
+                    model,
+                    cache_salt,
+                    ttl,
+                    retry,
+                    cpus.as_ref(),
+                )
+                .map_err(to_py)
+        })
     }
 
     /// Every group's tier of `medium` (`"disk"`, `"remote"`) writes a chunk behind once it was
     /// loaded from the CPU pool `min_hits` times (0: as soon as it is stored). Returns how many
     /// tiers it set.
-    fn set_tier_admission(&self, medium: &str, min_hits: u32) -> usize {
-        self.lock()
-            .set_tier_admission(medium, crate::scheduler::TierAdmission { min_hits })
+    fn set_tier_admission(&self, medium: &str, min_hits: u32) -> PyResult<usize> {
+        guarded(|| {
+            Ok({
+                self.lock()?
+                    .set_tier_admission(medium, crate::scheduler::TierAdmission { min_hits })
+            })
+        })
     }
 
     /// Per group and lower tier: its counters (hits, bytes, promotions, quarantined, queue
     /// depth, I/O time, ...).
     fn tier_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let stats = self.lock().tier_stats();
-        stats
-            .iter()
-            .map(|s| super::tier::tier_stats_dict(py, s))
-            .collect()
+        guarded(|| {
+            let stats = self.lock()?.tier_stats();
+            stats
+                .iter()
+                .map(|s| super::tier::tier_stats_dict(py, s))
+                .collect()
+        })
     }
 
     /// Status of a request: waiting, running, preempted, finished or aborted.
     fn status(&self, request_id: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-        let id = convert::request_id(request_id, "request_id")?;
-        Ok(self.lock().status(id).map_err(to_py)?.name())
+        guarded(|| {
+            let id = convert::request_id(request_id, "request_id")?;
+            Ok(self.lock()?.status(id).map_err(to_py)?.name())
+        })
     }
 
     /// Ids of pending jobs, in creation order.
-    fn pending_jobs(&self) -> Vec<u64> {
-        self.lock()
-            .pending_jobs()
-            .into_iter()
-            .map(|j| j.0)
-            .collect()
+    fn pending_jobs(&self) -> PyResult<Vec<u64>> {
+        guarded(|| {
+            Ok({
+                self.lock()?
+                    .pending_jobs()
+                    .into_iter()
+                    .map(|j| j.0)
+                    .collect()
+            })
+        })
     }
 
     /// Number of pending jobs (without listing them).
     #[getter]
-    fn num_pending(&self) -> usize {
-        self.lock().num_pending()
+    fn num_pending(&self) -> PyResult<usize> {
+        guarded(|| Ok({ self.lock()?.num_pending() }))
     }
 
     /// Number of tracked requests.
     #[getter]
-    fn num_requests(&self) -> usize {
-        self.lock().num_requests()
+    fn num_requests(&self) -> PyResult<usize> {
+        guarded(|| Ok({ self.lock()?.num_requests() }))
     }
 
     /// Number of armed `(block, job)` pairs.
     #[getter]
-    fn armed_pairs(&self) -> usize {
-        self.lock().armed_pairs()
+    fn armed_pairs(&self) -> PyResult<usize> {
+        guarded(|| Ok({ self.lock()?.armed_pairs() }))
     }
 
     /// Requests with a pending load.
     #[getter]
-    fn loading_requests(&self) -> u32 {
-        self.lock().loading_requests()
+    fn loading_requests(&self) -> PyResult<u32> {
+        guarded(|| Ok({ self.lock()?.loading_requests() }))
     }
 
     /// Counters of the scheduler, the job table, the fence and each group's pool.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        // A snapshot under the lock; the dicts are built after it is released (building them
-        // may run the garbage collector, whose finalizers may call back in).
-        let (counters, pools) = stats::snapshot(&self.lock());
-        let d = counters.into_py_dict(py)?;
-        let pools = pools
-            .iter()
-            .map(|p| super::pool::pool_counters(p).into_py_dict(py))
-            .collect::<PyResult<Vec<_>>>()?;
-        d.set_item("pools", pools)?;
-        Ok(d)
+        guarded(|| {
+            // A snapshot under the lock; the dicts are built after it is released (building them
+            // may run the garbage collector, whose finalizers may call back in).
+            let (counters, pools) = stats::snapshot(&*self.lock()?);
+            let d = counters.into_py_dict(py)?;
+            let pools = pools
+                .iter()
+                .map(|p| super::pool::pool_counters(p).into_py_dict(py))
+                .collect::<PyResult<Vec<_>>>()?;
+            d.set_item("pools", pools)?;
+            Ok(d)
+        })
     }
 }
