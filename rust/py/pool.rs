@@ -82,15 +82,11 @@ impl From<CoreStorePlan> for StorePlan {
 
 #[pymethods]
 impl StorePlan {
-    fn __repr__(&self) -> PyResult<String> {
-        guarded(|| {
-            Ok({
-                format!(
-                    "StorePlan(keys={:?}, slots={:?}, evicted={:?}, filtered={:?})",
-                    self.keys, self.slots, self.evicted, self.filtered
-                )
-            })
-        })
+    fn __repr__(&self) -> String {
+        format!(
+            "StorePlan(keys={:?}, slots={:?}, evicted={:?}, filtered={:?})",
+            self.keys, self.slots, self.evicted, self.filtered
+        )
     }
 }
 
@@ -142,25 +138,25 @@ impl CpuPool {
     /// The bound of the event queue, in keys (0: events are not recorded).
     #[getter]
     fn max_event_keys(&self) -> PyResult<usize> {
-        guarded(|| Ok({ self.lock()?.event_limit() }))
+        guarded(|| Ok(self.lock()?.event_limit()))
     }
 
     /// Number of slots.
     #[getter]
     fn capacity(&self) -> PyResult<u32> {
-        guarded(|| Ok({ self.lock()?.capacity() }))
+        guarded(|| Ok(self.lock()?.capacity()))
     }
 
     /// The eviction policy: `"lru"` or `"arc"`.
     #[getter]
     fn policy(&self) -> PyResult<&'static str> {
-        guarded(|| Ok({ self.lock()?.policy().name() }))
+        guarded(|| Ok(self.lock()?.policy().name()))
     }
 
     /// Lookups needed before a key is admitted (0 or 1: no filter).
     #[getter]
     fn store_threshold(&self) -> PyResult<u32> {
-        guarded(|| Ok({ self.lock()?.config().store_threshold }))
+        guarded(|| Ok(self.lock()?.config().store_threshold))
     }
 
     /// How many leading keys are ready, and the state of every key (`"absent"`, `"storing"`,
@@ -281,9 +277,8 @@ impl CpuPool {
     /// Empties the pool (ready keys are announced in one `removed` event).
     fn reset(&self) -> PyResult<()> {
         guarded(|| {
-            Ok({
-                self.lock()?.reset();
-            })
+            self.lock()?.reset();
+            Ok(())
         })
     }
 
@@ -314,7 +309,7 @@ impl CpuPool {
 
     /// Number of present keys (storing or ready).
     fn __len__(&self) -> PyResult<usize> {
-        guarded(|| Ok({ self.lock()?.len() }))
+        guarded(|| Ok(self.lock()?.len()))
     }
 
     fn __repr__(&self) -> PyResult<String> {

@@ -150,12 +150,12 @@ impl JobTracker {
 
     /// Forgets every job; returns the ids that were pending (all must be flushed).
     fn reset(&self) -> PyResult<Vec<u64>> {
-        guarded(|| Ok({ self.lock()?.reset().into_iter().map(|j| j.id.0).collect() }))
+        guarded(|| Ok(self.lock()?.reset().into_iter().map(|j| j.id.0).collect()))
     }
 
     /// Ids of pending jobs, in creation order.
     fn pending_jobs(&self) -> PyResult<Vec<u64>> {
-        guarded(|| Ok({ self.lock()?.jobs().pending_ids().map(|j| j.0).collect() }))
+        guarded(|| Ok(self.lock()?.jobs().pending_ids().map(|j| j.0).collect()))
     }
 
     /// Ids of pending jobs armed on `block`.
@@ -194,13 +194,13 @@ impl JobTracker {
 
     /// Number of pending jobs.
     fn __len__(&self) -> PyResult<usize> {
-        guarded(|| Ok({ self.lock()?.jobs().len() }))
+        guarded(|| Ok(self.lock()?.jobs().len()))
     }
 
     /// Number of armed `(block, job)` pairs.
     #[getter]
     fn armed_pairs(&self) -> PyResult<usize> {
-        guarded(|| Ok({ self.lock()?.fence().armed_pairs() }))
+        guarded(|| Ok(self.lock()?.fence().armed_pairs()))
     }
 
     /// Counters: jobs created, completed, failed, late reports, resets, checks, flushed.

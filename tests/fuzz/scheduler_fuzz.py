@@ -69,7 +69,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
-from kvoffload.errors import DuplicateReportError, KvOffloadError, UnknownRequestError
+from kvoffload.errors import (
+    DuplicateReportError,
+    InternalError,
+    KvOffloadError,
+    UnknownRequestError,
+)
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 
 BS = 4  # tokens per block (and per hash block)
@@ -324,9 +329,12 @@ class Fuzzer:
         before = self.snapshot()
         try:
             got = thunk()
+        except InternalError as e:
+            self.c["panics"] += 1
+            self.contract(False, f"invalid call {what} panicked inside the core: {e}")
         except KvOffloadError:
             pass
-        except Exception as e:
+        except BaseException as e:  # a PanicException is a BaseException
             self.contract(False, f"invalid call {what} raised {type(e).__name__}: {e}")
         else:
             self.contract(False, f"invalid call {what} was accepted (returned {got!r})")
@@ -735,6 +743,13 @@ class Fuzzer:
         j.armed0, j.releases0 = False, r.releases
         self.jobs[jid] = j
         self.new_loads.append(jid)
+        if self.irng.random() < self.o.invalid_rate:
+            # A report before the plan that hands the load out: refused, the plan still
+            # carries it.
+            ok = self.irng.random() < 0.5
+            self.expect_error(
+                f"complete(unplanned {jid}, ok={ok})", lambda: self.s.complete(jid, 0, ok)
+            )
         r.state = "loading"
         r.load, r.load_hit, r.load_end = jid, hit, end
         r.computed = hit
@@ -1238,11 +1253,35 @@ class Fuzzer:
     def invalid_call(self) -> None:
         rng = self.irng
         s = self.s
-        kind = rng.randrange(16)
+        kind = rng.randrange(19)
         ghost = f"ghost-{rng.randrange(10**6)}"
         waiting = self.pick(("waiting",))
         running = self.pick(("running",))
         pending = [j for j in self.jobs.values() if j.gen == self.gen and not j.done and j.planned]
+        unplanned = [
+            j for j in self.jobs.values() if j.gen == self.gen and not j.done and not j.planned
+        ]
+        if kind == 16 and unplanned:
+            j = rng.choice(unplanned)
+            rank = rng.randrange(self.W)
+            ok = rng.random() < 0.5
+            self.expect_error(
+                f"complete(unplanned {j.id}, ok={ok})", lambda: s.complete(j.id, rank, ok)
+            )
+            return
+        if kind == 17 and (pending or unplanned):
+            j = rng.choice(pending or unplanned)
+            bad_ok: Any = rng.choice([None, 1, 0, "True", 1.0])  # wrong on purpose
+            self.expect_error(f"complete(ok={bad_ok!r})", lambda: s.complete(j.id, 0, bad_ok))
+            return
+        if kind == 18 and pending:
+            j = rng.choice(pending)
+            bad_w: Any = rng.choice([None, 0.0, "0", True])  # wrong on purpose
+            self.expect_error(
+                f"complete_many(worker={bad_w!r})",
+                lambda: s._core.complete_many([j.id], None, bad_w),
+            )
+            return
         if kind == 0:
             self.expect_error("lookup(unknown)", lambda: s.lookup(ghost, 0))
         elif kind == 1 and waiting:
@@ -1355,7 +1394,7 @@ class Fuzzer:
 
     def invalid_schedule(self, inp: StepInput) -> None:
         rng = self.irng
-        kind = rng.randrange(10)
+        kind = rng.randrange(13)
         sched = list(inp.scheduled) or list(zip(inp.request_ids, inp.computed_tokens, strict=True))
         args = {f.name: getattr(inp, f.name) for f in fields(StepInput)}
         args["request_ids"], args["computed_tokens"] = (), ()
@@ -1398,6 +1437,21 @@ class Fuzzer:
         elif kind == 9 and waiting:
             args["resumed"] = [*inp.resumed, waiting[0]]
             what = "resumed a waiting request"
+        elif kind == 10 and (inp.finished or inp.aborted or inp.preempted) and self.free:
+            rid = rng.choice([*inp.finished, *inp.aborted, *inp.preempted])
+            args["new_blocks"] = [*inp.new_blocks, (rid, 0, [self.free[-1]])]
+            what = "new blocks for a request released in the same step"
+        elif kind == 11 and running and self.free:
+            rid = rng.choice(running)
+            release = rng.choice(["finished", "aborted", "preempted"])
+            args["scheduled"] = [x for x in sched if x[0] != rid]
+            args[release] = [*args[release], rid]
+            args["new_blocks"] = [*inp.new_blocks, (rid, 0, [self.free[-1]])]
+            what = f"new blocks for a request {release} in the same step"
+        elif kind == 12 and inp.resumed:
+            rid = inp.resumed[0]
+            args["preempted"] = [*inp.preempted, rid]
+            what = "resumed and preempted in one step"
         else:
             return
         bad_inp = StepInput(**args)
@@ -1525,6 +1579,7 @@ _SUMMED = (
     "flushes",
     "resets",
     "invalid_calls",
+    "panics",
     "reports",
     "duplicate_reports",
     "late_reports",

@@ -25,6 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -70,7 +71,7 @@ class _Lane:
     """A background thread that runs one direction's jobs in submission order (CPU engines)."""
 
     # Every lane not collected yet, for the exit hook.
-    live: weakref.WeakSet[_Lane] = weakref.WeakSet()
+    live: ClassVar[weakref.WeakSet[_Lane]] = weakref.WeakSet()
 
     def __init__(self, name: str, runtime: _Runtime, sink: _Completions) -> None:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()

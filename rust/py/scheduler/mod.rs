@@ -51,6 +51,12 @@ pub struct Scheduler {
     ids: Mutex<ids::IdCache>,
 }
 
+/// `reset`'s answer: flushed job ids, `(request id, cancelled load)` pairs.
+type ResetLists = (Vec<u64>, Vec<(String, u64)>);
+
+/// `take_events`' rows: `(kind, group, keys, medium)`.
+type EventRows = Vec<(&'static str, u32, Vec<u128>, &'static str)>;
+
 /// Room for the hashes a new request's list grows by as it decodes (vLLM appends one per full
 /// block: 32 cover 512 tokens of 16-token blocks), so that its first appends do not copy it.
 const HASH_ROOM: usize = 32;
@@ -493,7 +499,7 @@ impl Scheduler {
 
     /// Forgets every pending job and empties the CPU tier. Returns `(flushed job ids,
     /// [(request_id, cancelled load job id)])`.
-    fn reset(&self) -> PyResult<(Vec<u64>, Vec<(String, u64)>)> {
+    fn reset(&self) -> PyResult<ResetLists> {
         guarded(|| {
             Ok({
                 let (flushed, cancelled) = self.lock()?.reset();
@@ -507,8 +513,8 @@ impl Scheduler {
 
     /// Drains pool and tier events: `(kind, group, keys, medium)` with kind `"stored"` /
     /// `"removed"` and medium `"cpu"` or a tier's (`"disk"`).
-    fn take_events(&self) -> PyResult<Vec<(&'static str, u32, Vec<u128>, &'static str)>> {
-        guarded(|| Ok({ stats::take_events(&mut *self.lock()?) }))
+    fn take_events(&self) -> PyResult<EventRows> {
+        guarded(|| Ok(stats::take_events(&mut *self.lock()?)))
     }
 
     /// Attaches a disk tier under `path` to every group (`disk_bytes` per group and worker),
@@ -643,25 +649,25 @@ impl Scheduler {
     /// Number of pending jobs (without listing them).
     #[getter]
     fn num_pending(&self) -> PyResult<usize> {
-        guarded(|| Ok({ self.lock()?.num_pending() }))
+        guarded(|| Ok(self.lock()?.num_pending()))
     }
 
     /// Number of tracked requests.
     #[getter]
     fn num_requests(&self) -> PyResult<usize> {
-        guarded(|| Ok({ self.lock()?.num_requests() }))
+        guarded(|| Ok(self.lock()?.num_requests()))
     }
 
     /// Number of armed `(block, job)` pairs.
     #[getter]
     fn armed_pairs(&self) -> PyResult<usize> {
-        guarded(|| Ok({ self.lock()?.armed_pairs() }))
+        guarded(|| Ok(self.lock()?.armed_pairs()))
     }
 
     /// Requests with a pending load.
     #[getter]
     fn loading_requests(&self) -> PyResult<u32> {
-        guarded(|| Ok({ self.lock()?.loading_requests() }))
+        guarded(|| Ok(self.lock()?.loading_requests()))
     }
 
     /// Counters of the scheduler, the job table, the fence and each group's pool.
