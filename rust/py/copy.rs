@@ -11,6 +11,7 @@ use pyo3::types::PyBytes;
 
 use super::errors::{ConfigError, InvalidBlockError, KvOffloadError};
 use crate::copy::{self, CopyError, Direction, Group, Region, RowSpace, Runs, Span};
+use crate::py::sync::guarded;
 use crate::runs::{self, GroupShape, RunsError};
 
 /// One region as given: `(gpu_buffer, gpu_offset, gpu_stride, cpu_buffer, cpu_offset,
@@ -170,19 +171,21 @@ impl Copier {
         runs: Vec<RunsArg>,
         threads: usize,
     ) -> PyResult<usize> {
-        let runs: Vec<Runs> = runs
-            .into_iter()
-            .map(|(group, region, gpu, cpu, counts)| Runs {
-                group,
-                region,
-                gpu,
-                cpu,
-                counts,
-            })
-            .collect();
-        let dir = direction(store);
-        py.detach(|| self.inner.copy(dir, &runs, threads))
-            .map_err(to_py)
+        guarded(|| {
+            let runs: Vec<Runs> = runs
+                .into_iter()
+                .map(|(group, region, gpu, cpu, counts)| Runs {
+                    group,
+                    region,
+                    gpu,
+                    cpu,
+                    counts,
+                })
+                .collect();
+            let dir = direction(store);
+            py.detach(|| self.inner.copy(dir, &runs, threads))
+                .map_err(to_py)
+        })
     }
 
     /// Copies rows `start..end` of a packed runs buffer (GPU → CPU if `store`), for every
@@ -201,13 +204,15 @@ impl Copier {
         threads: usize,
         region: Option<usize>,
     ) -> PyResult<usize> {
-        let buf = runs.as_bytes();
-        let dir = direction(store);
-        py.detach(|| {
-            self.inner
-                .copy_packed(dir, buf, start..end, region, threads)
+        guarded(|| {
+            let buf = runs.as_bytes();
+            let dir = direction(store);
+            py.detach(|| {
+                self.inner
+                    .copy_packed(dir, buf, start..end, region, threads)
+            })
+            .map_err(to_py)
         })
-        .map_err(to_py)
     }
 
     /// Registered groups: `(gpu_rows, cpu_rows, regions)` each.

@@ -8,8 +8,6 @@
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-
-use crate::py::sync::guarded;
 use pyo3::types::{IntoPyDict, PyDict};
 
 use super::convert;
@@ -17,6 +15,7 @@ use super::convert::Arg;
 use super::errors::to_py;
 use crate::ids::{Key, SlotId};
 use crate::pool::{KeyState, Pool, PoolStats, StorePlan as CoreStorePlan};
+use crate::py::sync::guarded;
 
 fn ints(keys: &[Key]) -> Vec<u128> {
     keys.iter().map(|k| k.0).collect()
@@ -264,13 +263,12 @@ impl CpuPool {
     /// Drains the events: `(kind, keys, medium)` with kind `"stored"` or `"removed"`.
     fn take_events(&self) -> PyResult<Vec<(&'static str, Vec<u128>, &'static str)>> {
         guarded(|| {
-            Ok({
-                self.lock()?
-                    .take_events()
-                    .into_iter()
-                    .map(|e| (e.kind.name(), ints(&e.keys), e.medium()))
-                    .collect()
-            })
+            Ok(self
+                .lock()?
+                .take_events()
+                .into_iter()
+                .map(|e| (e.kind.name(), ints(&e.keys), e.medium()))
+                .collect())
         })
     }
 
@@ -314,18 +312,16 @@ impl CpuPool {
 
     fn __repr__(&self) -> PyResult<String> {
         guarded(|| {
-            Ok({
-                let p = self.lock()?;
-                let s = p.stats();
-                format!(
-                    "CpuPool(capacity={}, policy='{}', used={}, storing={}, pinned={})",
-                    s.capacity,
-                    p.policy(),
-                    s.used,
-                    s.storing,
-                    s.pinned
-                )
-            })
+            let p = self.lock()?;
+            let s = p.stats();
+            Ok(format!(
+                "CpuPool(capacity={}, policy='{}', used={}, storing={}, pinned={})",
+                s.capacity,
+                p.policy(),
+                s.used,
+                s.storing,
+                s.pinned
+            ))
         })
     }
 }

@@ -4,13 +4,12 @@
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-
-use crate::py::sync::guarded;
 use pyo3::types::{IntoPyDict, PyDict};
 
 use super::convert::{self, Arg};
 use super::errors::to_py;
 use crate::jobs::{Completion, JobKind};
+use crate::py::sync::guarded;
 use crate::tracker::Tracker;
 
 /// Job table + fence index with eager and deferred lifecycle classes.
@@ -233,16 +232,14 @@ impl JobTracker {
 
     fn __repr__(&self) -> PyResult<String> {
         guarded(|| {
-            Ok({
-                let t = self.lock()?;
-                format!(
-                    "JobTracker(num_blocks={}, num_workers={}, pending={}, armed_pairs={})",
-                    t.fence().num_blocks(),
-                    t.jobs().num_workers(),
-                    t.jobs().len(),
-                    t.fence().armed_pairs()
-                )
-            })
+            let t = self.lock()?;
+            Ok(format!(
+                "JobTracker(num_blocks={}, num_workers={}, pending={}, armed_pairs={})",
+                t.fence().num_blocks(),
+                t.jobs().num_workers(),
+                t.jobs().len(),
+                t.fence().armed_pairs()
+            ))
         })
     }
 }

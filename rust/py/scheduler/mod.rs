@@ -22,8 +22,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-
-use crate::py::sync::guarded;
 use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PyTuple};
 
 use self::config::resolve;
@@ -34,6 +32,7 @@ use super::convert::{self, Arg};
 use super::engine::engine_hashes_from;
 use super::errors::to_py;
 use crate::error::Error;
+use crate::py::sync::guarded;
 use crate::scheduler::{Scheduler as Core, StepInput};
 
 /// [`Scheduler::tail_under_lock`]'s answer: the lock, the held hash count, the tail's start.
@@ -501,13 +500,11 @@ impl Scheduler {
     /// [(request_id, cancelled load job id)])`.
     fn reset(&self) -> PyResult<ResetLists> {
         guarded(|| {
-            Ok({
-                let (flushed, cancelled) = self.lock()?.reset();
-                (
-                    flushed.into_iter().map(|j| j.0).collect(),
-                    cancelled.into_iter().map(|(r, j)| (r, j.0)).collect(),
-                )
-            })
+            let (flushed, cancelled) = self.lock()?.reset();
+            Ok((
+                flushed.into_iter().map(|j| j.0).collect(),
+                cancelled.into_iter().map(|(r, j)| (r, j.0)).collect(),
+            ))
         })
     }
 
@@ -606,10 +603,9 @@ impl Scheduler {
     /// tiers it set.
     fn set_tier_admission(&self, medium: &str, min_hits: u32) -> PyResult<usize> {
         guarded(|| {
-            Ok({
-                self.lock()?
-                    .set_tier_admission(medium, crate::scheduler::TierAdmission { min_hits })
-            })
+            Ok(self
+                .lock()?
+                .set_tier_admission(medium, crate::scheduler::TierAdmission { min_hits }))
         })
     }
 
@@ -636,13 +632,12 @@ impl Scheduler {
     /// Ids of pending jobs, in creation order.
     fn pending_jobs(&self) -> PyResult<Vec<u64>> {
         guarded(|| {
-            Ok({
-                self.lock()?
-                    .pending_jobs()
-                    .into_iter()
-                    .map(|j| j.0)
-                    .collect()
-            })
+            Ok(self
+                .lock()?
+                .pending_jobs()
+                .into_iter()
+                .map(|j| j.0)
+                .collect())
         })
     }
 
