@@ -88,6 +88,19 @@ create_exception!(
     "A request id that is not registered (or was dropped after it finished)."
 );
 
+create_exception!(
+    kvoffload.errors,
+    TierInUseError,
+    KvOffloadError,
+    "A disk tier directory another engine (or a `kvoffload disk verify`) holds: one owner per directory."
+);
+create_exception!(
+    kvoffload.errors,
+    TierPathError,
+    ConfigError,
+    "A path in a disk tier directory the tier will not use (a symbolic link, not a regular file, hard-linked elsewhere, another user's)."
+);
+
 /// Maps a core error to its Python exception.
 // By value so that call sites read `.map_err(to_py)`.
 #[allow(clippy::needless_pass_by_value)]
@@ -106,5 +119,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::StepInputLength { .. } => StepInputError::new_err(msg),
         Error::UnknownKey(_) => UnknownKeyError::new_err(msg),
         Error::KeyNotReady(_) | Error::KeyNotPinned(_) => KeyStateError::new_err(msg),
+        Error::TierInUse { .. } => TierInUseError::new_err(msg),
+        Error::TierPath { .. } => TierPathError::new_err(msg),
     }
 }

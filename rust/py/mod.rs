@@ -34,7 +34,7 @@ mod _core {
     use super::errors::{
         CompletionError, ConfigError, DuplicateReportError, InvalidBlockError, InvalidKeyError,
         InvalidRequestError, KeyStateError, KvOffloadError, RequestStateError, StepInputError,
-        UnknownJobError, UnknownKeyError, UnknownRequestError,
+        TierInUseError, TierPathError, UnknownJobError, UnknownKeyError, UnknownRequestError,
     };
     #[pymodule_export]
     use super::pool::{CpuPool, StorePlan};

@@ -18,7 +18,9 @@ use super::tier_worker::{io_cpus_arg, RegionArg, TierWorker};
 use crate::ids::Key;
 use crate::tier::io::RemoteGroup;
 use crate::tier::namespace::Namespace;
-use crate::tier::remote::{ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem};
+use crate::tier::remote::{
+    ChunkNames, ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem,
+};
 use crate::tier::remote_index::MEDIUM;
 
 /// The chunk buffer of a call, checked: its base address and the bytes of one chunk.
@@ -169,10 +171,13 @@ impl RemoteWorker {
             world_size,
             threads,
             cpus,
-            |ns, _| {
+            |place, bytes, _| {
                 let remote = RemoteGroup {
                     client: Arc::clone(&client),
-                    namespace: ns.salted(cache_salt).digest(),
+                    namespace: ChunkNames {
+                        key: place.salted(cache_salt).digest(),
+                        header: bytes.salted(cache_salt).digest(),
+                    },
                 };
                 Ok((None, Some(remote)))
             },

@@ -24,7 +24,9 @@ use super::tier::{decode_tier_jobs, set_counters, worker_jobs, TierJobArg};
 use crate::copy::RowSpace;
 use crate::ids::JobId;
 use crate::tier::affinity::CpuSet;
-use crate::tier::disk::{engine_namespace, inspect, SlabFile, SlabLayout, MEDIUM as DISK};
+use crate::tier::disk::{
+    engine_namespace, inspect, layout_namespace, SlabFile, SlabLayout, MEDIUM as DISK,
+};
 use crate::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker as Io};
 use crate::tier::namespace::Namespace;
 
@@ -102,9 +104,10 @@ pub struct TierWorker {
 impl TierWorker {
     /// Registers `buffers` and `groups` (`(cpu_rows, block_size, regions)` each) and starts the
     /// threads (pinned to `cpus` when given, checked by [`io_cpus_arg`] before anything
-    /// opened); `open(namespace, chunk_bytes)` opens each group's tier, given the group's
-    /// engine namespace on this rank (`model` names the weights: [`engine_namespace`]). `what`
-    /// names the class in errors.
+    /// opened); `open(place, layout, chunk_bytes)` opens each group's tier, given the group's
+    /// engine namespace on this rank (`model` names the weights: [`engine_namespace`], where
+    /// chunks go) and the namespace of the bytes its registered tensors make
+    /// ([`layout_namespace`], what headers carry). `what` names the class in errors.
     #[allow(clippy::too_many_arguments)]
     pub fn open(
         what: &str,
@@ -117,7 +120,7 @@ impl TierWorker {
         world_size: u32,
         threads: usize,
         cpus: Option<CpuSet>,
-        mut open: impl FnMut(Namespace, u64) -> PyResult<OpenGroup>,
+        mut open: impl FnMut(Namespace, Namespace, u64) -> PyResult<OpenGroup>,
     ) -> PyResult<Self> {
         if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
             return Err(ConfigError::new_err(format!(
@@ -141,7 +144,12 @@ impl TierWorker {
                 world_size,
                 g as u32,
             );
-            let (file, remote) = open(ns, chunk)?;
+            let tensors: Vec<u64> = regions
+                .iter()
+                .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
+                .collect();
+            let bytes = layout_namespace(&ns, &tensors);
+            let (file, remote) = open(ns, bytes, chunk)?;
             tgroups.push(TierGroup {
                 cpu_rows,
                 rows_per_chunk: blocks_per_chunk as usize,
@@ -279,9 +287,11 @@ impl DiskWorker {
             world_size,
             threads,
             cpus,
-            |ns, chunk| {
+            |place, bytes, chunk| {
                 let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
-                let file = SlabFile::open(&path, &ns, layout, direct, sync).map_err(to_py)?;
+                let file =
+                    SlabFile::open_in(&path, &place.dir_name(), &bytes, layout, direct, sync)
+                        .map_err(to_py)?;
                 Ok((Some(file), None))
             },
         )?;

@@ -193,6 +193,27 @@ pub fn parts(len: usize, part_bytes: usize) -> (usize, usize) {
     (len.div_ceil(size).max(1), size)
 }
 
+/// The namespaces of a chunk in the shared tier: the digest its Redis keys carry (what every
+/// engine of a fleet computes from its configuration, so schedulers can check existence) and
+/// the digest its header carries (the writer's whole layout, down to its tensors, checked by
+/// every reader: chunks of another layout never verify). A plain digest is both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkNames {
+    /// Namespace digest in the keys.
+    pub key: u128,
+    /// Namespace digest in the headers.
+    pub header: u128,
+}
+
+impl From<u128> for ChunkNames {
+    fn from(namespace: u128) -> Self {
+        Self {
+            key: namespace,
+            header: namespace,
+        }
+    }
+}
+
 /// The Redis key of part `part` of chunk `key` in namespace `namespace`.
 pub fn value_key(namespace: u128, key: Key, part: usize) -> Vec<u8> {
     if part == 0 {
