@@ -14,7 +14,7 @@ import torch
 
 from kvoffload._core import DiskWorker, disk_inspect
 from kvoffload.cli import main
-from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.errors import ConfigError, KvOffloadError, TierInUseError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.sim import SimConfig, simulate
 from kvoffload.transfer import TransferEngine
@@ -375,3 +375,169 @@ def test_both_tiers_restart_promotes_from_disk_and_refills_the_shared_tier(
         assert sum(r.tier_failed_jobs.values()) == 0
     assert runs[1].cpu_hit_tokens > 0
     assert runs[2].cpu_hit_tokens > 0
+
+
+# ------------------------------------------------------------------ one owner, truthful verify
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _hold(path: str) -> None:
+    """A disk worker on ``path`` in a process of its own: says READY, holds the directory until
+    its stdin closes (see ``test_a_second_process_is_refused_and_verify_says_in_use``)."""
+    import sys
+
+    _, worker = _engine(1)
+    disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
+    print("READY", flush=True)
+    sys.stdin.readline()
+    disk.close()
+
+
+def _ns_dir(path: Path) -> Path:
+    (rep,) = disk_inspect(path)
+    return Path(rep["dir"])
+
+
+def test_a_second_disk_worker_on_one_directory_is_refused(tmp_path: Path) -> None:
+    """Another tier object in this process gets TierInUseError naming the directory and the
+    holder; the owner keeps working; once it closes, the directory opens again."""
+    _fill(tmp_path)
+    _, worker = _engine(2)
+    first = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    with pytest.raises(TierInUseError, match=f"{_ns_dir(tmp_path)}.*this process") as e:
+        open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    assert f"pid {os.getpid()}" in str(e.value)
+    first.submit([(1, "promote", "disk", 0, [HASHES[0]], [0], [0], [1])])
+    assert first.wait([1], timeout=30)[0][0] == 1
+    first.close()
+    open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy").close()
+    worker.shutdown()
+
+
+def test_a_second_process_is_refused_and_verify_says_in_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+    import sys
+
+    _fill(tmp_path)
+    code = "import sys; from tests.test_disk import _hold; _hold(sys.argv[1])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        _, worker = _engine(2)
+        with pytest.raises(TierInUseError, match=f"in use by process {proc.pid}"):
+            open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+        worker.shutdown()
+        # verify reads nothing of a live directory and fails; inspect reports it in use.
+        assert main(["disk", "verify", str(tmp_path)]) == 1
+        assert f"in use by process {proc.pid}; not verified" in capsys.readouterr().err
+        assert main(["disk", "inspect", str(tmp_path)]) == 0
+        assert f"in use by process {proc.pid}" in capsys.readouterr().out
+    finally:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()
+        proc.stdout.close()
+        assert proc.wait(timeout=60) == 0
+    assert main(["disk", "verify", str(tmp_path)]) == 0
+
+
+def test_verify_fails_on_a_flipped_header_bit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fill(tmp_path)
+    (rep,) = disk_inspect(tmp_path)
+    slot_bytes = 4096 + -(-rep["chunk_bytes"] // 4096) * 4096
+    with open(_ns_dir(tmp_path) / "slab.kvo", "r+b") as f:
+        for slot in range(rep["slots"]):
+            f.seek(slot * slot_bytes)
+            if f.read(8) == b"KVOFFLD\x01":
+                f.seek(slot * slot_bytes + 40)  # a bit of the key
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 4]))
+                break
+    assert main(["disk", "verify", str(tmp_path)]) == 1
+    assert "1 slot headers do not decode" in capsys.readouterr().err
+    assert main(["disk", "inspect", str(tmp_path), "--json"]) == 0
+    (rep,) = json.loads(capsys.readouterr().out)
+    assert (rep["chunks"], rep["bad_headers"], len(rep["problems"])) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("note", [None, b"", b"chunk_bytes=32768 slo"])
+def test_verify_fails_on_a_slab_it_cannot_attribute(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], note: bytes | None
+) -> None:
+    """A slab whose layout note is gone or torn: verify fails with a line naming it (not
+    "0 namespaces", exit 0; nor an error about the whole directory); inspect says the same and
+    succeeds; the next owner rewrites the note and the directory verifies again."""
+    _fill(tmp_path)
+    note_path = _ns_dir(tmp_path) / "layout.txt"
+    if note is None:
+        note_path.unlink()
+    else:
+        note_path.write_bytes(note)
+    assert main(["disk", "verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "slab.kvo: 3 chunk headers but" in err and "cannot attribute them" in err
+    assert main(["disk", "inspect", str(tmp_path)]) == 0
+    assert "cannot attribute them" in capsys.readouterr().err
+    _, worker = _engine(2)
+    open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy").close()
+    worker.shutdown()
+    assert main(["disk", "verify", str(tmp_path)]) == 0
+
+
+def test_another_tensor_layout_reads_nothing(tmp_path: Path) -> None:
+    """An engine whose chunks have the same size but one KV tensor where the writer had two
+    (same model string, block size, blocks per chunk, rank) never loads the writer's bytes."""
+    _fill(tmp_path)
+    sched = OffloadScheduler(_config(tmp_path))
+    g = torch.Generator().manual_seed(3)
+    kv = [{"layer0": torch.randn(32, BLOCK, 8, 64, generator=g)}]
+    worker = TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
+    disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    before = kv[0]["layer0"].clone()
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    if sched.lookup("b", num_computed_tokens=0) is None:  # promotion planned: it must fail
+        _drain(sched, sched.schedule(StepInput(written=[])), worker, disk)
+    assert sched.lookup("b", num_computed_tokens=0) == 0
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert st["promoted_chunks"] == 0
+    assert torch.equal(kv[0]["layer0"], before)
+    worker.shutdown()
+
+
+def test_another_tensor_layout_reads_nothing_from_the_shared_tier(redis: RedisServer) -> None:
+    """The same through Redis: engine A (two KV tensors per layer) writes behind; engine B (one
+    tensor per layer, same chunk size, model and salt) is never served A's bytes."""
+    from tests.remote_engine import ask, compute, config, engine
+
+    sched = OffloadScheduler(config(redis.url))
+    _, worker_a, remote_a = engine(redis.url, "", seed=1)
+    sched.add_request("a", prompt_len=PROMPT, block_hashes=HASHES)
+    assert ask(sched, remote_a, "a") == 0
+    assert compute(sched, worker_a, remote_a, "a") == [("write", True)]
+    worker_a.shutdown()
+
+    from kvoffload.transfer.remote import open_remote_worker
+
+    sched = OffloadScheduler(config(redis.url))
+    g = torch.Generator().manual_seed(3)
+    kv = [{"layer0": torch.randn(32, BLOCK, 8, 64, generator=g)}]
+    worker = TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
+    remote = open_remote_worker(worker, redis.url, [BLOCK], model="toy", deadline_ms=30_000.0)
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    # The keys exist (the place is the scheduler's), the bytes do not verify.
+    assert ask(sched, remote, "b") == 0
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert st["promoted_chunks"] == 0
+    assert remote.stats()["checksum_mismatches"] == 3
+    worker.shutdown()

@@ -329,8 +329,10 @@ impl DiskWorker {
     }
 }
 
-/// Reports every namespace directory of a disk tier at `path` (read-only); with `verify`,
-/// reads every committed chunk and checks its checksum.
+/// Reports every namespace directory of a disk tier at `path` (read-only, under a shared lock);
+/// with `verify`, reads every committed chunk and checks its checksum. Each report's
+/// `problems` lists what `verify` cannot vouch for, one line each; `in_use` names the holder
+/// of a directory an engine owns.
 #[pyfunction]
 #[pyo3(signature = (path, verify = false))]
 #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
@@ -354,9 +356,12 @@ pub fn disk_inspect(
             chunks,
             free,
             quarantined,
+            bad_headers,
             file_bytes,
             disk_bytes
         );
+        d.set_item("in_use", r.in_use)?;
+        d.set_item("problems", r.problems)?;
         if verify {
             d.set_item("verified", r.verified)?;
             d.set_item("corrupt", r.corrupt)?;
