@@ -431,7 +431,8 @@ def test_a_second_process_is_refused_and_verify_says_in_use(
         text=True,
     )
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "READY"
         _, worker = _engine(2)
         with pytest.raises(TierInUseError, match=f"in use by process {proc.pid}"):
             open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
@@ -442,7 +443,8 @@ def test_a_second_process_is_refused_and_verify_says_in_use(
         assert main(["disk", "inspect", str(tmp_path)]) == 0
         assert f"in use by process {proc.pid}" in capsys.readouterr().out
     finally:
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
+        assert proc.stdout is not None
         proc.stdin.close()
         proc.stdout.close()
         assert proc.wait(timeout=60) == 0
@@ -486,7 +488,8 @@ def test_verify_fails_on_a_slab_it_cannot_attribute(
         note_path.write_bytes(note)
     assert main(["disk", "verify", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "slab.kvo: 3 chunk headers but" in err and "cannot attribute them" in err
+    assert "slab.kvo: 3 chunk headers but" in err
+    assert "cannot attribute them" in err
     assert main(["disk", "inspect", str(tmp_path)]) == 0
     assert "cannot attribute them" in capsys.readouterr().err
     _, worker = _engine(2)
