@@ -544,3 +544,30 @@ def test_another_tensor_layout_reads_nothing_from_the_shared_tier(redis: RedisSe
     assert st["promoted_chunks"] == 0
     assert remote.stats()["checksum_mismatches"] == 3
     worker.shutdown()
+
+
+def test_simulate_on_a_directory_in_use_exits_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvoffload simulate --disk DIR`` while DIR's namespace directories are held: exit 2
+    and one line saying so, no traceback; nothing of the holder's is touched."""
+    import fcntl
+
+    args = ["simulate", "--quiet", "--no-baseline", "--requests", "4", "--disk", str(tmp_path)]
+    args += ["--disk-bytes", str(1 << 22)]
+    assert main(args) == 0
+    capsys.readouterr()
+    before = {r["dir"]: r["chunks"] for r in disk_inspect(tmp_path)}
+    held = [open(Path(d) / "lock", "rb") for d in before]  # noqa: SIM115
+    try:
+        for f in held:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "kvoffload simulate: error: disk tier" in err
+        assert "in use by" in err
+        assert "Traceback" not in err
+    finally:
+        for f in held:
+            f.close()
+    assert {r["dir"]: r["chunks"] for r in disk_inspect(tmp_path)} == before

@@ -333,7 +333,7 @@ def _disk(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from kvoffload.errors import ConfigError
+    from kvoffload.errors import ConfigError, TierInUseError
     from kvoffload.sim import SimConfig, SimError, simulate, simulate_fleet
     from kvoffload.sim.plot import check_plot_path, write_plot
     from kvoffload.sim.report import figures, format_table
@@ -373,7 +373,7 @@ def _simulate(args: argparse.Namespace) -> int:
             base = simulate(
                 replace(cfg, offload=False), progress=_Progress("no offload", not args.quiet)
             )
-    except (ConfigError, SimError) as e:
+    except (ConfigError, TierInUseError, SimError) as e:
         print(f"kvoffload simulate: error: {e}", file=sys.stderr)
         return 2
     figs = figures(run, base)
