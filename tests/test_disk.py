@@ -14,7 +14,7 @@ import torch
 
 from kvoffload._core import DiskWorker, disk_inspect
 from kvoffload.cli import main
-from kvoffload.errors import ConfigError, KvOffloadError, TierInUseError
+from kvoffload.errors import ConfigError, KvOffloadError, TierInUseError, TierPathError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.sim import SimConfig, simulate
 from kvoffload.transfer import TransferEngine
@@ -408,8 +408,8 @@ def test_a_second_disk_worker_on_one_directory_is_refused(tmp_path: Path) -> Non
     with pytest.raises(TierInUseError, match=f"{_ns_dir(tmp_path)}.*this process") as e:
         open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
     assert f"pid {os.getpid()}" in str(e.value)
-    first.submit([(1, "promote", "disk", 0, [HASHES[0]], [0], [0], [1])])
-    assert first.wait([1], timeout=30)[0][0] == 1
+    first.submit([(1, "write", "disk", 0, [0xC1], [0], [20], [1000])])  # a free place
+    assert first.wait([1], timeout=30) == [(1, True)]
     first.close()
     open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy").close()
     worker.shutdown()
@@ -571,3 +571,21 @@ def test_simulate_on_a_directory_in_use_exits_with_a_message(
         for f in held:
             f.close()
     assert {r["dir"]: r["chunks"] for r in disk_inspect(tmp_path)} == before
+
+
+@pytest.mark.parametrize("name", ["slab.kvo", "layout.txt", "lock"])
+def test_a_symbolic_link_in_the_directory_is_refused(tmp_path: Path, name: str) -> None:
+    """A link planted in place of one of the tier's files: TierPathError (a ConfigError) naming
+    it; the link's target is untouched."""
+    _fill(tmp_path / "t")
+    target = tmp_path / "precious"
+    target.write_bytes(b"precious")
+    path = _ns_dir(tmp_path / "t") / name
+    path.unlink()
+    path.symlink_to(target)
+    _, worker = _engine(2)
+    with pytest.raises(TierPathError, match=f"{path}: is a symbolic link"):
+        open_disk_worker(worker, tmp_path / "t", 1 << 20, [BLOCK], model="toy")
+    assert issubclass(TierPathError, ConfigError)
+    assert target.read_bytes() == b"precious"
+    worker.shutdown()
