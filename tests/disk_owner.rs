@@ -247,8 +247,12 @@ fn headers_carry_the_tensor_layout_and_another_layout_reads_nothing() {
     let root = tmp("layout");
     let layout = SlabLayout::new(LEN as u64, opts(&root, 4).disk_bytes).unwrap();
     let place = ns();
-    let one = layout_namespace(&place, &[LEN as u64]);
-    let two = layout_namespace(&place, &[LEN as u64 / 2, LEN as u64 / 2]);
+    let one = layout_namespace(&place, "", &[LEN as u64]);
+    let two = layout_namespace(&place, "", &[LEN as u64 / 2, LEN as u64 / 2]);
+    assert_ne!(
+        layout_namespace(&place, "float16", &[LEN as u64]).digest(),
+        one.digest()
+    );
     assert_ne!(one.digest(), two.digest());
     // A one-tensor engine writes a chunk.
     let f = SlabFile::open_in(&root, &place.dir_name(), &one, layout, false, true).unwrap();

@@ -18,7 +18,7 @@ from kvoffload.errors import ConfigError, KvOffloadError, TierInUseError, TierPa
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.sim import SimConfig, simulate
 from kvoffload.transfer import TransferEngine
-from kvoffload.transfer.disk import open_disk_worker
+from kvoffload.transfer.disk import open_disk_worker, pool_registration
 from tests.remote_engine import BLOCK, HASHES, PROMPT, load
 from tests.remote_support import RedisServer
 
@@ -498,23 +498,36 @@ def test_verify_fails_on_a_slab_it_cannot_attribute(
     assert main(["disk", "verify", str(tmp_path)]) == 0
 
 
-def test_another_tensor_layout_reads_nothing(tmp_path: Path) -> None:
-    """An engine whose chunks have the same size but one KV tensor where the writer had two
-    (same model string, block size, blocks per chunk, rank) never loads the writer's bytes."""
+def _other_layout(layout: str) -> dict[str, torch.Tensor]:
+    """KV tensors whose chunks have the bytes of ``_engine``'s (2 layers of float32
+    ``[32, BLOCK, 4, 64]``) in another layout."""
+    g = torch.Generator().manual_seed(3)
+    if layout == "one tensor per layer":
+        return {"layer0": torch.randn(32, BLOCK, 8, 64, generator=g)}
+    return {f"layer{i}": torch.randn(32, BLOCK, 8, 64, generator=g).half() for i in range(2)}
+
+
+@pytest.mark.parametrize("layout", ["one tensor per layer", "float16"])
+def test_another_tensor_layout_reads_nothing(tmp_path: Path, layout: str) -> None:
+    """An engine whose chunks have the same size but another split into KV tensors, or another
+    element type (same model string, block size, blocks per chunk, rank) never loads the
+    writer's bytes."""
     _fill(tmp_path)
     sched = OffloadScheduler(_config(tmp_path))
-    g = torch.Generator().manual_seed(3)
-    kv = [{"layer0": torch.randn(32, BLOCK, 8, 64, generator=g)}]
+    kv = [_other_layout(layout)]
     worker = TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
     disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
-    before = kv[0]["layer0"].clone()
+    before = [t.clone() for t in kv[0].values()]
     sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
     if sched.lookup("b", num_computed_tokens=0) is None:  # promotion planned: it must fail
         _drain(sched, sched.schedule(StepInput(written=[])), worker, disk)
     assert sched.lookup("b", num_computed_tokens=0) == 0
     st = sched.stats()["tiers"][0]  # type: ignore[index]
     assert st["promoted_chunks"] == 0
-    assert torch.equal(kv[0]["layer0"], before)
+    assert all(torch.equal(a, b) for a, b in zip(before, kv[0].values(), strict=True))
+    view, groups = pool_registration(worker, [BLOCK])
+    with pytest.raises(ConfigError, match="dtypes has 2 entries, the pool has 1 groups"):
+        DiskWorker(tmp_path / "x", 1 << 20, [view], groups, dtypes=["a", "b"])
     worker.shutdown()
 
 
@@ -533,8 +546,7 @@ def test_another_tensor_layout_reads_nothing_from_the_shared_tier(redis: RedisSe
     from kvoffload.transfer.remote import open_remote_worker
 
     sched = OffloadScheduler(config(redis.url))
-    g = torch.Generator().manual_seed(3)
-    kv = [{"layer0": torch.randn(32, BLOCK, 8, 64, generator=g)}]
+    kv = [_other_layout("one tensor per layer")]
     worker = TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
     remote = open_remote_worker(worker, redis.url, [BLOCK], model="toy", deadline_ms=30_000.0)
     sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)

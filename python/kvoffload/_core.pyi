@@ -452,6 +452,7 @@ class DiskWorker(TierWorker):
         direct: bool = True,
         sync: bool = True,
         io_cpus: Iterable[int] | None = None,
+        dtypes: Sequence[str] | None = None,
     ) -> DiskWorker: ...
     def stats(self) -> list[dict[str, Any]]: ...
 
@@ -472,6 +473,7 @@ class RemoteWorker(TierWorker):
         threads: int = 2,
         deadline_ms: float = 1000.0,
         io_cpus: Iterable[int] | None = None,
+        dtypes: Sequence[str] | None = None,
     ) -> RemoteWorker: ...
     def stats(self) -> dict[str, int]: ...
 

@@ -107,7 +107,8 @@ impl TierWorker {
     /// opened); `open(place, layout, chunk_bytes)` opens each group's tier, given the group's
     /// engine namespace on this rank (`model` names the weights: [`engine_namespace`], where
     /// chunks go) and the namespace of the bytes its registered tensors make
-    /// ([`layout_namespace`], what headers carry). `what` names the class in errors.
+    /// ([`layout_namespace`], what headers carry: with the element type of each group's
+    /// tensors, `dtypes`, when given). `what` names the class in errors.
     #[allow(clippy::too_many_arguments)]
     pub fn open(
         what: &str,
@@ -120,8 +121,16 @@ impl TierWorker {
         world_size: u32,
         threads: usize,
         cpus: Option<CpuSet>,
+        dtypes: Option<Vec<String>>,
         mut open: impl FnMut(Namespace, Namespace, u64) -> PyResult<OpenGroup>,
     ) -> PyResult<Self> {
+        if let Some(d) = dtypes.as_ref().filter(|d| d.len() != groups.len()) {
+            return Err(ConfigError::new_err(format!(
+                "{what}: dtypes has {} entries, the pool has {} groups",
+                d.len(),
+                groups.len()
+            )));
+        }
         if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
             return Err(ConfigError::new_err(format!(
                 "{what}: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
@@ -148,7 +157,8 @@ impl TierWorker {
                 .iter()
                 .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
                 .collect();
-            let bytes = layout_namespace(&ns, &tensors);
+            let dtype = dtypes.as_ref().map_or("", |d| d[g].as_str());
+            let bytes = layout_namespace(&ns, dtype, &tensors);
             let (file, remote) = open(ns, bytes, chunk)?;
             tgroups.push(TierGroup {
                 cpu_rows,
@@ -257,9 +267,10 @@ pub struct DiskWorker {}
 impl DiskWorker {
     /// Opens the slab file of every group under `path` (`disk_bytes` each) for worker `rank`
     /// of `world_size`, and registers the CPU pool: `buffers`, and per group
-    /// `(cpu_rows, block_size, regions)` with regions `(buffer, offset, stride, row_bytes)`.
+    /// `(cpu_rows, block_size, regions)` with regions `(buffer, offset, stride, row_bytes)`;
+    /// `dtypes` (per group, the element type of its tensors) is part of the chunks' namespace.
     #[new]
-    #[pyo3(signature = (path, disk_bytes, buffers, groups, blocks_per_chunk = 1, model = "", rank = 0, world_size = 1, threads = 2, direct = true, sync = true, io_cpus = None))]
+    #[pyo3(signature = (path, disk_bytes, buffers, groups, blocks_per_chunk = 1, model = "", rank = 0, world_size = 1, threads = 2, direct = true, sync = true, io_cpus = None, dtypes = None))]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         path: PathBuf,
@@ -274,6 +285,7 @@ impl DiskWorker {
         direct: bool,
         sync: bool,
         io_cpus: Option<Bound<'_, PyAny>>,
+        dtypes: Option<Vec<String>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cpus = io_cpus_arg(io_cpus.as_ref())?;
         let base = TierWorker::open(
@@ -287,6 +299,7 @@ impl DiskWorker {
             world_size,
             threads,
             cpus,
+            dtypes,
             |place, bytes, chunk| {
                 let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
                 let file =

@@ -150,12 +150,14 @@ pub fn engine_namespace(
 }
 
 /// The namespace of the bytes a worker writes for `place` ([`engine_namespace`]): the same
-/// fields with the shape of one chunk of each registered tensor, in the order their bytes
-/// follow each other in a chunk (`tensor_chunk_bytes`). Engines whose chunks have the same size
-/// but another split into tensors (2 KV tensors per layer against 1, another number of layers)
-/// get another digest: their headers never verify for each other.
-pub fn layout_namespace(place: &Namespace, tensor_chunk_bytes: &[u64]) -> Namespace {
+/// fields with the element type of its tensors (`dtype`, empty if unknown) and the bytes of one
+/// chunk of each registered tensor, in the order they follow each other in a chunk
+/// (`tensor_chunk_bytes`). Engines whose chunks have the same size but another split into
+/// tensors (2 KV tensors per layer against 1, another number of layers) or another element
+/// type get another digest: their headers never verify for each other.
+pub fn layout_namespace(place: &Namespace, dtype: &str, tensor_chunk_bytes: &[u64]) -> Namespace {
     Namespace {
+        dtype: dtype.to_string(),
         tensor_shapes: tensor_chunk_bytes.iter().map(|&b| vec![b]).collect(),
         ..place.clone()
     }
