@@ -173,7 +173,7 @@ impl RemoteWorker {
             world_size,
             threads,
             cpus,
-            dtypes,
+            dtypes.as_deref(),
             |place, bytes, _| {
                 let remote = RemoteGroup {
                     client: Arc::clone(&client),

@@ -121,10 +121,10 @@ impl TierWorker {
         world_size: u32,
         threads: usize,
         cpus: Option<CpuSet>,
-        dtypes: Option<Vec<String>>,
+        dtypes: Option<&[String]>,
         mut open: impl FnMut(Namespace, Namespace, u64) -> PyResult<OpenGroup>,
     ) -> PyResult<Self> {
-        if let Some(d) = dtypes.as_ref().filter(|d| d.len() != groups.len()) {
+        if let Some(d) = dtypes.filter(|d| d.len() != groups.len()) {
             return Err(ConfigError::new_err(format!(
                 "{what}: dtypes has {} entries, the pool has {} groups",
                 d.len(),
@@ -157,7 +157,7 @@ impl TierWorker {
                 .iter()
                 .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
                 .collect();
-            let dtype = dtypes.as_ref().map_or("", |d| d[g].as_str());
+            let dtype = dtypes.map_or("", |d| d[g].as_str());
             let bytes = layout_namespace(&ns, dtype, &tensors);
             let (file, remote) = open(ns, bytes, chunk)?;
             tgroups.push(TierGroup {
@@ -299,7 +299,7 @@ impl DiskWorker {
             world_size,
             threads,
             cpus,
-            dtypes,
+            dtypes.as_deref(),
             |place, bytes, chunk| {
                 let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
                 let file =
