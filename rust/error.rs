@@ -103,6 +103,28 @@ pub enum Error {
     #[error("key {0} is being stored and is not readable yet: load it after its store completes")]
     KeyNotReady(Key),
 
+    /// A disk tier directory that another opener holds (one owner per directory).
+    #[error(
+        "disk tier {dir}: in use by {holder}; one engine per directory (stop the other one, \
+         or give this one another disk_path)"
+    )]
+    TierInUse {
+        /// The namespace directory.
+        dir: String,
+        /// Who holds it, as far as its lock file tells.
+        holder: String,
+    },
+
+    /// A path in a disk tier directory the tier will not use: a symbolic link, not a regular
+    /// file or directory, linked elsewhere too, or owned by another user.
+    #[error("disk tier {path}: {reason}")]
+    TierPath {
+        /// The path.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
     /// An unpin without a matching pin.
     #[error("key {0} is not pinned: complete_load without a matching prepare_load")]
     KeyNotPinned(Key),

@@ -1,7 +1,8 @@
 //! The disk tier against its acceptance points (issue 14): every served byte equals the byte
 //! oracle (a chunk's bytes are a function of its key), restarts rebuild the index from the
 //! headers, 1,000 injected corruptions are 1,000 misses, the bound holds under a workload 10×
-//! the tier, and 20 processes killed with SIGKILL while writing lose no committed chunk.
+//! the tier, and 20 processes killed with SIGKILL while writing lose no committed chunk and
+//! leave a directory that verifies.
 
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
@@ -12,8 +13,8 @@ use std::time::Duration;
 
 use kvoffload::policy::PolicyKind;
 use kvoffload::tier::disk::{
-    scan_namespace, write_items, DiskIndex, DiskOptions, DiskTier, SlabFile, SlabLayout, WriteItem,
-    BLOCK, SLAB_FILE,
+    inspect, scan_namespace, write_items, DiskIndex, DiskOptions, DiskTier, SlabFile, SlabLayout,
+    WriteItem, BLOCK, SLAB_FILE,
 };
 use kvoffload::tier::namespace::Namespace;
 use kvoffload::tier::{Location, TierIndex};
@@ -443,6 +444,12 @@ fn crash_safety_under_sigkill() {
                 }
                 _ => {}
             }
+        }
+        // The killed writer's directory verifies as it is (nothing to attribute, no bad
+        // header or chunk, not in use any more).
+        for rep in inspect(&root, true).unwrap() {
+            assert!(rep.problems.is_empty(), "run {run}: {:?}", rep.problems);
+            assert_eq!(rep.verified, rep.chunks, "run {run}");
         }
         // Reopen: every chunk the index recovers is verified against the oracle.
         let o = opts(&root, CRASH_LEN as u64, CRASH_SLOTS);

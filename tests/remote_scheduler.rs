@@ -47,7 +47,7 @@ impl Engine {
         .unwrap();
         let remote = RemoteGroup {
             client: Arc::clone(&client),
-            namespace: namespace().salted(salt).digest(),
+            namespace: namespace().salted(salt).digest().into(),
         };
         Engine {
             s,

@@ -14,11 +14,11 @@ import torch
 
 from kvoffload._core import DiskWorker, disk_inspect
 from kvoffload.cli import main
-from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.errors import ConfigError, KvOffloadError, TierInUseError, TierPathError
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.sim import SimConfig, simulate
 from kvoffload.transfer import TransferEngine
-from kvoffload.transfer.disk import open_disk_worker
+from kvoffload.transfer.disk import open_disk_worker, pool_registration
 from tests.remote_engine import BLOCK, HASHES, PROMPT, load
 from tests.remote_support import RedisServer
 
@@ -375,3 +375,229 @@ def test_both_tiers_restart_promotes_from_disk_and_refills_the_shared_tier(
         assert sum(r.tier_failed_jobs.values()) == 0
     assert runs[1].cpu_hit_tokens > 0
     assert runs[2].cpu_hit_tokens > 0
+
+
+# ------------------------------------------------------------------ one owner, truthful verify
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _hold(path: str) -> None:
+    """A disk worker on ``path`` in a process of its own: says READY, holds the directory until
+    its stdin closes (see ``test_a_second_process_is_refused_and_verify_says_in_use``)."""
+    import sys
+
+    _, worker = _engine(1)
+    disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
+    print("READY", flush=True)
+    sys.stdin.readline()
+    disk.close()
+
+
+def _ns_dir(path: Path) -> Path:
+    (rep,) = disk_inspect(path)
+    return Path(rep["dir"])
+
+
+def test_a_second_disk_worker_on_one_directory_is_refused(tmp_path: Path) -> None:
+    """Another tier object in this process gets TierInUseError naming the directory and the
+    holder; the owner keeps working; once it closes, the directory opens again."""
+    _fill(tmp_path)
+    _, worker = _engine(2)
+    first = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    with pytest.raises(TierInUseError, match=f"{_ns_dir(tmp_path)}.*this process") as e:
+        open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    assert f"pid {os.getpid()}" in str(e.value)
+    first.submit([(1, "write", "disk", 0, [0xC1], [0], [20], [1000])])  # a free place
+    assert first.wait([1], timeout=30) == [(1, True)]
+    first.close()
+    open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy").close()
+    worker.shutdown()
+
+
+def test_a_second_process_is_refused_and_verify_says_in_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+    import sys
+
+    _fill(tmp_path)
+    code = "import sys; from tests.test_disk import _hold; _hold(sys.argv[1])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "READY"
+        _, worker = _engine(2)
+        with pytest.raises(TierInUseError, match=f"in use by process {proc.pid}"):
+            open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+        worker.shutdown()
+        # verify reads nothing of a live directory and fails; inspect reports it in use.
+        assert main(["disk", "verify", str(tmp_path)]) == 1
+        assert f"in use by process {proc.pid}; not verified" in capsys.readouterr().err
+        assert main(["disk", "inspect", str(tmp_path)]) == 0
+        assert f"in use by process {proc.pid}" in capsys.readouterr().out
+    finally:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        proc.stdin.close()
+        proc.stdout.close()
+        assert proc.wait(timeout=60) == 0
+    assert main(["disk", "verify", str(tmp_path)]) == 0
+
+
+def test_verify_fails_on_a_flipped_header_bit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fill(tmp_path)
+    (rep,) = disk_inspect(tmp_path)
+    slot_bytes = 4096 + -(-rep["chunk_bytes"] // 4096) * 4096
+    with open(_ns_dir(tmp_path) / "slab.kvo", "r+b") as f:
+        for slot in range(rep["slots"]):
+            f.seek(slot * slot_bytes)
+            if f.read(8) == b"KVOFFLD\x01":
+                f.seek(slot * slot_bytes + 40)  # a bit of the key
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 4]))
+                break
+    assert main(["disk", "verify", str(tmp_path)]) == 1
+    assert "1 slot headers do not decode" in capsys.readouterr().err
+    assert main(["disk", "inspect", str(tmp_path), "--json"]) == 0
+    (rep,) = json.loads(capsys.readouterr().out)
+    assert (rep["chunks"], rep["bad_headers"], len(rep["problems"])) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("note", [None, b"", b"chunk_bytes=32768 slo"])
+def test_verify_fails_on_a_slab_it_cannot_attribute(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], note: bytes | None
+) -> None:
+    """A slab whose layout note is gone or torn: verify fails with a line naming it (not
+    "0 namespaces", exit 0; nor an error about the whole directory); inspect says the same and
+    succeeds; the next owner rewrites the note and the directory verifies again."""
+    _fill(tmp_path)
+    note_path = _ns_dir(tmp_path) / "layout.txt"
+    if note is None:
+        note_path.unlink()
+    else:
+        note_path.write_bytes(note)
+    assert main(["disk", "verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "slab.kvo: 3 chunk headers but" in err
+    assert "cannot attribute them" in err
+    assert main(["disk", "inspect", str(tmp_path)]) == 0
+    assert "cannot attribute them" in capsys.readouterr().err
+    _, worker = _engine(2)
+    open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy").close()
+    worker.shutdown()
+    assert main(["disk", "verify", str(tmp_path)]) == 0
+
+
+def _other_layout(layout: str) -> dict[str, torch.Tensor]:
+    """KV tensors whose chunks have the bytes of ``_engine``'s (2 layers of float32
+    ``[32, BLOCK, 4, 64]``) in another layout."""
+    g = torch.Generator().manual_seed(3)
+    if layout == "one tensor per layer":
+        return {"layer0": torch.randn(32, BLOCK, 8, 64, generator=g)}
+    return {f"layer{i}": torch.randn(32, BLOCK, 8, 64, generator=g).half() for i in range(2)}
+
+
+@pytest.mark.parametrize("layout", ["one tensor per layer", "float16"])
+def test_another_tensor_layout_reads_nothing(tmp_path: Path, layout: str) -> None:
+    """An engine whose chunks have the same size but another split into KV tensors, or another
+    element type (same model string, block size, blocks per chunk, rank) never loads the
+    writer's bytes."""
+    _fill(tmp_path)
+    sched = OffloadScheduler(_config(tmp_path))
+    kv = [_other_layout(layout)]
+    worker = TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
+    disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
+    before = [t.clone() for t in kv[0].values()]
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    if sched.lookup("b", num_computed_tokens=0) is None:  # promotion planned: it must fail
+        _drain(sched, sched.schedule(StepInput(written=[])), worker, disk)
+    assert sched.lookup("b", num_computed_tokens=0) == 0
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert st["promoted_chunks"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, kv[0].values(), strict=True))
+    view, groups = pool_registration(worker, [BLOCK])
+    with pytest.raises(ConfigError, match="dtypes has 2 entries, the pool has 1 groups"):
+        DiskWorker(tmp_path / "x", 1 << 20, [view], groups, dtypes=["a", "b"])
+    worker.shutdown()
+
+
+def test_another_tensor_layout_reads_nothing_from_the_shared_tier(redis: RedisServer) -> None:
+    """The same through Redis: engine A (two KV tensors per layer) writes behind; engine B (one
+    tensor per layer, same chunk size, model and salt) is never served A's bytes."""
+    from tests.remote_engine import ask, compute, config, engine
+
+    sched = OffloadScheduler(config(redis.url))
+    _, worker_a, remote_a = engine(redis.url, "", seed=1)
+    sched.add_request("a", prompt_len=PROMPT, block_hashes=HASHES)
+    assert ask(sched, remote_a, "a") == 0
+    assert compute(sched, worker_a, remote_a, "a") == [("write", True)]
+    worker_a.shutdown()
+
+    from kvoffload.transfer.remote import open_remote_worker
+
+    sched = OffloadScheduler(config(redis.url))
+    kv = [_other_layout("one tensor per layer")]
+    worker = TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
+    remote = open_remote_worker(worker, redis.url, [BLOCK], model="toy", deadline_ms=30_000.0)
+    sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
+    # The keys exist (the place is the scheduler's), the bytes do not verify.
+    assert ask(sched, remote, "b") == 0
+    st = sched.stats()["tiers"][0]  # type: ignore[index]
+    assert st["promoted_chunks"] == 0
+    assert remote.stats()["checksum_mismatches"] == 3
+    worker.shutdown()
+
+
+def test_simulate_on_a_directory_in_use_exits_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvoffload simulate --disk DIR`` while DIR's namespace directories are held: exit 2
+    and one line saying so, no traceback; nothing of the holder's is touched."""
+    import fcntl
+
+    args = ["simulate", "--quiet", "--no-baseline", "--requests", "4", "--disk", str(tmp_path)]
+    args += ["--disk-bytes", str(1 << 22)]
+    assert main(args) == 0
+    capsys.readouterr()
+    before = {r["dir"]: r["chunks"] for r in disk_inspect(tmp_path)}
+    held = [open(Path(d) / "lock", "rb") for d in before]  # noqa: SIM115
+    try:
+        for f in held:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "kvoffload simulate: error: disk tier" in err
+        assert "in use by" in err
+        assert "Traceback" not in err
+    finally:
+        for f in held:
+            f.close()
+    assert {r["dir"]: r["chunks"] for r in disk_inspect(tmp_path)} == before
+
+
+@pytest.mark.parametrize("name", ["slab.kvo", "layout.txt", "lock"])
+def test_a_symbolic_link_in_the_directory_is_refused(tmp_path: Path, name: str) -> None:
+    """A link planted in place of one of the tier's files: TierPathError (a ConfigError) naming
+    it; the link's target is untouched."""
+    _fill(tmp_path / "t")
+    target = tmp_path / "precious"
+    target.write_bytes(b"precious")
+    path = _ns_dir(tmp_path / "t") / name
+    path.unlink()
+    path.symlink_to(target)
+    _, worker = _engine(2)
+    with pytest.raises(TierPathError, match=f"{path}: is a symbolic link"):
+        open_disk_worker(worker, tmp_path / "t", 1 << 20, [BLOCK], model="toy")
+    assert issubclass(TierPathError, ConfigError)
+    assert target.read_bytes() == b"precious"
+    worker.shutdown()

@@ -40,6 +40,8 @@ __all__ = [
     "StepInputError",
     "StepPlan",
     "StorePlan",
+    "TierInUseError",
+    "TierPathError",
     "TierWorker",
     "TransferJob",
     "UnknownJobError",
@@ -143,6 +145,8 @@ class InvalidKeyError(KvOffloadError): ...
 class UnknownRequestError(KvOffloadError): ...
 class StepInputError(KvOffloadError): ...
 class InternalError(KvOffloadError): ...
+class TierInUseError(KvOffloadError): ...
+class TierPathError(ConfigError): ...
 
 @final
 class JobTracker:
@@ -449,6 +453,7 @@ class DiskWorker(TierWorker):
         direct: bool = True,
         sync: bool = True,
         io_cpus: Iterable[int] | None = None,
+        dtypes: Sequence[str] | None = None,
     ) -> DiskWorker: ...
     def stats(self) -> list[dict[str, Any]]: ...
 
@@ -469,6 +474,7 @@ class RemoteWorker(TierWorker):
         threads: int = 2,
         deadline_ms: float = 1000.0,
         io_cpus: Iterable[int] | None = None,
+        dtypes: Sequence[str] | None = None,
     ) -> RemoteWorker: ...
     def stats(self) -> dict[str, int]: ...
 

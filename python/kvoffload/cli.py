@@ -280,7 +280,11 @@ def _add_disk_parser(sub: Any) -> None:
     dsub.required = True
     for name, what in (
         ("inspect", "namespaces, chunks, bytes and quarantined slots (headers only)"),
-        ("verify", "read every chunk and check every checksum; exit status 1 if any is bad"),
+        (
+            "verify",
+            "read every chunk and check every checksum; exit status 1 for any problem (a bad "
+            "chunk or header, a slab without its layout note, a link, a directory in use)",
+        ),
     ):
         a = dsub.add_parser(name, help=what, description=what)
         a.add_argument("dir", metavar="DIR", help="the disk tier's directory (disk_path)")
@@ -304,7 +308,7 @@ def _disk(args: argparse.Namespace) -> int:
         print(json.dumps([{**r, "dir": str(r["dir"])} for r in reports], indent=2))
     else:
         cols = ["namespace", "group", "chunk_bytes", "slots", "chunks", "free", "quarantined"]
-        cols += ["disk_bytes"] + (["verified", "corrupt"] if verify else [])
+        cols += ["bad_headers", "disk_bytes"] + (["verified", "corrupt"] if verify else [])
         rows = [cols] + [[str(r[c]) for c in cols] for r in reports]
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         for row in rows:
@@ -312,15 +316,24 @@ def _disk(args: argparse.Namespace) -> int:
         chunks = sum(r["chunks"] for r in reports)
         used = sum(r["disk_bytes"] for r in reports)
         print(f"{len(reports)} namespaces, {chunks} chunks, {used} bytes on disk")
-    bad = sum(r.get("corrupt", 0) for r in reports)
-    if bad:
-        print(f"kvoffload disk verify: FAILED: {bad} corrupt chunks", file=sys.stderr)
+        for r in reports:
+            if r["in_use"] is not None and not verify:
+                print(f"{r['dir']}: in use by {r['in_use']} (a snapshot of a live directory)")
+    problems = [p for r in reports for p in r["problems"]]
+    for p in problems:
+        print(f"kvoffload disk {args.disk_command}: {p}", file=sys.stderr)
+    if verify and problems:
+        bad = sum(r.get("corrupt", 0) for r in reports)
+        print(
+            f"kvoffload disk verify: FAILED: {len(problems)} problems, {bad} corrupt chunks",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from kvoffload.errors import ConfigError
+    from kvoffload.errors import ConfigError, TierInUseError
     from kvoffload.sim import SimConfig, SimError, simulate, simulate_fleet
     from kvoffload.sim.plot import check_plot_path, write_plot
     from kvoffload.sim.report import figures, format_table
@@ -360,7 +373,7 @@ def _simulate(args: argparse.Namespace) -> int:
             base = simulate(
                 replace(cfg, offload=False), progress=_Progress("no offload", not args.quiet)
             )
-    except (ConfigError, SimError) as e:
+    except (ConfigError, TierInUseError, SimError) as e:
         print(f"kvoffload simulate: error: {e}", file=sys.stderr)
         return 2
     figs = figures(run, base)

@@ -95,6 +95,18 @@ create_exception!(
     "A bug inside kvoffload (a Rust panic). The object it happened in refuses every later call \
      with this error, since its state may be half-applied: build a new one."
 );
+create_exception!(
+    kvoffload.errors,
+    TierInUseError,
+    KvOffloadError,
+    "A disk tier directory another engine (or a `kvoffload disk verify`) holds: one owner per directory."
+);
+create_exception!(
+    kvoffload.errors,
+    TierPathError,
+    ConfigError,
+    "A path in a disk tier directory the tier will not use (a symbolic link, not a regular file, hard-linked elsewhere, another user's)."
+);
 
 /// Maps a core error to its Python exception.
 // By value so that call sites read `.map_err(to_py)`.
@@ -114,5 +126,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::StepInputLength { .. } => StepInputError::new_err(msg),
         Error::UnknownKey(_) => UnknownKeyError::new_err(msg),
         Error::KeyNotReady(_) | Error::KeyNotPinned(_) => KeyStateError::new_err(msg),
+        Error::TierInUse { .. } => TierInUseError::new_err(msg),
+        Error::TierPath { .. } => TierPathError::new_err(msg),
     }
 }

@@ -18,7 +18,9 @@ use super::tier_worker::{io_cpus_arg, RegionArg, TierWorker};
 use crate::ids::Key;
 use crate::tier::io::RemoteGroup;
 use crate::tier::namespace::Namespace;
-use crate::tier::remote::{ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem};
+use crate::tier::remote::{
+    ChunkNames, ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem,
+};
 use crate::tier::remote_index::MEDIUM;
 
 /// The chunk buffer of a call, checked: its base address and the bytes of one chunk.
@@ -137,11 +139,12 @@ pub struct RemoteWorker {
 impl RemoteWorker {
     /// Connects (lazily) to `url` and registers the CPU pool: `buffers`, and per group
     /// `(cpu_rows, block_size, regions)` with regions `(buffer, offset, stride, row_bytes)`.
-    /// `model` and `cache_salt` must match the scheduler's.
+    /// `model` and `cache_salt` must match the scheduler's; `dtypes` (per group, the element
+    /// type of its tensors) is part of the chunks' namespace.
     #[new]
     #[pyo3(signature = (url, buffers, groups, blocks_per_chunk = 1, model = "", cache_salt = "",
                         rank = 0, world_size = 1, threads = 2, deadline_ms = 1000.0,
-                        io_cpus = None))]
+                        io_cpus = None, dtypes = None))]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         url: &str,
@@ -155,6 +158,7 @@ impl RemoteWorker {
         threads: usize,
         deadline_ms: f64,
         io_cpus: Option<Bound<'_, PyAny>>,
+        dtypes: Option<Vec<String>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cpus = io_cpus_arg(io_cpus.as_ref())?;
         let client = Arc::new(client(url, deadline_ms)?);
@@ -169,10 +173,14 @@ impl RemoteWorker {
             world_size,
             threads,
             cpus,
-            |ns, _| {
+            dtypes.as_deref(),
+            |place, bytes, _| {
                 let remote = RemoteGroup {
                     client: Arc::clone(&client),
-                    namespace: ns.salted(cache_salt).digest(),
+                    namespace: ChunkNames {
+                        key: place.salted(cache_salt).digest(),
+                        header: bytes.salted(cache_salt).digest(),
+                    },
                 };
                 Ok((None, Some(remote)))
             },

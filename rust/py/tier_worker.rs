@@ -24,7 +24,9 @@ use super::tier::{decode_tier_jobs, set_counters, worker_jobs, TierJobArg};
 use crate::copy::RowSpace;
 use crate::ids::JobId;
 use crate::tier::affinity::CpuSet;
-use crate::tier::disk::{engine_namespace, inspect, SlabFile, SlabLayout, MEDIUM as DISK};
+use crate::tier::disk::{
+    engine_namespace, inspect, layout_namespace, SlabFile, SlabLayout, MEDIUM as DISK,
+};
 use crate::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker as Io};
 use crate::tier::namespace::Namespace;
 
@@ -102,9 +104,11 @@ pub struct TierWorker {
 impl TierWorker {
     /// Registers `buffers` and `groups` (`(cpu_rows, block_size, regions)` each) and starts the
     /// threads (pinned to `cpus` when given, checked by [`io_cpus_arg`] before anything
-    /// opened); `open(namespace, chunk_bytes)` opens each group's tier, given the group's
-    /// engine namespace on this rank (`model` names the weights: [`engine_namespace`]). `what`
-    /// names the class in errors.
+    /// opened); `open(place, layout, chunk_bytes)` opens each group's tier, given the group's
+    /// engine namespace on this rank (`model` names the weights: [`engine_namespace`], where
+    /// chunks go) and the namespace of the bytes its registered tensors make
+    /// ([`layout_namespace`], what headers carry: with the element type of each group's
+    /// tensors, `dtypes`, when given). `what` names the class in errors.
     #[allow(clippy::too_many_arguments)]
     pub fn open(
         what: &str,
@@ -117,8 +121,16 @@ impl TierWorker {
         world_size: u32,
         threads: usize,
         cpus: Option<CpuSet>,
-        mut open: impl FnMut(Namespace, u64) -> PyResult<OpenGroup>,
+        dtypes: Option<&[String]>,
+        mut open: impl FnMut(Namespace, Namespace, u64) -> PyResult<OpenGroup>,
     ) -> PyResult<Self> {
+        if let Some(d) = dtypes.filter(|d| d.len() != groups.len()) {
+            return Err(ConfigError::new_err(format!(
+                "{what}: dtypes has {} entries, the pool has {} groups",
+                d.len(),
+                groups.len()
+            )));
+        }
         if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
             return Err(ConfigError::new_err(format!(
                 "{what}: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
@@ -141,7 +153,13 @@ impl TierWorker {
                 world_size,
                 g as u32,
             );
-            let (file, remote) = open(ns, chunk)?;
+            let tensors: Vec<u64> = regions
+                .iter()
+                .map(|r| (r.3 * blocks_per_chunk as usize) as u64)
+                .collect();
+            let dtype = dtypes.map_or("", |d| d[g].as_str());
+            let bytes = layout_namespace(&ns, dtype, &tensors);
+            let (file, remote) = open(ns, bytes, chunk)?;
             tgroups.push(TierGroup {
                 cpu_rows,
                 rows_per_chunk: blocks_per_chunk as usize,
@@ -249,9 +267,10 @@ pub struct DiskWorker {}
 impl DiskWorker {
     /// Opens the slab file of every group under `path` (`disk_bytes` each) for worker `rank`
     /// of `world_size`, and registers the CPU pool: `buffers`, and per group
-    /// `(cpu_rows, block_size, regions)` with regions `(buffer, offset, stride, row_bytes)`.
+    /// `(cpu_rows, block_size, regions)` with regions `(buffer, offset, stride, row_bytes)`;
+    /// `dtypes` (per group, the element type of its tensors) is part of the chunks' namespace.
     #[new]
-    #[pyo3(signature = (path, disk_bytes, buffers, groups, blocks_per_chunk = 1, model = "", rank = 0, world_size = 1, threads = 2, direct = true, sync = true, io_cpus = None))]
+    #[pyo3(signature = (path, disk_bytes, buffers, groups, blocks_per_chunk = 1, model = "", rank = 0, world_size = 1, threads = 2, direct = true, sync = true, io_cpus = None, dtypes = None))]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         path: PathBuf,
@@ -266,6 +285,7 @@ impl DiskWorker {
         direct: bool,
         sync: bool,
         io_cpus: Option<Bound<'_, PyAny>>,
+        dtypes: Option<Vec<String>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cpus = io_cpus_arg(io_cpus.as_ref())?;
         let base = TierWorker::open(
@@ -279,9 +299,12 @@ impl DiskWorker {
             world_size,
             threads,
             cpus,
-            |ns, chunk| {
+            dtypes.as_deref(),
+            |place, bytes, chunk| {
                 let layout = SlabLayout::new(chunk, disk_bytes).map_err(to_py)?;
-                let file = SlabFile::open(&path, &ns, layout, direct, sync).map_err(to_py)?;
+                let file =
+                    SlabFile::open_in(&path, &place.dir_name(), &bytes, layout, direct, sync)
+                        .map_err(to_py)?;
                 Ok((Some(file), None))
             },
         )?;
@@ -319,8 +342,10 @@ impl DiskWorker {
     }
 }
 
-/// Reports every namespace directory of a disk tier at `path` (read-only); with `verify`,
-/// reads every committed chunk and checks its checksum.
+/// Reports every namespace directory of a disk tier at `path` (read-only, under a shared lock);
+/// with `verify`, reads every committed chunk and checks its checksum. Each report's
+/// `problems` lists what `verify` cannot vouch for, one line each; `in_use` names the holder
+/// of a directory an engine owns.
 #[pyfunction]
 #[pyo3(signature = (path, verify = false))]
 #[allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
@@ -344,9 +369,12 @@ pub fn disk_inspect(
             chunks,
             free,
             quarantined,
+            bad_headers,
             file_bytes,
             disk_bytes
         );
+        d.set_item("in_use", r.in_use)?;
+        d.set_item("problems", r.problems)?;
         if verify {
             d.set_item("verified", r.verified)?;
             d.set_item("corrupt", r.corrupt)?;

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use super::affinity::{pin_and_report, CpuSet};
 use super::disk::{ChunkRead, SlabFile, WriteItem};
-use super::remote::{ReadItem, ReadOutcome, RemoteClient, WriteItem as RemoteWrite};
+use super::remote::{ChunkNames, ReadItem, ReadOutcome, RemoteClient, WriteItem as RemoteWrite};
 use super::Location;
 use crate::copy::{extent, RowSpace, Span};
 use crate::error::{Error, Result};
@@ -72,8 +72,8 @@ pub struct TierGroup {
 pub struct RemoteGroup {
     /// The client (one per worker, shared by its groups).
     pub client: Arc<RemoteClient>,
-    /// Namespace digest of this group's chunks on this rank.
-    pub namespace: u128,
+    /// Namespace digests of this group's chunks on this rank (keys and headers).
+    pub namespace: ChunkNames,
 }
 
 /// One tier job for a worker (the scheduler's [`crate::scheduler::TierJob`]).

@@ -5,10 +5,16 @@
 //! layout (dtype, per-tensor shapes of one chunk, block size, blocks per chunk), the tensor
 //! parallel rank and world size, the KV group, and an optional tenant `cache_salt`. Its
 //! [`Namespace::digest`] is a 128-bit FNV-1a hash of a canonical, length-prefixed encoding of
-//! those fields (stable across builds and platforms); it is written into every chunk header and
-//! names the chunk's directory on disk ([`Namespace::dir_name`]). A reader compares the digest
-//! of every header it reads with its own: engines with different layouts, ranks or tenants
-//! never read each other's bytes.
+//! those fields (stable across builds and platforms).
+//!
+//! An engine has two namespaces per group and rank. Its *place* (`disk::engine_namespace`)
+//! holds what the scheduler knows from its configuration (the chunk's size as one tensor) and
+//! names where chunks go: the directory on disk ([`Namespace::dir_name`]), the shared tier's
+//! keys. Its *layout* (`disk::layout_namespace`) is the worker's: the same fields with the
+//! element type and the bytes of each registered tensor; it is written into every chunk header
+//! (and the disk directory's layout note, where the scheduler reads it back). A reader compares
+//! the digest of every header it reads with its own layout's: engines with different layouts,
+//! ranks or tenants never read each other's bytes.
 //!
 //! Engines that already mix the tenant salt into their block hashes (vLLM does) may leave
 //! `cache_salt` empty: their keys differ anyway.

@@ -61,10 +61,13 @@ def tier_worker(
     *args: Any,
     **kwargs: Any,
 ) -> W:
-    """``cls(*args, buffers, groups, blocks_per_chunk=..., **kwargs)`` over ``engine``'s pool
-    (:func:`pool_registration`): what every tier worker's opener shares."""
+    """``cls(*args, buffers, groups, blocks_per_chunk=..., dtypes=..., **kwargs)`` over
+    ``engine``'s pool (:func:`pool_registration`): what every tier worker's opener shares. The
+    element type of each group's tensors is part of the namespace its chunks are written in
+    (with the model, the split of a chunk into tensors, block size, rank and group)."""
     view, layout = pool_registration(engine, block_sizes)
-    return cls(*args, [view], layout, blocks_per_chunk=engine._bpc, **kwargs)
+    dtypes = [str(g.dtype).removeprefix("torch.") for g in engine._groups]
+    return cls(*args, [view], layout, blocks_per_chunk=engine._bpc, dtypes=dtypes, **kwargs)
 
 
 def open_disk_worker(

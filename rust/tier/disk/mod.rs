@@ -36,13 +36,18 @@
 //! slots has no foyer equivalent in the scheduler process) and restart recovery across ranks;
 //! no throughput measurement could change that, so none was made.
 //!
-//! Files: this one the geometry ([`SlabLayout`]) and the namespace both sides derive
-//! ([`engine_namespace`]); `slab.rs` the worker side, `vio.rs` its vectored I/O (a slot's
+//! A namespace directory has one owner at a time, never follows a symbolic link and holds
+//! owner-only files (`dir.rs`: [`TierDir`]); its layout note is replaced atomically; a clean
+//! close makes every acknowledged chunk durable ([`SlabFile::close`]).
+//!
+//! Files: this one the geometry ([`SlabLayout`]) and the namespaces both sides derive
+//! ([`engine_namespace`], [`layout_namespace`]); `dir.rs` the directory; `slab.rs` the worker side, `vio.rs` its vectored I/O (a slot's
 //! header block and data in one request) and `batch.rs` its checksums beside the I/O;
 //! `scan.rs` the header scan of a restart; `index.rs` the scheduler side; `tier.rs` both in
 //! one process; `inspect.rs` what `kvoffload disk inspect|verify` reports.
 
 mod batch;
+mod dir;
 mod index;
 mod inspect;
 mod scan;
@@ -51,6 +56,7 @@ mod tier;
 mod vio;
 
 pub use batch::{ChunkRead, BESIDE_MIN_BYTES};
+pub use dir::{TierDir, LOCK_FILE};
 pub use index::{write_items, DiskIndex};
 pub use inspect::{inspect, NamespaceReport};
 pub use scan::{scan_namespace, ScanReport};
@@ -116,9 +122,11 @@ impl SlabLayout {
     }
 }
 
-/// The namespace both sides of an engine derive for group `group` of a disk tier: the
+/// The namespace both sides of an engine derive for group `group` of a lower tier: the
 /// scheduler from its configuration (`bytes_per_chunk`), each worker from its registered
-/// tensors (the same bytes). `model` names the weights and dtype (the engine's choice).
+/// tensors (the same bytes). `model` names the weights and dtype (the engine's choice). It
+/// names a chunk's place (the disk tier's directory, the shared tier's keys); what the chunk's
+/// bytes mean is the worker's [`layout_namespace`], which its headers carry.
 pub fn engine_namespace(
     model: &str,
     chunk_bytes: u64,
@@ -138,5 +146,19 @@ pub fn engine_namespace(
         world_size,
         group,
         cache_salt: String::new(),
+    }
+}
+
+/// The namespace of the bytes a worker writes for `place` ([`engine_namespace`]): the same
+/// fields with the element type of its tensors (`dtype`, empty if unknown) and the bytes of one
+/// chunk of each registered tensor, in the order they follow each other in a chunk
+/// (`tensor_chunk_bytes`). Engines whose chunks have the same size but another split into
+/// tensors (2 KV tensors per layer against 1, another number of layers) or another element
+/// type get another digest: their headers never verify for each other.
+pub fn layout_namespace(place: &Namespace, dtype: &str, tensor_chunk_bytes: &[u64]) -> Namespace {
+    Namespace {
+        dtype: dtype.to_string(),
+        tensor_shapes: tensor_chunk_bytes.iter().map(|&b| vec![b]).collect(),
+        ..place.clone()
     }
 }

@@ -1,13 +1,14 @@
 //! The worker side of the disk tier: the slab file of one namespace (two-phase publish,
-//! checked reads, quarantine, `O_DIRECT` probe).
+//! checked reads, quarantine, `O_DIRECT` probe, a durable close).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::dir::TierDir;
 use super::scan::{scan_file, ScanReport};
 use super::vio::{self, aligned, AlignedBlock};
 use super::{SlabLayout, BLOCK, LAYOUT_FILE, QUARANTINE, SLAB_FILE};
@@ -94,6 +95,8 @@ atomic_counters! {
         write_ns,
         /// Nanoseconds spent in reads.
         read_ns,
+        /// `fdatasync` calls: one per batch (with `sync`) and one at close.
+        syncs,
     }
 }
 
@@ -123,6 +126,33 @@ pub struct SlabFile {
     pub(super) stats: IoStats,
     /// A block-aligned block of zeros (written over a slot's header block with its data).
     pub(super) zeros: AlignedBlock,
+    /// The directory this file's owner holds (`None`: a reader's view, or closed).
+    pub(super) owner: Option<TierDir>,
+}
+
+impl Drop for SlabFile {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+/// The layout note of a slab of `ns`: its geometry, the digest every header carries, the group
+/// and the per-tensor shapes of one chunk (for `kvoffload disk inspect`, and for the scheduler,
+/// which reads the digest its workers write).
+pub(super) fn layout_note(layout: SlabLayout, ns: &Namespace) -> String {
+    let tensors: Vec<String> = ns
+        .tensor_shapes
+        .iter()
+        .map(|s| s.iter().map(u64::to_string).collect::<Vec<_>>().join("x"))
+        .collect();
+    format!(
+        "chunk_bytes={} slots={} namespace={:032x} group={} tensors={}\n",
+        layout.chunk_bytes,
+        layout.slots,
+        ns.digest(),
+        ns.group,
+        tensors.join(",")
+    )
 }
 
 pub(super) fn io_err(path: &Path, what: &str, e: &io::Error) -> Error {
@@ -130,10 +160,8 @@ pub(super) fn io_err(path: &Path, what: &str, e: &io::Error) -> Error {
 }
 
 impl SlabFile {
-    /// Opens (creating and preallocating if needed) the slab file of `ns` under `root`, sized
-    /// for `layout`. A file of another size is resized to the layout: slots past the new end
-    /// are gone, new slots are free. `direct` asks for `O_DIRECT` where the file system allows
-    /// it; `sync` makes every batch durable before its headers are written.
+    /// Opens (creating and preallocating if needed) the slab file of `ns` under `root`, in the
+    /// directory `ns` names ([`SlabFile::open_in`]).
     pub fn open(
         root: &Path,
         ns: &Namespace,
@@ -141,16 +169,28 @@ impl SlabFile {
         direct: bool,
         sync: bool,
     ) -> Result<Self> {
-        let dir = root.join(ns.dir_name());
-        std::fs::create_dir_all(&dir).map_err(|e| io_err(&dir, "cannot create", &e))?;
-        let path = dir.join(SLAB_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(|e| io_err(&path, "cannot open", &e))?;
+        Self::open_in(root, &ns.dir_name(), ns, layout, direct, sync)
+    }
+
+    /// Opens (creating and preallocating if needed) the slab file of directory `dir_name` under
+    /// `root` for chunks of namespace `ns` (every header written carries its digest), sized
+    /// for `layout`, and holds the directory ([`TierDir`]: one owner, nothing followed,
+    /// owner-only) until the file is dropped or closed. A file of another size is resized to
+    /// the layout: slots past the new end are gone, new slots are free. The layout note is
+    /// replaced atomically when it changed, and left alone when it did not. `direct` asks for
+    /// `O_DIRECT` where the file system allows it; `sync` makes every batch durable before its
+    /// headers are written.
+    pub fn open_in(
+        root: &Path,
+        dir_name: &str,
+        ns: &Namespace,
+        layout: SlabLayout,
+        direct: bool,
+        sync: bool,
+    ) -> Result<Self> {
+        let dir = TierDir::open(root, dir_name)?;
+        let path = dir.path().join(SLAB_FILE);
+        let file = dir.open_file(SLAB_FILE, true)?;
         let want = layout.file_bytes();
         let len = file
             .metadata()
@@ -158,22 +198,23 @@ impl SlabFile {
             .len();
         if len != want {
             file.set_len(want)
+                .and_then(|()| file.sync_all())
                 .map_err(|e| io_err(&path, "cannot size", &e))?;
         }
         preallocate(&file, want);
-        let meta = dir.join(LAYOUT_FILE);
-        std::fs::write(
-            &meta,
-            format!(
-                "chunk_bytes={} slots={} namespace={:032x} group={}\n",
-                layout.chunk_bytes,
-                layout.slots,
-                ns.digest(),
-                ns.group
-            ),
-        )
-        .map_err(|e| io_err(&meta, "cannot write", &e))?;
-        let direct = if direct { probe_direct(&path) } else { None };
+        let note = layout_note(layout, ns);
+        if dir.read(LAYOUT_FILE)?.as_deref() == Some(note.as_bytes()) {
+            if len == 0 {
+                dir.sync()?; // a new slab file's entry
+            }
+        } else {
+            dir.replace(LAYOUT_FILE, note.as_bytes())?;
+        }
+        let direct = if direct {
+            probe_direct(&dir, &file)
+        } else {
+            None
+        };
         Ok(Self {
             path,
             file,
@@ -184,7 +225,27 @@ impl SlabFile {
             sync,
             stats: IoStats::default(),
             zeros: AlignedBlock::new(),
+            owner: Some(dir),
         })
+    }
+
+    /// Makes everything written durable (headers included), releases the directory and
+    /// returns the final counters. Dropping the file does the same, without the result.
+    pub fn close(mut self) -> io::Result<IoSnapshot> {
+        self.finish()?;
+        Ok(self.stats.snapshot())
+    }
+
+    /// The durable end of an owner: one `fdatasync` of what the last batch and any quarantine
+    /// left in the page cache, then the directory's lock goes.
+    fn finish(&mut self) -> io::Result<()> {
+        let Some(dir) = self.owner.take() else {
+            return Ok(());
+        };
+        let r = self.file.sync_data();
+        self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        drop(dir);
+        r
     }
 
     /// The file's path.
@@ -305,6 +366,7 @@ impl SlabFile {
                         }
                     }
                     if self.sync && results.iter().any(Result::is_ok) {
+                        self.stats.syncs.fetch_add(1, Ordering::Relaxed);
                         if let Err(e) = self.file.sync_data() {
                             for r in &mut results {
                                 if r.is_ok() {
@@ -517,15 +579,10 @@ fn preallocate(file: &File, len: u64) {
     let _ = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
 }
 
-/// Opens `path` with `O_DIRECT` and reads its first block into aligned memory; `None` when the
-/// file system refuses either.
-fn probe_direct(path: &Path) -> Option<File> {
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .ok()?;
+/// Opens the slab file of `dir` again with `O_DIRECT` and reads its first block into aligned
+/// memory; `None` when the file system refuses either (or the name no longer is `file`).
+fn probe_direct(dir: &TierDir, file: &File) -> Option<File> {
+    let f = dir.reopen(SLAB_FILE, libc::O_DIRECT, file)?;
     let mut buf = vec![0u8; 2 * BLOCK as usize];
     let at = buf.as_ptr().align_offset(BLOCK as usize);
     f.read_exact_at(&mut buf[at..at + BLOCK as usize], 0)

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use rustc_hash::FxHashMap;
 
 use super::slab::io_err;
-use super::{write_items, DiskIndex, SlabFile, SlabLayout};
+use super::{write_items, DiskIndex, IoSnapshot, SlabFile, SlabLayout};
 use crate::error::Result;
 use crate::ids::Key;
 use crate::policy::PolicyKind;
@@ -62,6 +62,12 @@ impl DiskTier {
     /// The slab file.
     pub fn file(&self) -> &SlabFile {
         &self.file
+    }
+
+    /// Makes every chunk written durable and releases the directory ([`SlabFile::close`]);
+    /// returns the final I/O counters. Dropping the tier does the same, without the result.
+    pub fn close(self) -> std::io::Result<IoSnapshot> {
+        self.file.close()
     }
 
     /// Writes chunks `(key, pieces)` (keys already present are skipped) and publishes those

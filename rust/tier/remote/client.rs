@@ -12,8 +12,8 @@ use super::bulk::{self, BulkConn};
 use super::pack::{slice_pieces, Packed};
 use super::send::OpError;
 use super::{
-    parts, value_key, ReadItem, ReadOutcome, RemoteConfig, RemoteCounters, RemoteStats, WriteItem,
-    BATCH_BYTES, WRITE_BATCH_BYTES,
+    parts, value_key, ChunkNames, ReadItem, ReadOutcome, RemoteConfig, RemoteCounters, RemoteStats,
+    WriteItem, BATCH_BYTES, WRITE_BATCH_BYTES,
 };
 use crate::error::{Error, Result};
 use crate::ids::Key;
@@ -138,9 +138,11 @@ impl RemoteClient {
         }
     }
 
-    /// Writes `items` under namespace `namespace`; per item, whether every part was stored.
-    /// On probation nothing is sent and every item is counted as dropped.
-    pub fn write(&self, namespace: u128, items: &[WriteItem<'_>]) -> Vec<bool> {
+    /// Writes `items` under namespace `namespace` ([`ChunkNames`]: keys and headers); per
+    /// item, whether every part was stored. On probation nothing is sent and every item is
+    /// counted as dropped.
+    pub fn write(&self, namespace: impl Into<ChunkNames>, items: &[WriteItem<'_>]) -> Vec<bool> {
+        let names = namespace.into();
         if items.is_empty() {
             return Vec::new();
         }
@@ -161,7 +163,7 @@ impl RemoteClient {
                 let (it, len) = (&items[i], lens[i]);
                 let header = ChunkHeader {
                     group: it.group,
-                    namespace,
+                    namespace: names.header,
                     key: it.key,
                     length: len as u64,
                     generation: self.generation.fetch_add(1, Relaxed) + 1,
@@ -172,7 +174,7 @@ impl RemoteClient {
                 for part in (0..count).rev() {
                     let value = slice_pieces(&it.data, part * size, ((part + 1) * size).min(len));
                     let prefix: &[u8] = if part == 0 { &header } else { &[] };
-                    let name = value_key(namespace, it.key, part);
+                    let name = value_key(names.key, it.key, part);
                     packed.command(&[b"SET", &name], Some((prefix, &value)));
                 }
             }
@@ -235,8 +237,14 @@ impl RemoteClient {
         Some(found)
     }
 
-    /// Reads `items` of namespace `namespace` into their destinations and verifies them.
-    pub fn read(&self, namespace: u128, items: &mut [ReadItem<'_>]) -> Vec<ReadOutcome> {
+    /// Reads `items` of namespace `namespace` ([`ChunkNames`]: keys and headers) into their
+    /// destinations and verifies them.
+    pub fn read(
+        &self,
+        namespace: impl Into<ChunkNames>,
+        items: &mut [ReadItem<'_>],
+    ) -> Vec<ReadOutcome> {
+        let names = namespace.into();
         if items.is_empty() {
             return Vec::new();
         }
@@ -258,7 +266,7 @@ impl RemoteClient {
             for (g, &i) in guards.iter().zip(batch) {
                 let key = g.as_ref().expect("item").key;
                 for part in 0..parts(lens[i], self.cfg.part_bytes).0 {
-                    let name = value_key(namespace, key, part);
+                    let name = value_key(names.key, key, part);
                     packed.extend_from_slice(&bulk::pack(&[b"GET", &name]));
                 }
             }
@@ -268,7 +276,7 @@ impl RemoteClient {
                     .iter_mut()
                     .zip(batch)
                     .map(|(g, &i)| {
-                        self.read_item(con, namespace, g.as_mut().expect("item"), lens[i])
+                        self.read_item(con, names.header, g.as_mut().expect("item"), lens[i])
                     })
                     .collect::<std::io::Result<Vec<ReadOutcome>>>()
             });

@@ -10,9 +10,12 @@
 //!   [`RemoteConfig::part_bytes`] is split into a small fixed set of parts (at most
 //!   [`MAX_PARTS`]), part 0 carrying the header. Parts are written last-to-first in one pipeline,
 //!   so part 0 (the header) is published last: the two-phase publish.
-//! - **Keys** carry the writer's namespace digest (model, layout, rank, group and the optional
-//!   per-request `cache_salt`): `kvo:<namespace>:<key>[:<part>]`. Tenants and layouts never
-//!   share a key, and every header is checked against the reader's namespace too.
+//! - **Keys** carry the namespace digest of the chunk's place (model, chunk size, block size,
+//!   blocks per chunk, rank, group and the optional per-request `cache_salt`: what a scheduler
+//!   knows, so it can check existence): `kvo:<namespace>:<key>[:<part>]`. Tenants never share
+//!   a key. **Headers** carry the writer's whole layout (also its tensors' element type and
+//!   split of a chunk into tensors: [`ChunkNames`]), and every header is checked against the
+//!   reader's: an engine of another layout under the same key reads a mismatch, never bytes.
 //! - **Pipelined batches**: a call's chunks are packed into sub-batches of about
 //!   [`BATCH_BYTES`] for reads and [`WRITE_BATCH_BYTES`] for writes, each one pipeline (one
 //!   write of all its commands, then all replies) on a connection from the pool; sub-batches
@@ -191,6 +194,27 @@ impl ReadItem<'_> {
 pub fn parts(len: usize, part_bytes: usize) -> (usize, usize) {
     let size = part_bytes.max(len.div_ceil(MAX_PARTS)).max(1);
     (len.div_ceil(size).max(1), size)
+}
+
+/// The namespaces of a chunk in the shared tier: the digest its Redis keys carry (what every
+/// engine of a fleet computes from its configuration, so schedulers can check existence) and
+/// the digest its header carries (the writer's whole layout, down to its tensors, checked by
+/// every reader: chunks of another layout never verify). A plain digest is both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkNames {
+    /// Namespace digest in the keys.
+    pub key: u128,
+    /// Namespace digest in the headers.
+    pub header: u128,
+}
+
+impl From<u128> for ChunkNames {
+    fn from(namespace: u128) -> Self {
+        Self {
+            key: namespace,
+            header: namespace,
+        }
+    }
 }
 
 /// The Redis key of part `part` of chunk `key` in namespace `namespace`.
