@@ -103,6 +103,11 @@ pub enum Error {
     #[error("key {0} is being stored and is not readable yet: load it after its store completes")]
     KeyNotReady(Key),
 
+    /// An operating-system I/O failure of a lower tier (a full disk, a read error, a thread
+    /// that cannot start): not the caller's configuration.
+    #[error("I/O error: {0}")]
+    Io(String),
+
     /// A disk tier directory that another opener holds (one owner per directory).
     #[error(
         "disk tier {dir}: in use by {holder}; one engine per directory (stop the other one, \

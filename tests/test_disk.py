@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,13 @@ import torch
 
 from kvoffload._core import DiskWorker, disk_inspect
 from kvoffload.cli import main
-from kvoffload.errors import ConfigError, KvOffloadError, TierInUseError, TierPathError
+from kvoffload.errors import (
+    ConfigError,
+    KvOffloadError,
+    TierInUseError,
+    TierIOError,
+    TierPathError,
+)
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.sim import SimConfig, simulate
 from kvoffload.transfer import TransferEngine
@@ -601,3 +609,35 @@ def test_a_symbolic_link_in_the_directory_is_refused(tmp_path: Path, name: str) 
     assert issubclass(TierPathError, ConfigError)
     assert target.read_bytes() == b"precious"
     worker.shutdown()
+
+
+_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+from tests.test_disk import BLOCK, _engine
+from kvoffload.transfer.disk import open_disk_worker
+from kvoffload.errors import TierIOError
+kv, worker = _engine(1)
+try:
+    open_disk_worker(worker, Path(sys.argv[1]), 1 << 20, [BLOCK], model="toy")
+except TierIOError as e:
+    print(f"TierIOError: {e}")
+"""
+
+
+def test_a_full_disk_is_an_io_error_not_a_config_error(tmp_path: Path) -> None:
+    """A file-size limit below the slab (as a full disk would) fails the slab's sizing: the error
+    is TierIOError naming the file and the OS error, not ConfigError."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path / "tier")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+    ).stdout
+    assert "TierIOError: I/O error: disk tier" in out
+    assert "slab.kvo: cannot size: File too large" in out
+    assert not issubclass(TierIOError, ConfigError)

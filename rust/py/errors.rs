@@ -97,6 +97,12 @@ create_exception!(
 );
 create_exception!(
     kvoffload.errors,
+    TierIOError,
+    KvOffloadError,
+    "An operating-system I/O failure of a lower tier (a full disk, a read error): not a configuration error."
+);
+create_exception!(
+    kvoffload.errors,
     TierInUseError,
     KvOffloadError,
     "A disk tier directory another engine (or a `kvoffload disk verify`) holds: one owner per directory."
@@ -126,6 +132,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::StepInputLength { .. } => StepInputError::new_err(msg),
         Error::UnknownKey(_) => UnknownKeyError::new_err(msg),
         Error::KeyNotReady(_) | Error::KeyNotPinned(_) => KeyStateError::new_err(msg),
+        Error::Io(_) => TierIOError::new_err(msg),
         Error::TierInUse { .. } => TierInUseError::new_err(msg),
         Error::TierPath { .. } => TierPathError::new_err(msg),
     }

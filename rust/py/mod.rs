@@ -34,8 +34,8 @@ mod _core {
     use super::errors::{
         CompletionError, ConfigError, DuplicateReportError, InternalError, InvalidBlockError,
         InvalidKeyError, InvalidRequestError, KeyStateError, KvOffloadError, RequestStateError,
-        StepInputError, TierInUseError, TierPathError, UnknownJobError, UnknownKeyError,
-        UnknownRequestError,
+        StepInputError, TierIOError, TierInUseError, TierPathError, UnknownJobError,
+        UnknownKeyError, UnknownRequestError,
     };
     #[pymodule_export]
     use super::pool::{CpuPool, StorePlan};

@@ -113,7 +113,7 @@ impl RemoteIndex {
                     }
                 }
             })
-            .map_err(|e| Error::Config(format!("remote tier: cannot start a thread: {e}")))?;
+            .map_err(|e| Error::Io(format!("remote tier: cannot start a thread: {e}")))?;
         pinned.recv().expect("the lookup thread reports")?;
         Ok(Self {
             cfg,

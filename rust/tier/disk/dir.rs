@@ -215,7 +215,7 @@ impl TierDir {
     /// Opens (creating it `0700` if needed) the namespace directory `name` under `root` and
     /// takes its lock for as long as the returned value lives. Errors: [`Error::TierInUse`]
     /// while another opener holds it, [`Error::TierPath`] for a symbolic link or a file that is
-    /// not ours, [`Error::Config`] for I/O errors; each names the path.
+    /// not ours, [`Error::Io`] for I/O errors; each names the path.
     pub fn open(root: &Path, name: &str) -> Result<Self> {
         let (path, dir) = open_subdir(root, name, true)?.expect("created");
         check_owned(&dir, &path, true)?;

@@ -182,10 +182,7 @@ fn inspect_dir(dir: &Path, verify: bool, rep: &mut NamespaceReport) -> Result<bo
             match slab.verify_slot(slot) {
                 Ok(_) => rep.verified += 1,
                 Err(ReadError::Io { msg, .. }) => {
-                    return Err(Error::Config(format!(
-                        "{}: slot {slot}: {msg}",
-                        path.display()
-                    )))
+                    return Err(Error::Io(format!("{}: slot {slot}: {msg}", path.display())))
                 }
                 Err(e) => {
                     rep.corrupt += 1;

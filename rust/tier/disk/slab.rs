@@ -156,7 +156,7 @@ pub(super) fn layout_note(layout: SlabLayout, ns: &Namespace) -> String {
 }
 
 pub(super) fn io_err(path: &Path, what: &str, e: &io::Error) -> Error {
-    Error::Config(format!("disk tier {}: {what}: {e}", path.display()))
+    Error::Io(format!("disk tier {}: {what}: {e}", path.display()))
 }
 
 impl SlabFile {
