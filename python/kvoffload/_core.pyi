@@ -243,6 +243,7 @@ class Scheduler:
         store_threshold: int = 0,
         null_block: int | None = 0,
         debug_skip_deferred_arming: bool = False,
+        tier_write_share: float = 0.125,
     ) -> Scheduler: ...
     @staticmethod
     def check_config(
@@ -261,6 +262,7 @@ class Scheduler:
         store_threshold: int = 0,
         null_block: int | None = 0,
         debug_skip_deferred_arming: bool = False,
+        tier_write_share: float = 0.125,
     ) -> tuple[int, list[int]]: ...
     def add_request(
         self, request_id: str, prompt_len: int, block_hashes: Iterable[int | bytes]

@@ -107,6 +107,13 @@ class OffloadConfig:
             loaded from the CPU pool this many times (0: as soon as it is stored).
         remote_min_hits: The same for the shared tier. ``1`` sends only reused chunks (system
             prompts, documents) to the fleet's server, not every request's private tail.
+        tier_write_share: At most this share of each group's CPU slots is pinned by
+            write-behind jobs to the lower tiers at once (a number in (0, 1]; at least one
+            slot). Past it a chunk is not written behind (counted as ``skipped_writes`` per
+            tier), never a store dropped: a tier that cannot keep up (slow, stuck, its I/O
+            threads starved) never takes more than this share of the CPU pool's room. When the
+            share is tight, reused chunks (loaded from the CPU pool) get all of it and fresh
+            ones only half, so the tier's bandwidth goes to chunks known to be reused.
         io_cpus: CPU ids the lower tiers' I/O threads (and their checksum helpers and
             connections) are pinned to on each worker (None: not pinned). Keep the engine's
             thread off them: on a small machine the tier's checksums and copies then cannot
@@ -140,6 +147,7 @@ class OffloadConfig:
     remote_deadline_ms: float = 1000.0
     disk_min_hits: int = 0
     remote_min_hits: int = 0
+    tier_write_share: float = 0.125
     io_cpus: Sequence[int] | None = None
 
     def _core_kwargs(self) -> dict[str, Any]:
@@ -165,6 +173,7 @@ class OffloadConfig:
             "store_threshold": self.store_threshold,
             "null_block": self.null_block,
             "debug_skip_deferred_arming": self.debug_skip_deferred_arming,
+            "tier_write_share": self.tier_write_share,
         }
 
     def bytes_per_chunk(self, group: int) -> int:

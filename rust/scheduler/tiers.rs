@@ -135,8 +135,16 @@ pub struct TierGroupStats {
     /// Chunks not written behind because the tier was on probation (disk; the shared tier's
     /// client counts its own).
     pub dropped_writes: u64,
-    /// Keys not looked up in the tier because it was on probation (disk).
+    /// Keys not looked up in the tier because it was on probation (disk) or behind (its
+    /// write-behind pinned half its share of CPU slots or more: a promotion would queue
+    /// behind those writes).
     pub skipped_lookups: u64,
+    /// Chunks not written behind because write-behind jobs already pinned the group's share
+    /// of CPU slots (`tier_write_share`): the tier did not keep up. A skipped chunk that is
+    /// loaded from the CPU pool later is offered again.
+    pub skipped_writes: u64,
+    /// CPU slot pins held now by this tier's write-behind jobs (one per chunk).
+    pub write_pinned: u64,
 }
 
 /// How the scheduler watches a disk tier's jobs: a promotion's deadline, and probation after
@@ -301,8 +309,12 @@ impl Scheduler {
         let mut counts = Vec::with_capacity(groups);
         let mut pending = false;
         let now = Instant::now();
+        // A tier whose write-behind holds half its room or more is behind: its queue is deep,
+        // and a promotion would wait behind those writes, holding CPU room all that time (a
+        // slow tier cost more hits that way than it gave). Lookups skip it, as on probation.
+        let behind = u64::from(self.cfg.tier_write_slots / 2).max(1);
         for t in self.tiers.iter_mut().flatten() {
-            t.skip = !t.admit(now);
+            t.skip = t.stats.write_pinned >= behind || !t.admit(now);
         }
         for g in 0..groups {
             let keys = self.chunk_keys(r, g, hit, cap);
@@ -451,23 +463,49 @@ impl Scheduler {
 
     /// Write-behind of `keys` of group `g`, just published in the CPU pool (`loaded`: just
     /// loaded from it instead), to every tier whose admission filter lets them through.
+    ///
+    /// Bounded (DESIGN.md §9, "a lower tier only ever adds"): the write-behind jobs of a
+    /// group's tiers pin at most `tier_write_slots` CPU slots at once, so a tier that cannot
+    /// keep up (slow, stuck, its I/O threads starved) takes at most that share of the CPU
+    /// pool's room from the stores; past it a chunk is skipped (`skipped_writes`), never a
+    /// store dropped. Which chunks get the room when it is scarce:
+    ///
+    /// - *Reused chunks first*: a fresh chunk (its store just completed) may take only half
+    ///   of the room; a chunk loaded from the CPU pool (a hit, so likely hit again, e.g. a
+    ///   system prompt or a document) may take all of it. A chunk skipped for lack of room is
+    ///   offered again at its next load, so a slow tier ends up holding the reused chunks
+    ///   rather than whichever were stored first. Chunks about to be evicted would be the
+    ///   other candidate, but pinning them is exactly what keeps the pool from evicting them:
+    ///   it costs the same room and favours chunks nobody asked for.
+    /// - *Prefix first*: within one batch, the earliest chunks of the prefix go first; a
+    ///   later chunk is of no use to a lookup without the ones before it.
     pub(super) fn write_behind(&mut self, g: usize, keys: &[Key], loaded: bool) {
-        for ti in 0..self.tiers.get(g).map_or(0, Vec::len) {
+        let Some(tiers) = self.tiers.get(g) else {
+            return;
+        };
+        let limit = u64::from(self.cfg.tier_write_slots);
+        for ti in 0..tiers.len() {
+            let pinned: u64 = self.tiers[g].iter().map(|t| t.stats.write_pinned).sum();
             let tier = &mut self.tiers[g][ti];
             let need = tier.admission.min_hits;
             let admitted: Vec<Key> = match (need, loaded) {
                 (0, false) => keys.to_vec(),
+                // Offered again only if the tier skipped writes: a tier that keeps up has
+                // every stored chunk already (this path costs a lookup per loaded chunk).
+                (0, true) if tier.stats.skipped_writes > 0 => keys.to_vec(),
                 (0, true) | (1.., false) => continue,
                 (1.., true) => {
                     if tier.hits.len() > HIT_COUNTS {
                         tier.hits.clear();
                     }
+                    // Past `need`, only while the tier skipped writes (a skipped one retries).
+                    let again = tier.stats.skipped_writes > 0;
                     keys.iter()
                         .copied()
                         .filter(|k| {
                             let n = tier.hits.entry(*k).or_insert(0);
-                            *n += 1;
-                            *n == need
+                            *n = n.saturating_add(1);
+                            *n == need || (again && *n > need)
                         })
                         .collect()
                 }
@@ -479,12 +517,28 @@ impl Scheduler {
                 tier.stats.dropped_writes += admitted.len() as u64;
                 continue;
             }
-            let Some(plan) = tier.index.prepare_write(&admitted) else {
+            // Keys the tier holds or is writing already cost no room.
+            let mut wanted: Vec<Key> = admitted
+                .into_iter()
+                .filter(|&k| tier.index.state(k) == KeyState::Absent)
+                .collect();
+            let cap = if loaded { limit } else { (limit / 2).max(1) };
+            let room = cap.saturating_sub(pinned) as usize;
+            if wanted.len() > room {
+                // A fresh chunk skipped now may still be offered again at its first load.
+                tier.stats.skipped_writes += (wanted.len() - room) as u64;
+                wanted.truncate(room);
+            }
+            if wanted.is_empty() {
+                continue;
+            }
+            let Some(plan) = tier.index.prepare_write(&wanted) else {
                 continue;
             };
             if plan.keys.is_empty() {
                 continue;
             }
+            tier.stats.write_pinned += plan.keys.len() as u64;
             let slots = self.pools[g]
                 .prepare_load(&plan.keys)
                 .expect("keys ready in the CPU pool");
@@ -493,10 +547,20 @@ impl Scheduler {
         }
     }
 
-    /// Ends tier job `job` of group `g` in its tier's counters (pending, I/O time).
-    pub(super) fn end_tier_job(&mut self, job: JobId, t: TierRef, g: usize) -> &mut GroupTier {
+    /// Ends tier job `job` of group `g` (its `chunks`) in its tier's counters (pending, I/O
+    /// time, CPU pins of write-behind).
+    pub(super) fn end_tier_job(
+        &mut self,
+        job: JobId,
+        t: TierRef,
+        g: usize,
+        chunks: usize,
+    ) -> &mut GroupTier {
         let tier = &mut self.tiers[g][t.tier as usize];
         tier.stats.pending -= 1;
+        if t.kind == TierJobKind::Write {
+            tier.stats.write_pinned -= chunks as u64;
+        }
         let us = tier
             .started
             .remove(&job)
@@ -517,7 +581,7 @@ impl Scheduler {
         keys: &[Key],
         ok: bool,
     ) {
-        let tier = self.end_tier_job(job, t, g);
+        let tier = self.end_tier_job(job, t, g, keys.len());
         if let Some(slots) = tier.complete_late(job, keys, ok) {
             let freed = self.pools[g].release_held(&slots);
             debug_assert!(freed.is_ok(), "{freed:?}");
@@ -553,7 +617,7 @@ impl Scheduler {
     /// A reset flushed tier job `job` of group `g`: its tier state is released (a write
     /// counts as failed, a promotion's pins go; the CPU pool was emptied anyway).
     pub(super) fn reset_tier_job(&mut self, job: JobId, t: TierRef, g: usize, keys: &[Key]) {
-        let tier = self.end_tier_job(job, t, g);
+        let tier = self.end_tier_job(job, t, g, keys.len());
         // The CPU pool was emptied (held slots too): the flush waits for the late I/O.
         tier.end_hold(job, keys);
         match t.kind {

@@ -119,7 +119,7 @@ impl Scheduler {
         text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
             cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
             offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
-            debug_skip_deferred_arming=False)"
+            debug_skip_deferred_arming=False, tier_write_share=0.125)"
     )]
     fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         Ok(Self {
@@ -137,7 +137,7 @@ impl Scheduler {
         text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
             cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
             offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
-            debug_skip_deferred_arming=False)"
+            debug_skip_deferred_arming=False, tier_write_share=0.125)"
     )]
     fn check_config(
         args: &Bound<'_, PyTuple>,
