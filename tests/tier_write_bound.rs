@@ -25,7 +25,7 @@ fn scheduler() -> Scheduler {
 }
 
 fn keys(base: u128) -> Vec<Key> {
-    (1..=N as u128).map(|i| Key(base + i)).collect()
+    (1..=u128::from(N)).map(|i| Key(base + i)).collect()
 }
 
 fn blocks() -> Vec<BlockId> {
@@ -94,7 +94,10 @@ fn reused_chunks_take_the_rest_of_the_room() {
     s.add_request("c", tokens, keys(0x1000)).unwrap();
     let hit = s.lookup("c", 0).unwrap().expect("an answer");
     assert_eq!(hit, N as u32 * 4);
-    let load = s.allocate("c", &[blocks()], 0, hit).unwrap().expect("a load");
+    let load = s
+        .allocate("c", &[blocks()], 0, hit)
+        .unwrap()
+        .expect("a load");
     let written: Vec<u32> = blocks().iter().map(|b| b.0).collect();
     let plan = s.schedule(&step(&[("c", tokens)], &[], &written)).unwrap();
     assert!(plan.loads.iter().any(|j| j.id == load));

@@ -449,10 +449,11 @@ pub fn config_opt_int(arg: &Arg<'_>, field: &str, default: Option<i128>) -> PyRe
 pub fn config_float_or(arg: &Arg<'_>, field: &str, default: f64) -> PyResult<f64> {
     match arg {
         Arg::Omitted => Ok(default),
-        Arg::Given(v) if !is_bool(v) && (v.is_instance_of::<PyFloat>() || v.is_instance_of::<PyInt>()) => {
-            v.extract::<f64>().map_err(|_| {
-                config_err(crate::config::type_error(field, "a number", describe(v)))
-            })
+        Arg::Given(v)
+            if !is_bool(v) && (v.is_instance_of::<PyFloat>() || v.is_instance_of::<PyInt>()) =>
+        {
+            v.extract::<f64>()
+                .map_err(|_| config_err(crate::config::type_error(field, "a number", describe(v))))
         }
         Arg::Given(v) => Err(config_err(crate::config::type_error(
             field,
