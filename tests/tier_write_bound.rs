@@ -3,6 +3,7 @@
 //! written (counted as `skipped_writes`) and every store still finds room. Fresh chunks take
 //! half of that room, chunks loaded from the CPU pool (reused) the rest, prefix first.
 
+use kvoffload::config::SchedulerConfig;
 use kvoffload::policy::PolicyKind;
 use kvoffload::scheduler::{Scheduler, StepPlan, TierJobKind};
 use kvoffload::tier::disk::{DiskIndex, SlabLayout, BLOCK};
@@ -11,13 +12,17 @@ use kvoffload::{BlockId, Key};
 mod tier_support;
 use tier_support::{config_with, step, CHUNK};
 
-/// CPU slots: write-behind may pin an eighth of them by default (8).
+/// CPU slots: write-behind may pin an eighth of them (8, the default share).
 const SLOTS: u32 = 64;
 /// Chunks of each request.
 const N: u64 = 40;
 
 fn scheduler() -> Scheduler {
-    let mut s = Scheduler::new(config_with(CHUNK as u64, SLOTS)).unwrap();
+    let cfg = SchedulerConfig {
+        tier_write_slots: SLOTS / 8, // the default share
+        ..config_with(CHUNK as u64, SLOTS)
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
     let layout = SlabLayout::new(CHUNK as u64, 1024 * (BLOCK + 2 * BLOCK)).unwrap();
     let index = DiskIndex::new(layout, PolicyKind::Lru).unwrap();
     s.attach_tier(0, Box::new(index)).unwrap();
