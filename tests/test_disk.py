@@ -31,7 +31,8 @@ def _config(path: Path | None, **kw: object) -> OffloadConfig:
         disk_path=path,
         disk_bytes=None if path is None else 1 << 20,
         disk_model="toy",
-        **kw,  # type: ignore[arg-type]
+        # 8 CPU slots: write-behind may pin them all here (tests/test_tier_speed.py: the bound).
+        **{"tier_write_share": 1.0, **kw},  # type: ignore[arg-type]
     )
 
 
@@ -358,6 +359,8 @@ def test_both_tiers_restart_promotes_from_disk_and_refills_the_shared_tier(
         # No failed tier job is allowed below: no healthy operation may miss the deadline
         # (the default, 1 s, a loaded machine could).
         remote_deadline_ms=30_000.0,
+        # Every stored chunk to both tiers: write-behind may pin the whole (small) pool.
+        tier_write_share=1.0,
     )
     runs = [simulate(cfg)]
     written = runs[0].tier_written_chunks
