@@ -519,6 +519,20 @@ mod tests {
     }
 
     #[test]
+    fn tier_write_share_becomes_at_least_one_slot_and_bad_shares_are_refused() {
+        let mut a = args();
+        assert_eq!(a.resolve().unwrap().tier_write_slots, 1, "1/8 of 8 slots");
+        a.cpu_chunks = Some(1000);
+        assert_eq!(a.resolve().unwrap().tier_write_slots, 125);
+        a.tier_write_share = 1.0;
+        assert_eq!(a.resolve().unwrap().tier_write_slots, 1000);
+        for bad in [0.0, -0.1, 1.01, f64::NAN, f64::INFINITY] {
+            a.tier_write_share = bad;
+            assert!(message(&a).contains("tier_write_share"), "{bad}");
+        }
+    }
+
+    #[test]
     fn resolves_defaults_and_bytes() {
         let cfg = args().resolve().unwrap();
         assert_eq!(cfg.hash_block_size, 16);

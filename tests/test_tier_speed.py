@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from kvoffload.errors import ConfigError
+from kvoffload.scheduler import KvGroup, OffloadConfig
 from kvoffload.sim import SimConfig, simulate
 
 SEEDS = (0, 1, 2)
@@ -86,3 +87,15 @@ def test_a_simulated_tier_speed_is_reproducible(tmp_path: Path) -> None:
 def test_bad_tier_speed_settings_are_refused(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         replace(BASE, **{field: value}).validate()
+
+
+@pytest.mark.parametrize(
+    "value", [0, 0.0, -0.5, 1.5, float("nan"), float("inf"), True, "0.1", None]
+)
+def test_a_bad_tier_write_share_is_a_config_error_naming_it(value: object) -> None:
+    cfg = OffloadConfig(groups=(KvGroup(block_size=16),), num_gpu_blocks=32, cpu_chunks=64)
+    with pytest.raises(ConfigError, match="tier_write_share"):
+        replace(cfg, tier_write_share=value).to_core()  # type: ignore[arg-type]
+    # A valid share takes at least one slot: 1/1000 of 64 slots is one.
+    replace(cfg, tier_write_share=0.001).to_core()
+    replace(cfg, tier_write_share=1).to_core()
