@@ -99,3 +99,17 @@ def test_a_bad_tier_write_share_is_a_config_error_naming_it(value: object) -> No
     # A valid share takes at least one slot: 1/1000 of 64 slots is one.
     replace(cfg, tier_write_share=0.001).to_core()
     replace(cfg, tier_write_share=1).to_core()
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 2e6, True, "10"])
+def test_a_bad_disk_write_mbps_is_a_config_error_naming_it(value: object, tmp_path: Path) -> None:
+    cfg = OffloadConfig(
+        groups=(KvGroup(block_size=16, bytes_per_block=1024),),
+        num_gpu_blocks=32,
+        cpu_chunks=64,
+        disk_path=tmp_path / "d",
+        disk_bytes=1 << 20,
+    )
+    with pytest.raises(ConfigError, match="disk_write_mbps"):
+        replace(cfg, disk_write_mbps=value).to_core()  # type: ignore[arg-type]
+    replace(cfg, disk_write_mbps=250.0).to_core()

@@ -1,11 +1,12 @@
 //! Write-behind is bounded (DESIGN.md §9, "a lower tier only ever adds"): a tier whose writes
 //! never complete pins at most `tier_write_slots` CPU slots of a group; past it chunks are not
 //! written (counted as `skipped_writes`) and every store still finds room. Fresh chunks take
-//! half of that room, chunks loaded from the CPU pool (reused) the rest, prefix first.
+//! half of that room, chunks loaded from the CPU pool (reused) the rest, prefix first; a disk
+//! tier's write rate limit skips what is past its rate.
 
 use kvoffload::config::SchedulerConfig;
 use kvoffload::policy::PolicyKind;
-use kvoffload::scheduler::{Scheduler, StepPlan, TierJobKind};
+use kvoffload::scheduler::{DiskWatch, Scheduler, StepPlan, TierJobKind};
 use kvoffload::tier::disk::{DiskIndex, SlabLayout, BLOCK};
 use kvoffload::{BlockId, Key};
 
@@ -112,4 +113,27 @@ fn reused_chunks_take_the_rest_of_the_room() {
     assert_eq!(behind, keys(0x1000)[4..8].to_vec());
     let st = s.tier_stats()[0];
     assert_eq!(st.write_pinned, 8);
+}
+
+#[test]
+fn a_write_rate_limit_skips_the_chunks_past_its_rate() {
+    // One chunk per second: the bucket holds one chunk (a quarter second's worth is less).
+    let root = std::env::temp_dir().join(format!("kvo-wbound-{}-rate", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mut s = Scheduler::new(config_with(CHUNK as u64, SLOTS)).unwrap();
+    let watch = DiskWatch {
+        write_bytes_per_s: CHUNK as u64,
+        ..DiskWatch::default()
+    };
+    s.attach_disk_with(&root, 1 << 20, "m", watch).unwrap();
+    let (stored, behind) = run(&mut s, "a", &keys(0x1000));
+    assert_eq!(stored, N as usize);
+    assert_eq!(
+        behind,
+        keys(0x1000)[..1].to_vec(),
+        "the prefix's first chunk"
+    );
+    let st = s.tier_stats()[0];
+    assert_eq!(st.skipped_writes, N - 1);
+    let _ = std::fs::remove_dir_all(&root);
 }

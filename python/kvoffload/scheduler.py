@@ -93,6 +93,10 @@ class OffloadConfig:
             probation (chunks are not written behind, lookups skip it); an integer >= 1.
         disk_probation_ms: How long a probation lasts; the first disk job after it is a trial
             whose success ends it (a failure starts another one).
+        disk_write_mbps: Most MB/s written behind to the disk tier (0: no limit), so that an
+            engine's write-behind never moves more than that (its I/O threads' CPU and the
+            disk's bandwidth); chunks past the rate are skipped (``skipped_writes``), reused
+            ones offered again when loaded.
         remote_url: ``redis://host:port[/db]`` of a shared tier (Redis) below the CPU pool
             (None: none). Engines configured with the same URL, model and layout share chunks:
             chunks ready in the CPU pool are written behind, lookups that miss the CPU pool ask
@@ -141,6 +145,7 @@ class OffloadConfig:
     disk_deadline_ms: float = 5000.0
     disk_probation_after: int = 3
     disk_probation_ms: float = 5000.0
+    disk_write_mbps: float = 0.0
     remote_url: str | None = None
     remote_model: str = ""
     cache_salt: str = ""
@@ -234,6 +239,7 @@ class OffloadConfig:
                 deadline_ms=self.disk_deadline_ms,
                 probation_after=self.disk_probation_after,
                 probation_ms=self.disk_probation_ms,
+                write_mbps=self.disk_write_mbps,
             )
             core.set_tier_admission("disk", self.disk_min_hits)
         if self.remote_url is not None:

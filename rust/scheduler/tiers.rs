@@ -157,17 +157,57 @@ pub struct DiskWatch {
     pub probation_after: u32,
     /// How long a probation lasts before the next trial.
     pub probation: Duration,
+    /// Most bytes per second written behind to the tier (0: no limit); past it chunks are
+    /// skipped like those past the write-behind bound (`skipped_writes`).
+    pub write_bytes_per_s: u64,
 }
 
 impl Default for DiskWatch {
     /// A 5 s deadline ([`crate::config::DEFAULT_DISK_DEADLINE_MS`]); probation after 3 failed
-    /// or expired jobs, for 5 s.
+    /// or expired jobs, for 5 s; no write rate limit.
     fn default() -> Self {
         Self {
             deadline: Duration::from_millis(crate::config::DEFAULT_DISK_DEADLINE_MS),
             probation_after: 3,
             probation: Duration::from_secs(5),
+            write_bytes_per_s: 0,
         }
+    }
+}
+
+/// A write-behind rate limit (`disk_write_mbps`): a token bucket of bytes, refilled at
+/// `rate` per second up to a quarter of a second's worth (at least one chunk), full at first.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pacer {
+    rate: f64,
+    chunk: f64,
+    burst: f64,
+    credit: f64,
+    last: Instant,
+}
+
+impl Pacer {
+    /// A limit of `bytes_per_s` for chunks of `chunk` bytes.
+    pub(super) fn new(bytes_per_s: u64, chunk: u64) -> Self {
+        let (rate, chunk) = (bytes_per_s as f64, chunk as f64);
+        let burst = (rate / 4.0).max(chunk);
+        Self {
+            rate,
+            chunk,
+            burst,
+            credit: burst,
+            last: Instant::now(),
+        }
+    }
+
+    /// How many of `want` chunks may be written now (their bytes are taken from the bucket).
+    fn take(&mut self, now: Instant, want: usize) -> usize {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.credit = (self.credit + dt * self.rate).min(self.burst);
+        let n = ((self.credit / self.chunk) as usize).min(want);
+        self.credit -= n as f64 * self.chunk;
+        n
     }
 }
 
@@ -209,6 +249,8 @@ pub(super) struct GroupTier {
     pub(super) stuck: FxHashSet<Key>,
     /// Whether this tier is skipped by the promotion being planned (on probation).
     pub(super) skip: bool,
+    /// Write-behind rate limit (disk tiers with `disk_write_mbps`).
+    pub(super) pacer: Option<Pacer>,
 }
 
 impl GroupTier {
@@ -239,6 +281,7 @@ impl GroupTier {
             held: FxHashMap::default(),
             stuck: FxHashSet::default(),
             skip: false,
+            pacer: None,
         }
     }
 }
@@ -477,6 +520,8 @@ impl Scheduler {
     ///   rather than whichever were stored first. Chunks about to be evicted would be the
     ///   other candidate, but pinning them is exactly what keeps the pool from evicting them:
     ///   it costs the same room and favours chunks nobody asked for.
+    /// - *Paced*: a disk tier with a write rate limit (`disk_write_mbps`) takes only what the
+    ///   rate allows now; the rest is skipped the same way.
     /// - *Prefix first*: within one batch, the earliest chunks of the prefix go first; a
     ///   later chunk is of no use to a lookup without the ones before it.
     pub(super) fn write_behind(&mut self, g: usize, keys: &[Key], loaded: bool) {
@@ -523,7 +568,10 @@ impl Scheduler {
                 .filter(|&k| tier.index.state(k) == KeyState::Absent)
                 .collect();
             let cap = if loaded { limit } else { (limit / 2).max(1) };
-            let room = cap.saturating_sub(pinned) as usize;
+            let mut room = cap.saturating_sub(pinned) as usize;
+            if let Some(p) = tier.pacer.as_mut() {
+                room = p.take(Instant::now(), wanted.len().min(room));
+            }
             if wanted.len() > room {
                 // A fresh chunk skipped now may still be offered again at its first load.
                 tier.stats.skipped_writes += (wanted.len() - room) as u64;
