@@ -90,6 +90,21 @@ pub fn event_limit(max_event_keys: i128) -> Result<usize> {
     check_range("max_event_keys", max_event_keys, 0, MAX_EVENT_KEYS).map(|v| v as usize)
 }
 
+/// Default share of a group's CPU slots that write-behind may pin (`tier_write_share`).
+pub const DEFAULT_TIER_WRITE_SHARE: f64 = 0.125;
+
+/// Checks `tier_write_share`, a number in (0, 1], and turns it into CPU slots of a group of
+/// `cpu_chunks` slots (at least one).
+pub fn tier_write_slots(share: f64, cpu_chunks: u32) -> Result<u32> {
+    if !(share.is_finite() && share > 0.0 && share <= 1.0) {
+        return Err(Error::Config(format!(
+            "tier_write_share must be a number in (0, 1], got {share}"
+        )));
+    }
+    let slots = (share * f64::from(cpu_chunks)).floor() as u32;
+    Ok(slots.clamp(1, cpu_chunks.max(1)))
+}
+
 /// Default deadline of a disk promotion, in milliseconds (`disk_deadline_ms`).
 pub const DEFAULT_DISK_DEADLINE_MS: u64 = 5000;
 
@@ -117,7 +132,7 @@ pub struct GroupArgs {
 
 /// The scheduler's configuration as the caller gave it: integers are not yet narrowed, the CPU
 /// capacity is given in chunks or in bytes. [`SchedulerArgs::resolve`] checks every value.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerArgs {
     /// The engine's KV groups, in order.
     pub groups: Vec<GroupArgs>,
@@ -145,6 +160,8 @@ pub struct SchedulerArgs {
     pub max_offload_tokens: Option<i128>,
     /// Lookups before a chunk is stored.
     pub store_threshold: i128,
+    /// Most share of each group's CPU slots that write-behind to lower tiers may pin at once.
+    pub tier_write_share: f64,
     /// Testing only: a deliberately broken fence.
     pub debug_skip_deferred_arming: bool,
 }
@@ -270,6 +287,7 @@ impl SchedulerArgs {
                 .map(|m| check_u32("max_offload_tokens", m, 0, u32::MAX))
                 .transpose()?,
             store_threshold: check_u32("store_threshold", self.store_threshold, 0, u32::MAX)?,
+            tier_write_slots: tier_write_slots(self.tier_write_share, cpu_chunks)?,
             debug_skip_deferred_arming: self.debug_skip_deferred_arming,
         };
         cfg.validate()?;
@@ -316,6 +334,9 @@ pub struct SchedulerConfig {
     pub max_offload_tokens: Option<u32>,
     /// Store a chunk only after it was looked up this many times (0 or 1: always).
     pub store_threshold: u32,
+    /// Most CPU slots of each group that write-behind jobs to lower tiers pin at once (from
+    /// `tier_write_share`); past it a write is skipped, never a store.
+    pub tier_write_slots: u32,
     /// Testing only: never arm deferred pairs (a deliberately broken fence, so that the
     /// integrity oracle can show it fails).
     pub debug_skip_deferred_arming: bool,
@@ -348,6 +369,7 @@ impl SchedulerConfig {
             offload_prompt_only: false,
             max_offload_tokens: None,
             store_threshold: 0,
+            tier_write_slots: tier_write_slots(DEFAULT_TIER_WRITE_SHARE, cpu_chunks).unwrap_or(1),
             debug_skip_deferred_arming: false,
         }
     }
@@ -378,6 +400,12 @@ impl SchedulerConfig {
         }
         check_u32("cpu_chunks", n(self.cpu_chunks), 1, max_slots)?;
         check_u32("num_workers", n(self.num_workers), 1, MAX_WORKERS)?;
+        check_u32(
+            "tier_write_slots",
+            n(self.tier_write_slots),
+            1,
+            self.cpu_chunks,
+        )?;
         if let Some(b) = self.null_block {
             check_u32("null_block", n(b.0), 0, self.num_gpu_blocks - 1)?;
         }
@@ -478,6 +506,7 @@ mod tests {
             offload_prompt_only: false,
             max_offload_tokens: None,
             store_threshold: 0,
+            tier_write_share: DEFAULT_TIER_WRITE_SHARE,
             debug_skip_deferred_arming: false,
         }
     }
@@ -486,6 +515,20 @@ mod tests {
         match a.resolve() {
             Err(Error::Config(m)) => m,
             other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn tier_write_share_becomes_at_least_one_slot_and_bad_shares_are_refused() {
+        let mut a = args();
+        assert_eq!(a.resolve().unwrap().tier_write_slots, 1, "1/8 of 8 slots");
+        a.cpu_chunks = Some(1000);
+        assert_eq!(a.resolve().unwrap().tier_write_slots, 125);
+        a.tier_write_share = 1.0;
+        assert_eq!(a.resolve().unwrap().tier_write_slots, 1000);
+        for bad in [0.0, -0.1, 1.01, f64::NAN, f64::INFINITY] {
+            a.tier_write_share = bad;
+            assert!(message(&a).contains("tier_write_share"), "{bad}");
         }
     }
 

@@ -170,6 +170,7 @@ fn watch(after: u32) -> DiskWatch {
         deadline: DEADLINE,
         probation_after: after,
         probation: PROBATION,
+        ..DiskWatch::default()
     }
 }
 

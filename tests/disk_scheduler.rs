@@ -317,6 +317,7 @@ fn hybrid(cpu_chunks: u32) -> Scheduler {
         ..cfg.groups[0]
     });
     cfg.cpu_chunks = cpu_chunks;
+    cfg.tier_write_slots = cpu_chunks;
     let mut s = Scheduler::new(cfg).unwrap();
     for g in 0..2 {
         let idx = DiskIndex::new(layout(), PolicyKind::Lru).unwrap();

@@ -111,9 +111,13 @@ fn other_namespaces_and_absent_keys_miss() {
     assert_eq!(c.exists(2, &[Key(1), Key(2)]), Some(vec![false, false]));
     let (out, _) = read(&c, 2, &[1, 2], 1000);
     assert_eq!(out, vec![ReadOutcome::Miss; 2]);
-    // A reader that expects another length refuses the chunk (another layout).
-    let (out, _) = read(&c, 1, &[1], 999);
+    // A reader that expects another length refuses the chunk (another layout): a shorter
+    // value is corrupt; a longer one fails the read (its connection is dropped unread: a
+    // reply longer than the chunk is never read to its end).
+    let (out, _) = read(&c, 1, &[1], 1001);
     assert_eq!(out, vec![ReadOutcome::Corrupt]);
+    let (out, _) = read(&c, 1, &[1], 999);
+    assert_eq!(out, vec![ReadOutcome::Failed]);
 }
 
 #[test]

@@ -43,7 +43,8 @@ def config(url: str, salt: str = "", **kw: Any) -> OffloadConfig:
         remote_url=url,
         remote_model=MODEL,
         cache_salt=salt,
-        **{"remote_deadline_ms": DEADLINE_MS, **kw},
+        # 8 CPU slots: write-behind may pin them all here (tests/test_tier_speed.py: the bound).
+        **{"remote_deadline_ms": DEADLINE_MS, "tier_write_share": 1.0, **kw},
     )
 
 
@@ -183,6 +184,7 @@ class FaultRun:
             "completion": "poll",
             "remote_url": self.proxy.url,
             "remote_deadline_ms": self.deadline_ms,
+            "tier_write_share": 1.0,  # a tiny CPU pool: write-behind may pin all of it
         }
         return SimConfig(**{**base, **kw})
 
@@ -266,6 +268,7 @@ HOST_WORKLOAD: dict[str, Any] = {
     "scale": 0.5,
     "cpu_chunks": 64,
     "remote_deadline_ms": DEADLINE_MS,  # the test asserts no failed tier job
+    "tier_write_share": 1.0,  # a small CPU pool: write-behind may pin all of it
 }
 """What every test host runs: long shared system prompts (their chunks are what hosts share)."""
 

@@ -39,7 +39,8 @@ def _config(path: Path | None, **kw: object) -> OffloadConfig:
         disk_path=path,
         disk_bytes=None if path is None else 1 << 20,
         disk_model="toy",
-        **kw,  # type: ignore[arg-type]
+        # 8 CPU slots: write-behind may pin them all here (tests/test_tier_speed.py: the bound).
+        **{"tier_write_share": 1.0, **kw},  # type: ignore[arg-type]
     )
 
 
@@ -351,7 +352,7 @@ def test_disk_cli_inspect_verify_and_errors(
 def test_both_tiers_restart_promotes_from_disk_and_refills_the_shared_tier(
     tmp_path: Path, redis: RedisServer
 ) -> None:
-    """Disk and shared tier at once (DESIGN §9): every stored chunk goes down to both; after a
+    """Disk and shared tier at once (DESIGN §9): stored chunks go down to both; after a
     restart on the same directory with the server flushed, promotions come from the disk (the
     nearest tier) and the promoted chunks refill the shared tier; an engine with an empty disk
     then promotes from the shared tier. Every loaded byte checked."""
@@ -366,10 +367,14 @@ def test_both_tiers_restart_promotes_from_disk_and_refills_the_shared_tier(
         # No failed tier job is allowed below: no healthy operation may miss the deadline
         # (the default, 1 s, a loaded machine could).
         remote_deadline_ms=30_000.0,
+        tier_write_share=1.0,  # a small pool: write-behind may pin all of it
     )
     runs = [simulate(cfg)]
     written = runs[0].tier_written_chunks
-    assert written["disk"] == written["remote"] > 0
+    # Stored chunks go down to both tiers, as far as the write-behind bound lets them (the
+    # two tiers share a group's room; a chunk past it is skipped, counted).
+    assert written["disk"] > 0
+    assert written["remote"] > 0
     redis.flushall()
     runs.append(simulate(cfg))  # the restart: the disk holds everything, the server nothing
     assert runs[1].tier_promoted_chunks["disk"] > 0

@@ -251,6 +251,7 @@ class Scheduler:
         store_threshold: int = 0,
         null_block: int | None = 0,
         debug_skip_deferred_arming: bool = False,
+        tier_write_share: float = 0.125,
     ) -> Scheduler: ...
     @staticmethod
     def check_config(
@@ -269,6 +270,7 @@ class Scheduler:
         store_threshold: int = 0,
         null_block: int | None = 0,
         debug_skip_deferred_arming: bool = False,
+        tier_write_share: float = 0.125,
     ) -> tuple[int, list[int]]: ...
     def add_request(
         self, request_id: str, prompt_len: int, block_hashes: Iterable[int | bytes]
@@ -365,6 +367,7 @@ class Scheduler:
         deadline_ms: float | None = None,
         probation_after: int | None = None,
         probation_ms: float | None = None,
+        write_mbps: float | None = None,
     ) -> None: ...
     def set_tier_admission(self, medium: str, min_hits: int) -> int: ...
     def tier_stats(self) -> list[dict[str, Any]]: ...

@@ -237,6 +237,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin the lower tiers' I/O threads to these CPUs, e.g. 1,2 (Linux; default: not "
         "pinned); keep the engine off them",
     )
+    s.add_argument(
+        "--tier-write-share",
+        dest="tier_write_share",
+        type=_positive_float,
+        default=0.125,
+        metavar="SHARE",
+        help="at most this share of each group's CPU slots is pinned by write-behind to the "
+        "lower tiers; past it a write is skipped (default: 0.125)",
+    )
+    s.add_argument(
+        "--tier-delay-ms-per-chunk",
+        dest="tier_delay_ms_per_chunk",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help="simulate a slow lower tier: it runs its jobs one after another, each chunk taking "
+        "MS of simulated time (10 ms per step; counted in steps, reproducible with --completion "
+        "step; default: 0, the real I/O's speed)",
+    )
+    s.add_argument(
+        "--tier-stall",
+        dest="tier_stall",
+        action="store_true",
+        help="simulate a stuck lower tier: no tier job completes until the run drains",
+    )
     _add_disk_parser(sub)
     return p
 

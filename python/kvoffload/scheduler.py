@@ -93,6 +93,10 @@ class OffloadConfig:
             probation (chunks are not written behind, lookups skip it); an integer >= 1.
         disk_probation_ms: How long a probation lasts; the first disk job after it is a trial
             whose success ends it (a failure starts another one).
+        disk_write_mbps: Most MB/s written behind to the disk tier (0: no limit), so that an
+            engine's write-behind never moves more than that (its I/O threads' CPU and the
+            disk's bandwidth); chunks past the rate are skipped (``skipped_writes``), reused
+            ones offered again when loaded.
         remote_url: ``redis://host:port[/db]`` of a shared tier (Redis) below the CPU pool
             (None: none). Engines configured with the same URL, model and layout share chunks:
             chunks ready in the CPU pool are written behind, lookups that miss the CPU pool ask
@@ -107,6 +111,13 @@ class OffloadConfig:
             loaded from the CPU pool this many times (0: as soon as it is stored).
         remote_min_hits: The same for the shared tier. ``1`` sends only reused chunks (system
             prompts, documents) to the fleet's server, not every request's private tail.
+        tier_write_share: At most this share of each group's CPU slots is pinned by
+            write-behind jobs to the lower tiers at once (a number in (0, 1]; at least one
+            slot). Past it a chunk is not written behind (counted as ``skipped_writes`` per
+            tier), never a store dropped: a tier that cannot keep up (slow, stuck, its I/O
+            threads starved) never takes more than this share of the CPU pool's room. When the
+            share is tight, reused chunks (loaded from the CPU pool) get all of it and fresh
+            ones only half, so the tier's bandwidth goes to chunks known to be reused.
         io_cpus: CPU ids the lower tiers' I/O threads (and their checksum helpers and
             connections) are pinned to on each worker (None: not pinned). Keep the engine's
             thread off them: on a small machine the tier's checksums and copies then cannot
@@ -134,12 +145,14 @@ class OffloadConfig:
     disk_deadline_ms: float = 5000.0
     disk_probation_after: int = 3
     disk_probation_ms: float = 5000.0
+    disk_write_mbps: float = 0.0
     remote_url: str | None = None
     remote_model: str = ""
     cache_salt: str = ""
     remote_deadline_ms: float = 1000.0
     disk_min_hits: int = 0
     remote_min_hits: int = 0
+    tier_write_share: float = 0.125
     io_cpus: Sequence[int] | None = None
 
     def _core_kwargs(self) -> dict[str, Any]:
@@ -165,6 +178,7 @@ class OffloadConfig:
             "store_threshold": self.store_threshold,
             "null_block": self.null_block,
             "debug_skip_deferred_arming": self.debug_skip_deferred_arming,
+            "tier_write_share": self.tier_write_share,
         }
 
     def bytes_per_chunk(self, group: int) -> int:
@@ -225,6 +239,7 @@ class OffloadConfig:
                 deadline_ms=self.disk_deadline_ms,
                 probation_after=self.disk_probation_after,
                 probation_ms=self.disk_probation_ms,
+                write_mbps=self.disk_write_mbps,
             )
             core.set_tier_admission("disk", self.disk_min_hits)
         if self.remote_url is not None:

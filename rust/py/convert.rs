@@ -9,7 +9,7 @@ use std::fmt::Display;
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::{
     to_py, CompletionError, InvalidBlockError, InvalidKeyError, InvalidRequestError,
@@ -422,6 +422,25 @@ pub fn config_opt_int(arg: &Arg<'_>, field: &str, default: Option<i128>) -> PyRe
         Arg::Omitted => Ok(default),
         Arg::Given(v) if v.is_none() => Ok(None),
         Arg::Given(v) => config_int(v, field).map(Some),
+    }
+}
+
+/// A configuration number (an `int` or a `float`, not a `bool`) with a default when omitted;
+/// its range is checked by [`crate::config`].
+pub fn config_float_or(arg: &Arg<'_>, field: &str, default: f64) -> PyResult<f64> {
+    match arg {
+        Arg::Omitted => Ok(default),
+        Arg::Given(v)
+            if !is_bool(v) && (v.is_instance_of::<PyFloat>() || v.is_instance_of::<PyInt>()) =>
+        {
+            v.extract::<f64>()
+                .map_err(|_| config_err(crate::config::type_error(field, "a number", describe(v))))
+        }
+        Arg::Given(v) => Err(config_err(crate::config::type_error(
+            field,
+            "a number",
+            describe(v),
+        ))),
     }
 }
 

@@ -80,6 +80,8 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
         held_slots,
         late_reports,
         dropped_writes,
+        skipped_writes,
+        write_pinned,
         skipped_lookups
     );
     set_counters!(

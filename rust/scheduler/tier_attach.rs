@@ -93,7 +93,8 @@ impl Scheduler {
         self.attach_disk_with(root, disk_bytes, model, DiskWatch::default())
     }
 
-    /// [`Scheduler::attach_disk`] with a promotion deadline and probation settings.
+    /// [`Scheduler::attach_disk`] with a promotion deadline, probation settings and a write
+    /// rate limit.
     pub fn attach_disk_with(
         &mut self,
         root: &Path,
@@ -124,10 +125,15 @@ impl Scheduler {
             indexes.push(DiskIndex::recover(layout, self.cfg.policy, &scans)?);
         }
         self.attach_all("attach_disk", indexes)?;
-        for t in self.tiers.iter_mut().flatten() {
-            if t.index.medium() == crate::tier::disk::MEDIUM {
-                t.deadline = Some(watch.deadline);
-                t.health = Some(health.clone());
+        for (g, ts) in self.tiers.iter_mut().enumerate() {
+            let chunk = self.cfg.groups[g].bytes_per_chunk;
+            for t in ts {
+                if t.index.medium() == crate::tier::disk::MEDIUM {
+                    t.deadline = Some(watch.deadline);
+                    t.health = Some(health.clone());
+                    t.pacer = (watch.write_bytes_per_s > 0)
+                        .then(|| super::tiers::Pacer::new(watch.write_bytes_per_s, chunk));
+                }
             }
         }
         Ok(())

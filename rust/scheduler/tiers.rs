@@ -135,8 +135,16 @@ pub struct TierGroupStats {
     /// Chunks not written behind because the tier was on probation (disk; the shared tier's
     /// client counts its own).
     pub dropped_writes: u64,
-    /// Keys not looked up in the tier because it was on probation (disk).
+    /// Keys not looked up in the tier because it was on probation (disk) or behind (its
+    /// write-behind pinned half its share of CPU slots or more: a promotion would queue
+    /// behind those writes).
     pub skipped_lookups: u64,
+    /// Chunks not written behind because write-behind jobs already pinned the group's share
+    /// of CPU slots (`tier_write_share`): the tier did not keep up. A skipped chunk that is
+    /// loaded from the CPU pool later is offered again.
+    pub skipped_writes: u64,
+    /// CPU slot pins held now by this tier's write-behind jobs (one per chunk).
+    pub write_pinned: u64,
 }
 
 /// How the scheduler watches a disk tier's jobs: a promotion's deadline, and probation after
@@ -149,17 +157,57 @@ pub struct DiskWatch {
     pub probation_after: u32,
     /// How long a probation lasts before the next trial.
     pub probation: Duration,
+    /// Most bytes per second written behind to the tier (0: no limit); past it chunks are
+    /// skipped like those past the write-behind bound (`skipped_writes`).
+    pub write_bytes_per_s: u64,
 }
 
 impl Default for DiskWatch {
     /// A 5 s deadline ([`crate::config::DEFAULT_DISK_DEADLINE_MS`]); probation after 3 failed
-    /// or expired jobs, for 5 s.
+    /// or expired jobs, for 5 s; no write rate limit.
     fn default() -> Self {
         Self {
             deadline: Duration::from_millis(crate::config::DEFAULT_DISK_DEADLINE_MS),
             probation_after: 3,
             probation: Duration::from_secs(5),
+            write_bytes_per_s: 0,
         }
+    }
+}
+
+/// A write-behind rate limit (`disk_write_mbps`): a token bucket of bytes, refilled at
+/// `rate` per second up to a quarter of a second's worth (at least one chunk), full at first.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pacer {
+    rate: f64,
+    chunk: f64,
+    burst: f64,
+    credit: f64,
+    last: Instant,
+}
+
+impl Pacer {
+    /// A limit of `bytes_per_s` for chunks of `chunk` bytes.
+    pub(super) fn new(bytes_per_s: u64, chunk: u64) -> Self {
+        let (rate, chunk) = (bytes_per_s as f64, chunk as f64);
+        let burst = (rate / 4.0).max(chunk);
+        Self {
+            rate,
+            chunk,
+            burst,
+            credit: burst,
+            last: Instant::now(),
+        }
+    }
+
+    /// How many of `want` chunks may be written now (their bytes are taken from the bucket).
+    fn take(&mut self, now: Instant, want: usize) -> usize {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.credit = (self.credit + dt * self.rate).min(self.burst);
+        let n = ((self.credit / self.chunk) as usize).min(want);
+        self.credit -= n as f64 * self.chunk;
+        n
     }
 }
 
@@ -201,6 +249,8 @@ pub(super) struct GroupTier {
     pub(super) stuck: FxHashSet<Key>,
     /// Whether this tier is skipped by the promotion being planned (on probation).
     pub(super) skip: bool,
+    /// Write-behind rate limit (disk tiers with `disk_write_mbps`).
+    pub(super) pacer: Option<Pacer>,
 }
 
 impl GroupTier {
@@ -231,6 +281,7 @@ impl GroupTier {
             held: FxHashMap::default(),
             stuck: FxHashSet::default(),
             skip: false,
+            pacer: None,
         }
     }
 }
@@ -301,8 +352,12 @@ impl Scheduler {
         let mut counts = Vec::with_capacity(groups);
         let mut pending = false;
         let now = Instant::now();
+        // A tier whose write-behind holds half its room or more is behind: its queue is deep,
+        // and a promotion would wait behind those writes, holding CPU room all that time (a
+        // slow tier cost more hits that way than it gave). Lookups skip it, as on probation.
+        let behind = u64::from(self.cfg.tier_write_slots / 2).max(1);
         for t in self.tiers.iter_mut().flatten() {
-            t.skip = !t.admit(now);
+            t.skip = t.stats.write_pinned >= behind || !t.admit(now);
         }
         for g in 0..groups {
             let keys = self.chunk_keys(r, g, hit, cap);
@@ -451,23 +506,51 @@ impl Scheduler {
 
     /// Write-behind of `keys` of group `g`, just published in the CPU pool (`loaded`: just
     /// loaded from it instead), to every tier whose admission filter lets them through.
+    ///
+    /// Bounded (DESIGN.md §9, "a lower tier only ever adds"): the write-behind jobs of a
+    /// group's tiers pin at most `tier_write_slots` CPU slots at once, so a tier that cannot
+    /// keep up (slow, stuck, its I/O threads starved) takes at most that share of the CPU
+    /// pool's room from the stores; past it a chunk is skipped (`skipped_writes`), never a
+    /// store dropped. Which chunks get the room when it is scarce:
+    ///
+    /// - *Reused chunks first*: a fresh chunk (its store just completed) may take only half
+    ///   of the room; a chunk loaded from the CPU pool (a hit, so likely hit again, e.g. a
+    ///   system prompt or a document) may take all of it. A chunk skipped for lack of room is
+    ///   offered again at its next load, so a slow tier ends up holding the reused chunks
+    ///   rather than whichever were stored first. Chunks about to be evicted would be the
+    ///   other candidate, but pinning them is exactly what keeps the pool from evicting them:
+    ///   it costs the same room and favours chunks nobody asked for.
+    /// - *Paced*: a disk tier with a write rate limit (`disk_write_mbps`) takes only what the
+    ///   rate allows now; the rest is skipped the same way.
+    /// - *Prefix first*: within one batch, the earliest chunks of the prefix go first; a
+    ///   later chunk is of no use to a lookup without the ones before it.
     pub(super) fn write_behind(&mut self, g: usize, keys: &[Key], loaded: bool) {
-        for ti in 0..self.tiers.get(g).map_or(0, Vec::len) {
+        let Some(tiers) = self.tiers.get(g) else {
+            return;
+        };
+        let limit = u64::from(self.cfg.tier_write_slots);
+        for ti in 0..tiers.len() {
+            let pinned: u64 = self.tiers[g].iter().map(|t| t.stats.write_pinned).sum();
             let tier = &mut self.tiers[g][ti];
             let need = tier.admission.min_hits;
             let admitted: Vec<Key> = match (need, loaded) {
                 (0, false) => keys.to_vec(),
+                // Offered again only if the tier skipped writes: a tier that keeps up has
+                // every stored chunk already (this path costs a lookup per loaded chunk).
+                (0, true) if tier.stats.skipped_writes > 0 => keys.to_vec(),
                 (0, true) | (1.., false) => continue,
                 (1.., true) => {
                     if tier.hits.len() > HIT_COUNTS {
                         tier.hits.clear();
                     }
+                    // Past `need`, only while the tier skipped writes (a skipped one retries).
+                    let again = tier.stats.skipped_writes > 0;
                     keys.iter()
                         .copied()
                         .filter(|k| {
                             let n = tier.hits.entry(*k).or_insert(0);
-                            *n += 1;
-                            *n == need
+                            *n = n.saturating_add(1);
+                            *n == need || (again && *n > need)
                         })
                         .collect()
                 }
@@ -479,12 +562,31 @@ impl Scheduler {
                 tier.stats.dropped_writes += admitted.len() as u64;
                 continue;
             }
-            let Some(plan) = tier.index.prepare_write(&admitted) else {
+            // Keys the tier holds or is writing already cost no room.
+            let mut wanted: Vec<Key> = admitted
+                .into_iter()
+                .filter(|&k| tier.index.state(k) == KeyState::Absent)
+                .collect();
+            let cap = if loaded { limit } else { (limit / 2).max(1) };
+            let mut room = cap.saturating_sub(pinned) as usize;
+            if let Some(p) = tier.pacer.as_mut() {
+                room = p.take(Instant::now(), wanted.len().min(room));
+            }
+            if wanted.len() > room {
+                // A fresh chunk skipped now may still be offered again at its first load.
+                tier.stats.skipped_writes += (wanted.len() - room) as u64;
+                wanted.truncate(room);
+            }
+            if wanted.is_empty() {
+                continue;
+            }
+            let Some(plan) = tier.index.prepare_write(&wanted) else {
                 continue;
             };
             if plan.keys.is_empty() {
                 continue;
             }
+            tier.stats.write_pinned += plan.keys.len() as u64;
             let slots = self.pools[g]
                 .prepare_load(&plan.keys)
                 .expect("keys ready in the CPU pool");
@@ -493,10 +595,20 @@ impl Scheduler {
         }
     }
 
-    /// Ends tier job `job` of group `g` in its tier's counters (pending, I/O time).
-    pub(super) fn end_tier_job(&mut self, job: JobId, t: TierRef, g: usize) -> &mut GroupTier {
+    /// Ends tier job `job` of group `g` (its `chunks`) in its tier's counters (pending, I/O
+    /// time, CPU pins of write-behind).
+    pub(super) fn end_tier_job(
+        &mut self,
+        job: JobId,
+        t: TierRef,
+        g: usize,
+        chunks: usize,
+    ) -> &mut GroupTier {
         let tier = &mut self.tiers[g][t.tier as usize];
         tier.stats.pending -= 1;
+        if t.kind == TierJobKind::Write {
+            tier.stats.write_pinned -= chunks as u64;
+        }
         let us = tier
             .started
             .remove(&job)
@@ -517,7 +629,7 @@ impl Scheduler {
         keys: &[Key],
         ok: bool,
     ) {
-        let tier = self.end_tier_job(job, t, g);
+        let tier = self.end_tier_job(job, t, g, keys.len());
         if let Some(slots) = tier.complete_late(job, keys, ok) {
             let freed = self.pools[g].release_held(&slots);
             debug_assert!(freed.is_ok(), "{freed:?}");
@@ -553,7 +665,7 @@ impl Scheduler {
     /// A reset flushed tier job `job` of group `g`: its tier state is released (a write
     /// counts as failed, a promotion's pins go; the CPU pool was emptied anyway).
     pub(super) fn reset_tier_job(&mut self, job: JobId, t: TierRef, g: usize, keys: &[Key]) {
-        let tier = self.end_tier_job(job, t, g);
+        let tier = self.end_tier_job(job, t, g, keys.len());
         // The CPU pool was emptied (held slots too): the flush waits for the late I/O.
         tier.end_hold(job, keys);
         match t.kind {

@@ -158,14 +158,18 @@ pub fn config() -> SchedulerConfig {
 }
 
 /// One full-attention group of 4-token blocks, one block per chunk of `chunk` bytes,
-/// `cpu_chunks` CPU slots, 64 GPU blocks, one worker.
+/// `cpu_chunks` CPU slots, 64 GPU blocks, one worker; write-behind may pin every CPU slot
+/// (these pools are tiny: `tier_write_bound.rs` tests the bound).
 pub fn config_with(chunk: u64, cpu_chunks: u32) -> SchedulerConfig {
     let group = GroupConfig {
         block_size: 4,
         sliding_window: None,
         bytes_per_chunk: chunk,
     };
-    SchedulerConfig::new(vec![group], 64, cpu_chunks)
+    SchedulerConfig {
+        tier_write_slots: cpu_chunks,
+        ..SchedulerConfig::new(vec![group], 64, cpu_chunks)
+    }
 }
 
 /// The [`CHUNK`] bytes of chunk `key`: a function of the key.

@@ -17,12 +17,15 @@ from kvoffload.errors import ConfigError
 from kvoffload.scheduler import KvGroup, OffloadConfig
 from kvoffload.sim.workloads import WORKLOADS
 
-__all__ = ["NULL_BLOCK", "Completion", "FenceMode", "SimConfig", "SimError"]
+__all__ = ["NULL_BLOCK", "SIM_STEP_MS", "Completion", "FenceMode", "SimConfig", "SimError"]
 
 FenceMode = Literal["exact", "conservative", "off"]
 Completion = Literal["step", "poll"]
 NULL_BLOCK = 0
 """The engine's null block: never allocated, stands for sliding-window positions left behind."""
+SIM_STEP_MS = 10.0
+"""Simulated milliseconds per engine step, for ``tier_delay_ms_per_chunk`` (a decode step of a
+mid-sized model on one GPU)."""
 
 
 class SimError(Exception):
@@ -84,6 +87,13 @@ class SimConfig:
             against a server an earlier run (another engine) filled finds its chunks there.
         io_cpus: CPU ids the lower tiers' I/O threads are pinned to (None: not pinned; the
             scheduler's ``io_cpus``).
+        tier_delay_ms_per_chunk: Simulated speed of every lower tier: each tier runs its jobs
+            one after another, a job of ``n`` chunks taking ``n`` times this many milliseconds
+            of simulated time (:data:`SIM_STEP_MS` per engine step); a job's completion is
+            taken only once its simulated end has come (0: as fast as the real I/O). Counted
+            in steps, never in wall time, so runs are reproducible with ``completion="step"``.
+        tier_stall: Every lower tier is stuck: no tier job completes until the run drains.
+        tier_write_share: The scheduler's ``tier_write_share``.
     """
 
     workload: str = "mixed"
@@ -120,6 +130,9 @@ class SimConfig:
     remote_url: str | None = None
     remote_deadline_ms: float = 1000.0
     io_cpus: tuple[int, ...] | None = None
+    tier_delay_ms_per_chunk: float = 0.0
+    tier_stall: bool = False
+    tier_write_share: float = 0.125
 
     @property
     def windows(self) -> list[int | None]:
@@ -157,6 +170,7 @@ class SimConfig:
             remote_model="kvoffload-sim",
             remote_deadline_ms=self.remote_deadline_ms,
             io_cpus=self.io_cpus,
+            tier_write_share=self.tier_write_share,
         )
 
     def validate(self) -> None:
@@ -187,6 +201,8 @@ class SimConfig:
                 raise ConfigError(f"disk_path must be a string, got {self.disk_path!r}")
             if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
                 raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
+        if not isinstance(self.tier_stall, bool):
+            raise ConfigError(f"tier_stall must be a bool, got {self.tier_stall!r}")
         if self.remote_url is not None and not isinstance(self.remote_url, str):
             raise ConfigError(f"remote_url must be a string, got {self.remote_url!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -212,6 +228,7 @@ _BOUNDED = (
     ("load_fault_rate", 0.0, 1.0, True),
     ("store_fault_rate", 0.0, 1.0, True),
     ("remote_deadline_ms", 0.0, 3.6e6, False),
+    ("tier_delay_ms_per_chunk", 0.0, 3.6e6, True),
 )
 """The simulator's own numbers: (name, low, high, low included)."""
 _CHOICES = (

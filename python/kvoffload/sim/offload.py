@@ -26,7 +26,7 @@ import numpy as np
 
 from kvoffload._core import DiskWorker, RemoteWorker
 from kvoffload.scheduler import OffloadScheduler, StepInput
-from kvoffload.sim.config import NULL_BLOCK, SimConfig
+from kvoffload.sim.config import NULL_BLOCK, SIM_STEP_MS, SimConfig
 from kvoffload.sim.kv import KvCache, Transfers
 from kvoffload.sim.request import SimRequest
 from kvoffload.sim.result import SimResult
@@ -84,6 +84,18 @@ class Offload:
         """The workers of the lower tiers, by medium (``disk``, ``remote``; both may be)."""
         self.tier_ids: dict[int, str] = {}
         """Tier jobs (write-behind, promotion) submitted and not completed yet: their medium."""
+        self.held_tiers = cfg.tier_stall or cfg.tier_delay_ms_per_chunk > 0
+        """Whether tier completions wait for the simulated tier speed (see :meth:`_tier_due`)."""
+        self.tier_step = 0
+        """The engine step as of the last collection (the simulated tier clock)."""
+        self.tier_due: dict[int, float] = {}
+        """Per tier job in flight: the simulated step at which its I/O ends (inf: stalled)."""
+        self.tier_free: dict[str, float] = {}
+        """Per medium: the simulated step at which its queue of jobs runs dry."""
+        self.tier_done: dict[int, bool] = {}
+        """Tier jobs the worker finished whose simulated end has not come yet."""
+        self.draining = False
+        """Set by :meth:`drain`: stalled tier jobs are released."""
         block_sizes = [cfg.block_size] * len(cfg.windows)
         if cfg.disk_path is not None:
             self.tiers["disk"] = open_disk_worker(
@@ -174,6 +186,8 @@ class Offload:
             self.tiers[medium].submit(jobs)
             for j in jobs:
                 self.tier_ids[j[0]] = medium
+                if self.held_tiers:
+                    self.tier_due[j[0]] = self._tier_due(medium, len(j[4]))
                 n = len(j[4])
                 if j[1] == "write":
                     res.tier_written_chunks[medium] = res.tier_written_chunks.get(medium, 0) + n
@@ -185,16 +199,47 @@ class Offload:
                             res.tier_promoted_tokens.get(medium, 0) + tokens
                         )
 
+    def _tier_due(self, medium: str, chunks: int) -> float:
+        """The simulated step at which a tier job of ``chunks`` submitted now ends: the tier
+        runs its jobs one after another, each chunk taking ``tier_delay_ms_per_chunk``."""
+        if self.cfg.tier_stall:
+            return float("inf")
+        start = max(float(self.tier_step), self.tier_free.get(medium, 0.0))
+        end = start + chunks * self.cfg.tier_delay_ms_per_chunk / SIM_STEP_MS
+        self.tier_free[medium] = end
+        return end
+
+    def _held_tier_results(self, worker: DiskWorker | RemoteWorker, ids: list[int]) -> None:
+        """With a simulated tier speed: waits for the jobs of ``ids`` whose simulated end has
+        come (all of them when draining) and keeps every result until its end comes."""
+        due = [
+            i
+            for i in ids
+            if i not in self.tier_done and (self.draining or self.tier_due[i] <= self.tier_step)
+        ]
+        got = worker.wait(due) if due else worker.poll()
+        self.tier_done.update(got)
+
     def _collect_tiers(self, block: bool) -> int:
         """Completes finished tier jobs (with ``block``, waits for every one first); returns
-        how many."""
+        how many. With a simulated tier speed, a job completes once its simulated end has come
+        and its I/O finished, whatever ``block`` says (reproducible by steps)."""
         if not self.tier_ids:
             return 0
         done: list[tuple[int, bool]] = []
         for medium, worker in self.tiers.items():
             ids = [i for i, m in self.tier_ids.items() if m == medium]
-            if ids:
+            if ids and self.held_tiers:
+                self._held_tier_results(worker, ids)
+            elif ids:
                 done += worker.wait(ids) if block else worker.poll()
+        if self.held_tiers:
+            ready = [
+                i for i in self.tier_done if self.draining or self.tier_due[i] <= self.tier_step
+            ]
+            done = [(i, self.tier_done.pop(i)) for i in ready]
+            for i in ready:
+                del self.tier_due[i]
         for job_id, ok in sorted(done):
             medium = self.tier_ids.pop(job_id)
             self.result.tier_failed_jobs[medium] = self.result.tier_failed_jobs.get(medium, 0) + (
@@ -252,6 +297,7 @@ class Offload:
 
     def wait_inflight(self, step: int) -> None:
         """Waits for every job in flight and completes them."""
+        self.tier_step = step
         if self.inflight_ids:
             self.xfer.wait(list(self.inflight_ids))
             self.collect(block=False, step=step)
@@ -260,6 +306,7 @@ class Offload:
     def collect(self, *, block: bool, step: int) -> None:
         """Takes finished copies (with ``block``, waits for every job in flight first) and
         completes them in the scheduler; stores are checked, loads go to ``on_load``."""
+        self.tier_step = step
         if block and self.inflight_ids:
             self.xfer.wait(list(self.inflight_ids))
         self._collect_tiers(block)
@@ -296,7 +343,9 @@ class Offload:
     def drain(self, step: int) -> None:
         """After the last request: run every queued copy, complete every job, and give the
         scheduler empty steps until it lets go of every finished request (it drops one at the
-        step after its last job completed, and may still create stores for it)."""
+        step after its last job completed, and may still create stores for it). A simulated
+        tier's jobs complete now, stalled ones too."""
+        self.draining = True
         self.xfer.step()  # one more worker step submits the last step's stores
         self.xfer.wait(list(self.inflight_ids))
         self.collect(block=False, step=step)

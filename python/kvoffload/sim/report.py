@@ -76,6 +76,7 @@ def _tier_figures(run: SimResult, medium: str) -> dict[str, Any]:
         f"{medium}_failed_jobs": run.tier_failed_jobs.get(medium, 0),
         f"{medium}_chunks_held": held.get("used", 0),
         f"{medium}_quarantined": held.get("quarantined", 0),
+        f"{medium}_skipped_writes": held.get("skipped_writes", 0),
     }
 
 
@@ -93,7 +94,8 @@ def _tier_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 f"{m} tier",
                 f"{f[f'{m}_written_chunks']:,} chunks written, {f[f'{m}_chunks_held']:,} "
-                f"held, {f[f'{m}_quarantined']} quarantined, {f[f'{m}_failed_jobs']} failed jobs",
+                f"held, {f[f'{m}_quarantined']} quarantined, {f[f'{m}_failed_jobs']} failed jobs, "
+                f"{f[f'{m}_skipped_writes']:,} writes skipped (the tier did not keep up)",
             ),
         ]
     return rows

@@ -37,7 +37,7 @@ pub(super) fn resolve(
     policy = Arg::Omitted, num_workers = Arg::Omitted, max_loading_requests = Arg::Omitted,
     offload_prompt_only = Arg::Omitted, max_offload_tokens = Arg::Omitted,
     store_threshold = Arg::Omitted, null_block = Arg::Omitted,
-    debug_skip_deferred_arming = Arg::Omitted
+    debug_skip_deferred_arming = Arg::Omitted, tier_write_share = Arg::Omitted
 ))]
 #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
 fn resolve_config(
@@ -55,6 +55,7 @@ fn resolve_config(
     store_threshold: Arg<'_>,
     null_block: Arg<'_>,
     debug_skip_deferred_arming: Arg<'_>,
+    tier_write_share: Arg<'_>,
 ) -> PyResult<ResolvedConfig> {
     let config_err = |what: &str, obj: &Bound<'_, PyAny>, expected: &str| {
         to_py(crate::config::type_error(
@@ -117,6 +118,11 @@ fn resolve_config(
             None,
         )?,
         store_threshold: convert::config_int_or(&store_threshold, "store_threshold", 0)?,
+        tier_write_share: convert::config_float_or(
+            &tier_write_share,
+            "tier_write_share",
+            crate::config::DEFAULT_TIER_WRITE_SHARE,
+        )?,
         debug_skip_deferred_arming: convert::config_bool(
             &debug_skip_deferred_arming,
             "debug_skip_deferred_arming",

@@ -126,7 +126,7 @@ impl Scheduler {
         text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
             cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
             offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
-            debug_skip_deferred_arming=False)"
+            debug_skip_deferred_arming=False, tier_write_share=0.125)"
     )]
     fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         Ok(Self {
@@ -144,7 +144,7 @@ impl Scheduler {
         text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
             cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
             offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
-            debug_skip_deferred_arming=False)"
+            debug_skip_deferred_arming=False, tier_write_share=0.125)"
     )]
     fn check_config(
         args: &Bound<'_, PyTuple>,
@@ -519,9 +519,10 @@ impl Scheduler {
     /// weights and dtype (part of the namespace). A promotion not done within `deadline_ms`
     /// expires (its requests recompute); `probation_after` failed or expired jobs in a row put
     /// the tier on probation for `probation_ms` (writes dropped, lookups skip it) until a
-    /// trial succeeds. `None` keeps a default (5000 ms, 3 jobs, 5000 ms). Call it before the
-    /// first request.
-    #[pyo3(signature = (path, disk_bytes, model = "", deadline_ms = None, probation_after = None, probation_ms = None))]
+    /// trial succeeds. `write_mbps` (MB/s, 0: no limit) paces write-behind: chunks past the rate
+    /// are skipped (`skipped_writes`). `None` keeps a default (5000 ms, 3 jobs, 5000 ms, no
+    /// limit). Call it before the first request.
+    #[pyo3(signature = (path, disk_bytes, model = "", deadline_ms = None, probation_after = None, probation_ms = None, write_mbps = None))]
     #[allow(clippy::needless_pass_by_value, clippy::too_many_arguments)] // pyo3 hands arguments over by value
     fn attach_disk(
         &self,
@@ -532,9 +533,29 @@ impl Scheduler {
         deadline_ms: Option<&Bound<'_, PyAny>>,
         probation_after: Option<&Bound<'_, PyAny>>,
         probation_ms: Option<&Bound<'_, PyAny>>,
+        write_mbps: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         guarded(|| {
             let mut watch = crate::scheduler::DiskWatch::default();
+            if let Some(v) = write_mbps {
+                let mbps = if v.is_instance_of::<pyo3::types::PyBool>() {
+                    None
+                } else {
+                    v.extract::<f64>().ok()
+                };
+                match mbps {
+                    Some(m) if m.is_finite() && (0.0..=1e6).contains(&m) => {
+                        watch.write_bytes_per_s = (m * 1e6) as u64;
+                    }
+                    _ => {
+                        return Err(super::errors::ConfigError::new_err(format!(
+                            "disk_write_mbps must be a number of MB/s in [0, 1e6] (0: no \
+                             limit), got {}",
+                            convert::describe(v)
+                        )))
+                    }
+                }
+            }
             if let Some(d) = deadline_ms {
                 watch.deadline = super::remote::ms_arg("disk_deadline_ms", d)?;
             }

@@ -9,13 +9,20 @@
 //! URL, commands packed as usual, and each bulk reply read with one `read_exact` per
 //! destination piece (one kernel copy, no user-space copy). Writes are sent with one `writev`
 //! of the pieces (the protocol's framing and the caller's memory) and their `+OK` replies read
-//! as lines. Existence checks go through the crate.
+//! as lines, existence checks' integer replies likewise.
+//!
+//! **Deadlines end operations.** A connection carries the deadline of the operation it runs
+//! ([`BulkConn::set_deadline`]): before every `read` and `write` system call the socket's
+//! timeout is set to the time left, and an expired deadline fails the call at once. A server
+//! that trickles bytes, floods, or never answers cannot keep an operation past its deadline
+//! (a per-call socket timeout alone would restart with every byte). The caller drops the
+//! connection of a failed operation.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 #[cfg(unix)]
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::{ConnectionAddr, ConnectionInfo};
 
@@ -83,6 +90,10 @@ fn protocol(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg)
 }
 
+fn late() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "deadline passed")
+}
+
 /// One connection of the read path.
 #[derive(Debug)]
 pub(crate) struct BulkConn {
@@ -90,17 +101,26 @@ pub(crate) struct BulkConn {
     buf: Vec<u8>,
     pos: usize,
     end: usize,
+    /// When the operation running on it must end.
+    deadline: Instant,
 }
 
 impl BulkConn {
-    /// Connects to the server of `info` within `timeout` and runs its handshake.
-    pub(crate) fn connect(info: &ConnectionInfo, timeout: Duration) -> io::Result<Self> {
+    /// Connects to the server of `info` and runs its handshake, both by `deadline` (which the
+    /// connection keeps until [`BulkConn::set_deadline`]).
+    pub(crate) fn connect(info: &ConnectionInfo, deadline: Instant) -> io::Result<Self> {
+        let left = || {
+            deadline
+                .checked_duration_since(Instant::now())
+                .filter(|d| !d.is_zero())
+                .ok_or_else(late)
+        };
         let stream = match info.addr() {
             ConnectionAddr::Tcp(host, port) => {
                 let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
                 let mut found = None;
                 for addr in (host.as_str(), *port).to_socket_addrs()? {
-                    match TcpStream::connect_timeout(&addr, timeout) {
+                    match TcpStream::connect_timeout(&addr, left()?) {
                         Ok(s) => {
                             found = Some(s);
                             break;
@@ -121,12 +141,12 @@ impl BulkConn {
                 ))
             }
         };
-        stream.set_timeout(Some(timeout))?;
         let mut con = Self {
             stream,
             buf: vec![0; BUF],
             pos: 0,
             end: 0,
+            deadline,
         };
         let settings = info.redis_settings();
         let mut hello: Vec<Vec<u8>> = Vec::new();
@@ -157,14 +177,37 @@ impl BulkConn {
         Ok(con)
     }
 
-    /// Sets the read and write timeouts.
-    pub(crate) fn set_timeout(&self, t: Duration) -> io::Result<()> {
-        self.stream.set_timeout(Some(t))
+    /// Sets the deadline of the operation about to run: every read and write after it fails
+    /// once it passed.
+    pub(crate) fn set_deadline(&mut self, deadline: Instant) {
+        self.deadline = deadline;
+    }
+
+    /// Sets the socket's timeouts to the time left before the deadline (an error once it
+    /// passed): called before every system call that may block.
+    fn arm(&self) -> io::Result<()> {
+        let left = self
+            .deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| *d >= Duration::from_micros(1))
+            .ok_or_else(late)?;
+        self.stream.set_timeout(Some(left))
+    }
+
+    /// One `read` system call within the deadline.
+    fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            self.arm()?;
+            match self.stream.read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                other => return other,
+            }
+        }
     }
 
     /// Sends `bytes`.
     pub(crate) fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.stream.write_all(bytes)
+        self.send_all(&[bytes])
     }
 
     /// Sends the concatenation of `pieces` with as few `writev` calls as the socket takes.
@@ -175,6 +218,7 @@ impl BulkConn {
             let mut rest = &mut slices[..];
             IoSlice::advance_slices(&mut rest, 0); // drops leading empty pieces
             while !rest.is_empty() {
+                self.arm()?;
                 match self.stream.write_vectored(rest) {
                     Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                     Ok(n) => IoSlice::advance_slices(&mut rest, n),
@@ -206,7 +250,11 @@ impl BulkConn {
         loop {
             if self.pos == self.end {
                 self.pos = 0;
-                self.end = self.stream.read(&mut self.buf)?;
+                self.end = 0;
+                let mut buf = std::mem::take(&mut self.buf);
+                let got = self.read_some(&mut buf);
+                self.buf = buf;
+                self.end = got?;
                 if self.end == 0 {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
@@ -253,10 +301,31 @@ impl BulkConn {
         dst[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
         self.pos += n;
         dst = &mut dst[n..];
-        if !dst.is_empty() {
-            self.stream.read_exact(dst)?;
+        while !dst.is_empty() {
+            match self.read_some(dst)? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                k => dst = &mut dst[k..],
+            }
         }
         Ok(())
+    }
+
+    /// The next reply as an integer (`:<n>`); a server error is `Ok(None)` (the connection
+    /// stays usable), any other reply a protocol error.
+    pub(crate) fn int(&mut self) -> io::Result<Option<i64>> {
+        let line = self.line()?;
+        match line.first() {
+            Some(b':') => std::str::from_utf8(&line[1..])
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .map(Some)
+                .ok_or_else(|| protocol("bad integer reply".into())),
+            Some(b'-') => Ok(None),
+            _ => Err(protocol(format!(
+                "unexpected reply: {}",
+                String::from_utf8_lossy(&line[..line.len().min(200)])
+            ))),
+        }
     }
 
     /// Discards the next `n` bytes of the reply.

@@ -6,8 +6,6 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use redis::Value;
-
 use super::bulk::{self, BulkConn};
 use super::pack::{slice_pieces, Packed};
 use super::send::OpError;
@@ -29,7 +27,6 @@ pub(super) fn add(c: &AtomicU64, n: usize) {
 pub struct RemoteClient {
     pub(super) cfg: RemoteConfig,
     pub(super) client: redis::Client,
-    pub(super) idle: Mutex<Vec<redis::Connection>>,
     pub(super) idle_bulk: Mutex<Vec<BulkConn>>,
     health: Mutex<Health>,
     pub(super) counters: RemoteCounters,
@@ -80,7 +77,6 @@ impl RemoteClient {
         Ok(Self {
             cfg,
             client,
-            idle: Mutex::new(Vec::new()),
             idle_bulk: Mutex::new(Vec::new()),
             health: Mutex::new(health),
             counters: RemoteCounters::default(),
@@ -130,7 +126,6 @@ impl RemoteClient {
             Transition::Probation => {
                 add(&self.counters.probations, 1);
                 // Pooled connections are likely broken too.
-                self.idle.lock().expect("pool lock").clear();
                 self.idle_bulk.lock().expect("pool lock").clear();
             }
             Transition::Recovery => add(&self.counters.recoveries, 1),
@@ -228,7 +223,7 @@ impl RemoteClient {
         let replies = self.pipeline(packed).ok()?;
         let mut found = vec![true; keys.len()];
         for (i, v) in replies.iter().enumerate() {
-            found[i % keys.len()] &= matches!(v, Value::Int(n) if *n > 0);
+            found[i % keys.len()] &= matches!(v, Some(n) if *n > 0);
         }
         add(
             &self.counters.lookup_hits,
@@ -322,6 +317,14 @@ impl RemoteClient {
                     if outcome == ReadOutcome::Hit {
                         outcome = ReadOutcome::Miss;
                     }
+                }
+                // Longer than the chunk and its header: not ours, and possibly huge (a
+                // flood): the operation fails and the connection is dropped.
+                Some(n) if n > want => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("a reply of {n} bytes for a chunk part of {want}"),
+                    ));
                 }
                 Some(n) if n != want || outcome != ReadOutcome::Hit => {
                     con.skip(n)?;

@@ -21,8 +21,10 @@
 //!   write of all its commands, then all replies) on a connection from the pool; sub-batches
 //!   run in parallel on up to [`RemoteConfig::connections`] threads. Existence checks of any
 //!   number of keys are one pipeline: one round trip.
-//! - **Deadlines**: every pipeline has [`RemoteConfig::deadline`]; a reply later than that fails
-//!   the operation (socket timeouts bound the wait) and its connection is dropped.
+//! - **Deadlines**: every pipeline has [`RemoteConfig::deadline`] and ends by it in wall time,
+//!   however the server sends its bytes: before each read and write system call the socket's
+//!   timeout is set to the time left. A late or failed operation drops its connection (which
+//!   cancels its I/O), and a reply longer than a chunk part and its header fails it too.
 //! - **Probation**: after [`RemoteConfig::probation_after`] consecutive failed or late
 //!   operations the tier is on probation for [`RemoteConfig::probation`]: writes are dropped and
 //!   counted, lookups and reads answer "miss" without I/O. The first operation after that is a
@@ -33,8 +35,8 @@
 //!   the CPU per byte). Each write thread sends the next pipeline's *lead* (its framing up to
 //!   its last large value) after the current pipeline and the rest of it once the current
 //!   replies are in, so the server takes each large value without copying it (see
-//!   `pack::Packed::finish_split`). Existence checks and connection settings go through the
-//!   crate.
+//!   `pack::Packed::finish_split`). Existence checks use the same connections; the crate
+//!   parses the URL.
 //! - **Verification**: every read checks the header (magic, version, namespace, key, group,
 //!   length) and the data's checksum; any mismatch is a miss, counted, and the caller must not
 //!   serve the bytes.

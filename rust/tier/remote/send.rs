@@ -7,8 +7,6 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use redis::Value;
-
 use super::bulk::BulkConn;
 use super::client::{add, RemoteClient};
 use super::pack::{Packed, Split};
@@ -21,61 +19,18 @@ pub(super) enum OpError {
 }
 
 impl RemoteClient {
-    /// Sends the commands of `packed` on a pooled connection and returns their replies, or
-    /// fails the operation (error or deadline), recording the outcome in the tier's health.
-    pub(super) fn pipeline(&self, packed: Packed<'_>) -> std::result::Result<Vec<Value>, OpError> {
+    /// Sends the commands of `packed` (existence checks) on a pooled connection and returns
+    /// their integer replies (`None`: a server error), or fails the operation (error or
+    /// deadline), recording the outcome in the tier's health.
+    pub(super) fn pipeline(
+        &self,
+        packed: Packed<'_>,
+    ) -> std::result::Result<Vec<Option<i64>>, OpError> {
         let (segments, count) = packed.finish();
-        let start = Instant::now();
-        let deadline = self.cfg.deadline;
-        let result = (|| {
-            let pooled = self.idle.lock().expect("pool lock").pop();
-            let mut con = match pooled {
-                Some(c) => c,
-                None => self
-                    .client
-                    .get_connection_with_timeout(deadline)
-                    .map_err(|e| {
-                        if e.is_timeout() {
-                            OpError::Late
-                        } else {
-                            OpError::Redis
-                        }
-                    })?,
-            };
-            let left = deadline
-                .checked_sub(start.elapsed())
-                .filter(|d| !d.is_zero())
-                .ok_or(OpError::Late)?;
-            con.set_read_timeout(Some(left))
-                .map_err(|_| OpError::Redis)?;
-            con.set_write_timeout(Some(left))
-                .map_err(|_| OpError::Redis)?;
-            add(&self.counters.round_trips, 1);
-            let fail = |e: redis::RedisError| {
-                if e.is_timeout() {
-                    OpError::Late
-                } else {
-                    OpError::Redis
-                }
-            };
-            for seg in &segments {
-                con.send_packed_command(seg).map_err(fail)?;
-            }
-            let mut replies = Vec::with_capacity(count);
-            for _ in 0..count {
-                replies.push(con.recv_response().map_err(fail)?);
-            }
-            if start.elapsed() > deadline {
-                return Err(OpError::Late);
-            }
-            if replies.len() != count {
-                return Err(OpError::Redis);
-            }
-            self.idle.lock().expect("pool lock").push(con);
-            Ok(replies)
-        })();
-        self.record(result.as_ref().map(|_| ()));
-        result
+        self.bulk_op(|c| {
+            c.send_all(&segments.iter().map(|s| &**s).collect::<Vec<_>>())?;
+            (0..count).map(|_| c.int()).collect()
+        })
     }
 
     /// Runs `work` over `batches` on up to `connections` threads; results in batch order.
@@ -207,9 +162,11 @@ impl RemoteClient {
         result
     }
 
-    /// Runs one operation on `con` (connected first when `None`) within the deadline,
+    /// Runs one operation on `con` (connected first when `None`) within the deadline, in wall
+    /// time whatever the server does (every system call is bounded by the time left),
     /// recording the outcome in the tier's health; a failed or late operation leaves `con`
-    /// `None` (the connection is dropped: replies may still be on their way).
+    /// `None` (the connection is dropped: replies may still be on their way, and closing it
+    /// cancels the I/O: nothing touches the caller's memory after this returns).
     pub(super) fn bulk_op_on<R>(
         &self,
         con: &mut Option<BulkConn>,
@@ -228,18 +185,15 @@ impl RemoteClient {
             }
         };
         let result = (|| {
+            // Every read and write of the operation ends by then (see `bulk`).
+            let end = start + deadline;
             let c = match con {
                 Some(c) => c,
                 None => con.insert(
-                    BulkConn::connect(self.client.get_connection_info(), deadline)
-                        .map_err(classify)?,
+                    BulkConn::connect(self.client.get_connection_info(), end).map_err(classify)?,
                 ),
             };
-            let left = deadline
-                .checked_sub(start.elapsed())
-                .filter(|d| !d.is_zero())
-                .ok_or(OpError::Late)?;
-            c.set_timeout(left).map_err(classify)?;
+            c.set_deadline(end);
             add(&self.counters.round_trips, 1);
             let out = op(c).map_err(classify)?;
             if start.elapsed() > deadline {

@@ -18,7 +18,9 @@ and on vLLM's CPU backend (the KV cache in CPU memory).
 CPU pool: ``disk_path`` and ``disk_bytes`` (per group and worker) for a persistent disk tier
 (``disk_deadline_ms``: a promotion later than that expires and its requests recompute;
 ``disk_probation_after`` failed or expired jobs in a row put it on probation for
-``disk_probation_ms``),
+``disk_probation_ms``; ``disk_write_mbps``: the most MB/s written behind to it;
+``tier_write_share``: the most of each group's CPU slots that
+write-behind to a lower tier pins),
 or ``remote_url`` (``redis://host:port``), ``cache_salt`` and ``remote_deadline_ms`` for a
 shared Redis tier, with ``disk_model`` / ``remote_model`` naming the weights in the tier's
 namespace (default: the engine's model and dtype) -- the
