@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -201,3 +202,51 @@ def test_exit_with_copies_in_flight_is_clean_50_times() -> None:
         results = list(pool.map(run, range(50)))
     failures = [(rc, err) for rc, err in results if rc != 0]
     assert failures == [], f"{len(failures)} of 50 runs failed; first: {failures[:1]}"
+
+
+TIER_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, tempfile
+    from pathlib import Path
+    from tests.test_disk import BLOCK, _config, _engine
+    from kvoffload.scheduler import OffloadScheduler, StepInput
+    from kvoffload.transfer.disk import open_disk_worker
+
+    path = Path(tempfile.mkdtemp())
+    sched = OffloadScheduler(_config(path, tier_write_share=1.0))
+    kv, worker = _engine(1)
+    disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
+    sched.add_request("a", prompt_len=3 * BLOCK, block_hashes=[1, 2, 3])
+    sched.lookup("a", num_computed_tokens=0)
+    sched.allocate("a", [[1, 2, 3, 4]], num_computed_tokens=0, num_load_tokens=0)
+    plan = sched.schedule(StepInput(scheduled=[("a", 3 * BLOCK)], written=[1, 2, 3, 4]))
+    for job in plan.stores:
+        worker.submit_store(job.job_id, job.transfers)
+    worker.wait([j.job_id for j in plan.stores])
+    for r in worker.poll():
+        sched.complete(r.job_id, ok=r.ok)
+    plan = sched.schedule(StepInput(finished=["a"], written=[]))
+    assert plan.tier_jobs
+    disk.submit(plan.tier_jobs)
+    # Exits here, the disk tier's writes in flight on its Rust I/O threads.
+    """
+)
+
+
+def test_exit_with_tier_writes_in_flight_is_clean() -> None:
+    root = str(Path(__file__).resolve().parents[1])
+
+    def run(_: int) -> tuple[int, str]:
+        p = subprocess.run(
+            [sys.executable, "-c", TIER_EXIT_SCRIPT],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=root,
+        )
+        return p.returncode, p.stderr[-2000:]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, range(6)))
+    failures = [(rc, err) for rc, err in results if rc != 0]
+    assert failures == [], f"{len(failures)} of 6 runs failed; first: {failures[:1]}"
