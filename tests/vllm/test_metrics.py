@@ -34,7 +34,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +244,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def scrapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Both servers' requests, the scrape after each, and the dashboard check's page."""
     tmp = tmp_path_factory.mktemp("metrics")
     disk = tmp / "disk"
@@ -284,7 +283,7 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         out["2_b"] = s2.settled(loaded(2), "B's load from the CPU tier")
     finally:
         s2.stop()
-    yield out
+    return out
 
 
 def _check_stored_bytes(m: dict[Sample, float]) -> None:
