@@ -8,6 +8,7 @@ and small.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -247,7 +248,8 @@ class KvOffloadStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Zeroes every counter, empties the samples and drops the snapshot."""
-        self.data = {**_ZERO, **{k: [] for k in SAMPLE_KEYS}}
+        fresh: dict[str, Any] = {**_ZERO, **{k: [] for k in SAMPLE_KEYS}}
+        self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Adds ``other``'s counters, appends its samples; its snapshot, if any, replaces
