@@ -34,16 +34,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    PromMetric,
-    PromMetricT,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvoffload.integrations.vllm.messages import SAMPLE_KEYS, SNAPSHOT
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 __all__ = ["METRICS", "KvOffloadPromMetrics", "Metric", "core_snapshot"]
 
