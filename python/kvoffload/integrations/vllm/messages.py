@@ -177,6 +177,9 @@ def _merge(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict[int, list[i
 
 
 _STAT_KEYS = (
+    # Every step that planned counts these two: first, so that is_empty answers at once.
+    "sched_steps",
+    "sched_seconds",
     "lookups",
     "lookups_deferred",
     "loaded_tokens",
@@ -191,8 +194,6 @@ _STAT_KEYS = (
     "load_seconds",
     "store_seconds",
     "flush_seconds",
-    "sched_seconds",
-    "sched_steps",
 )
 TIER_COUNTERS = (
     "hits",
@@ -231,7 +232,8 @@ class KvOffloadStats(KVConnectorStats):
 
     * counters (the keys of ``_ZERO``: ``lookups``, ``bytes_loaded``, ..., the lower tiers' per
       medium, ``disk_*`` / ``remote_*``): what happened in the interval, added up;
-    * :data:`SAMPLE_KEYS`: lists of per-job observations, concatenated;
+    * :data:`SAMPLE_KEYS` (when a job finished): lists of per-job observations,
+      concatenated;
     * :data:`SNAPSHOT` (when the interval took one): the scheduler's cumulative counters and
       gauges at one moment; the later snapshot replaces the earlier.
 
@@ -242,13 +244,12 @@ class KvOffloadStats(KVConnectorStats):
     """
 
     def __post_init__(self) -> None:
+        # Built once a step: the sample lists appear when a job finishes, not here.
         self.data.update({**_ZERO, **self.data})
-        for k in SAMPLE_KEYS:
-            self.data[k] = list(self.data.get(k) or ())
 
     def reset(self) -> None:
-        """Zeroes every counter, empties the samples and drops the snapshot."""
-        fresh: dict[str, Any] = {**_ZERO, **{k: [] for k in SAMPLE_KEYS}}
+        """Zeroes every counter, drops the samples and the snapshot."""
+        fresh: dict[str, Any] = dict(_ZERO)
         self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -283,5 +284,5 @@ class KvOffloadStats(KVConnectorStats):
         """Whether nothing was counted, observed or snapshotted."""
         d = self.data
         return (
-            not any(map(d.get, _ZERO)) and not any(map(d.get, SAMPLE_KEYS)) and not d.get(SNAPSHOT)
+            not any(map(d.get, _ZERO)) and not d.get(SNAPSHOT) and not any(map(d.get, SAMPLE_KEYS))
         )

@@ -333,11 +333,11 @@ class SchedulerSide:
             d["store_seconds"] += meta.store_seconds
             d["flush_seconds"] += meta.flush_seconds
             if meta.load_sizes:
-                d["load_sizes"] += meta.load_sizes
-                d["load_times"] += meta.load_times
+                d["load_sizes"] = d.get("load_sizes", []) + meta.load_sizes
+                d["load_times"] = d.get("load_times", []) + meta.load_times
             if meta.store_sizes:
-                d["store_sizes"] += meta.store_sizes
-                d["store_times"] += meta.store_times
+                d["store_sizes"] = d.get("store_sizes", []) + meta.store_sizes
+                d["store_times"] = d.get("store_times", []) + meta.store_times
             for medium, (written, read) in meta.tier_bytes.items():
                 d[f"{medium}_bytes_written"] += written
                 d[f"{medium}_bytes_read"] += read
