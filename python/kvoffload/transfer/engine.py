@@ -164,6 +164,8 @@ class TransferEngine:
             "copies": 0,
             "bytes_stored": 0,
             "bytes_loaded": 0,
+            "flush_waits": 0,
+            "flush_wait_us": 0,
         }
         kinds: tuple[JobKind, ...] = ("store", "load")
         for kind in kinds:
@@ -235,9 +237,17 @@ class TransferEngine:
             raise TransferError(f"group {group} has {len(regions)} tensors, not tensor {t}")
         return regions[t].cpu
 
+    @property
+    def flush_wait_us(self) -> int:
+        """µs the host waited for flushed jobs so far (``stats()["flush_wait_us"]``, without
+        building the dict: read every step)."""
+        return self._stats["flush_wait_us"]
+
     def stats(self) -> dict[str, int]:
         """A snapshot of the counters: jobs submitted; over polled jobs, ok/failed jobs, copies
-        and bytes; plus the number of queued jobs and of submitted jobs not yet polled."""
+        and bytes; the steps whose host waited for flushed jobs and the µs it waited (CPU
+        devices; on CUDA the compute stream waits instead); plus the number of queued jobs and
+        of submitted jobs not yet polled."""
         with self._lock:
             return {**self._stats, "queued": len(self._queued), "in_flight": len(self._inflight)}
 
@@ -349,8 +359,12 @@ class TransferEngine:
                     if job.end_event is not None:
                         stream.wait_event(job.end_event)
         # 3. Complete the flush set (the host waits without the lock: polls go on meanwhile).
-        if self._device.type != "cuda":
+        if self._device.type != "cuda" and waiting:
+            t = time.perf_counter()
             self._sink.block(waiting, None)
+            with self._lock:
+                self._stats["flush_waits"] += 1
+                self._stats["flush_wait_us"] += int(1e6 * (time.perf_counter() - t))
         # 4. The other loads.
         rest = [job for job in new_loads if job.job_id not in flushed]
         with self._lock:

@@ -25,12 +25,14 @@ or ``remote_url`` (``redis://host:port``), ``cache_salt`` and ``remote_deadline_
 shared Redis tier, with ``disk_model`` / ``remote_model`` naming the weights in the tier's
 namespace (default: the engine's model and dtype) -- the
 :class:`~kvoffload.scheduler.OffloadConfig` options -- and ``exact_fence`` (default ``True``;
-``False`` passes ``written=None``, the conservative fence).
+``False`` passes ``written=None``, the conservative fence) and ``metrics_interval_ms`` (default
+1000: the longest time between two snapshots of the core for Prometheus).
 
 **Layout.** :mod:`~kvoffload.integrations.vllm.config` (extra config and KV layout),
 :mod:`~kvoffload.integrations.vllm.scheduler_side` (one Rust core per engine),
 :mod:`~kvoffload.integrations.vllm.worker_side` (one :class:`~kvoffload.transfer.TransferEngine`
-per worker), :mod:`~kvoffload.integrations.vllm.messages` (plans, reports, stats) and
+per worker), :mod:`~kvoffload.integrations.vllm.messages` (plans, reports, stats),
+:mod:`~kvoffload.integrations.vllm.metrics` (the Prometheus metrics) and
 :mod:`~kvoffload.integrations.vllm.connector` (vLLM's interface, dispatching to the two sides).
 
 **Supported models.** Full-attention and sliding-window KV groups (hybrid models through
@@ -44,7 +46,10 @@ stored tokens, bytes, jobs, flushes, scheduler-side seconds and steps; with a lo
 hits, writes, promotions, failures and bytes as ``disk_*`` / ``remote_*``), which vLLM
 aggregates and logs like any connector's; stored / removed events are returned by
 ``take_events`` as vLLM ``BlockStored`` / ``BlockRemoved`` events with medium ``"CPU"``,
-``"DISK"`` or ``"REMOTE"``.
+``"DISK"`` or ``"REMOTE"``. ``build_prom_metrics`` puts them on vLLM's ``/metrics`` as
+Prometheus metrics (:mod:`~kvoffload.integrations.vllm.metrics`, ``docs/metrics.md``), with the
+core's gauges and cumulative counters sampled at most once a second and when the engine falls
+quiet.
 """
 
 # The version check runs first: it raises ImportError naming the supported range.

@@ -1,8 +1,9 @@
 """``kv_connector_extra_config`` and the engine's KV layout -> :class:`OffloadConfig`.
 
-The extra config's keys are :class:`OffloadConfig`'s options (plus the connector's own
-``exact_fence``); their values go to it as given, and it validates them (with the core, one
-validator: :class:`~kvoffload.errors.ConfigError` naming the field and the value). Unknown keys
+The extra config's keys are :class:`OffloadConfig`'s options plus the connector's own
+(``exact_fence``, ``metrics_interval_ms``: :func:`connector_options`); the former go to it as
+given, and it validates them (with the core, one validator:
+:class:`~kvoffload.errors.ConfigError` naming the field and the value). Unknown keys
 raise ``ConfigError`` naming them; so do engine features the connector refuses (other KV-cache
 kinds, speculative decoding, HiSparse, mixed block sizes, a role other than ``kv_both``).
 ``disk_model`` and ``remote_model`` default to the engine's model and dtype.
@@ -21,7 +22,7 @@ from kvoffload.scheduler import KvGroup, OffloadConfig
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["build_offload_config"]
+__all__ = ["build_offload_config", "connector_options"]
 
 # The OffloadConfig options the extra config may set: all but what the engine's own
 # configuration fixes (and a debug switch); OffloadConfig and the core validate their values
@@ -44,9 +45,40 @@ def _parse_extra(extra: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ConfigError(
             f"unknown kv_connector_extra_config key(s) {unknown} for KvOffloadConnector; "
-            f"valid keys: {sorted((*_OPTIONS, 'exact_fence'))}"
+            f"valid keys: {sorted((*_OPTIONS, *_CONNECTOR_OPTIONS))}"
         )
     return {k: v for k, v in extra.items() if v is not None}
+
+
+_CONNECTOR_OPTIONS = ("exact_fence", "metrics_interval_ms")
+"""The connector's own extra-config keys (not OffloadConfig's)."""
+
+
+def connector_options(extra: dict[str, Any]) -> tuple[bool, float]:
+    """The connector's own options in ``kv_connector_extra_config``: ``exact_fence`` (default
+    ``True``) and ``metrics_interval_ms``, the longest time between two snapshots of the core
+    for Prometheus (default 1000; 0 takes one every step).
+
+    Raises:
+        ConfigError: A value of the wrong type or range, naming the option.
+    """
+    exact = extra.get("exact_fence", True)
+    if not isinstance(exact, bool):
+        raise ConfigError(
+            f"invalid configuration: exact_fence must be a bool, got {exact!r} "
+            f"({type(exact).__name__})"
+        )
+    interval = extra.get("metrics_interval_ms", 1000)
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, (int, float))
+        or not 0 <= interval <= 3_600_000
+    ):
+        raise ConfigError(
+            f"invalid configuration: metrics_interval_ms must be a number of milliseconds in "
+            f"0..3600000, got {interval!r} ({type(interval).__name__})"
+        )
+    return exact, float(interval)
 
 
 def model_name(vllm_config: VllmConfig) -> str:
@@ -72,12 +104,9 @@ def build_offload_config(
             f"not {ktc.kv_role!r}"
         )
     extra = dict(ktc.kv_connector_extra_config or {})
-    exact = extra.pop("exact_fence", True)
-    if not isinstance(exact, bool):
-        raise ConfigError(
-            f"invalid configuration: exact_fence must be a bool, got {exact!r} "
-            f"({type(exact).__name__})"
-        )
+    exact, _ = connector_options(extra)
+    for k in _CONNECTOR_OPTIONS:
+        extra.pop(k, None)
     kwargs = _parse_extra(extra)
     if "disk_path" in kwargs:
         kwargs.setdefault("disk_model", model_name(vllm_config))

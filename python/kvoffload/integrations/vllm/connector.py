@@ -17,17 +17,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.integrations.vllm.config import build_offload_config
+from kvoffload.integrations.vllm.config import build_offload_config, connector_options
 from kvoffload.integrations.vllm.messages import KvOffloadMetadata, KvOffloadStats
+from kvoffload.integrations.vllm.metrics import KvOffloadPromMetrics
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.worker_side import WorkerSide, worker_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -74,12 +79,16 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             ktc = vllm_config.kv_transfer_config
             policy = getattr(ktc, "kv_load_failure_policy", "fail")
+            _, interval_ms = connector_options(
+                dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+            )
             events = vllm_config.kv_events_config
             self.scheduler_side = SchedulerSide(
                 cfg,
                 exact,
                 recompute=policy == "recompute",
                 kv_events=events is not None and bool(events.enable_kv_cache_events),
+                metrics_interval_ms=interval_ms,
             )
             # The scheduler-side calls go straight to the scheduler side: the instance's
             # attributes shadow the methods below, sparing two Python frames and the role
@@ -218,6 +227,18 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         """Stats objects for vLLM's logger."""
         return KvOffloadStats(data=dict(data)) if data is not None else KvOffloadStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """The connector's Prometheus metrics on vLLM's ``/metrics``
+        (:mod:`~kvoffload.integrations.vllm.metrics`)."""
+        return KvOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool | None:
         """Empties the CPU tier. Loads in flight are reported to vLLM as failed (it

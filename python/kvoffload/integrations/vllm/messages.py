@@ -1,12 +1,14 @@
 """What crosses vLLM's process boundaries: the plan the scheduler sends the workers each step
 (:class:`KvOffloadMetadata`), the job reports the workers send back
-(:class:`KvOffloadWorkerMetadata`, vLLM's worker-to-scheduler side channel), and the counters
-vLLM aggregates and logs (:class:`KvOffloadStats`). All are picklable and small.
+(:class:`KvOffloadWorkerMetadata`, vLLM's worker-to-scheduler side channel), and the figures
+vLLM aggregates, logs and exports to Prometheus (:class:`KvOffloadStats`). All are picklable
+and small.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvoffload._core import RUN_WORDS, TIER_ROW_WORDS
 
-__all__ = ["TIER_COUNTERS", "KvOffloadMetadata", "KvOffloadStats", "KvOffloadWorkerMetadata"]
+__all__ = [
+    "SAMPLE_KEYS",
+    "SNAPSHOT",
+    "TIER_COUNTERS",
+    "KvOffloadMetadata",
+    "KvOffloadStats",
+    "KvOffloadWorkerMetadata",
+]
 
 
 @dataclass
@@ -99,6 +108,11 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         done: Rank → ids of the jobs that worker finished.
         failed: Rank → ids of the jobs that worker failed.
         tier_bytes: Lower tier medium → bytes the workers wrote to and read from it.
+        load_sizes: Bytes of each finished load job, one entry per job and worker (as
+            ``load_times``: the seconds it took there).
+        store_sizes: Bytes of each finished store job, one entry per job and worker (as
+            ``store_times``).
+        flush_seconds: Seconds the workers' hosts waited for flushed jobs.
     """
 
     done: dict[int, list[int]] = field(default_factory=dict)
@@ -108,6 +122,11 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     load_seconds: float = 0.0
     store_seconds: float = 0.0
     tier_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    load_sizes: list[int] = field(default_factory=list)
+    load_times: list[float] = field(default_factory=list)
+    store_sizes: list[int] = field(default_factory=list)
+    store_times: list[float] = field(default_factory=list)
+    flush_seconds: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merges the reports of two workers (each report keeps its worker's rank)."""
@@ -120,6 +139,11 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             load_seconds=self.load_seconds + other.load_seconds,
             store_seconds=self.store_seconds + other.store_seconds,
             tier_bytes=_add_bytes(self.tier_bytes, other.tier_bytes),
+            load_sizes=self.load_sizes + other.load_sizes,
+            load_times=self.load_times + other.load_times,
+            store_sizes=self.store_sizes + other.store_sizes,
+            store_times=self.store_times + other.store_times,
+            flush_seconds=self.flush_seconds + other.flush_seconds,
         )
 
     def by_rank(self) -> dict[int, tuple[list[int], list[int]]]:
@@ -153,6 +177,9 @@ def _merge(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict[int, list[i
 
 
 _STAT_KEYS = (
+    # Every step that planned counts these two: first, so that is_empty answers at once.
+    "sched_steps",
+    "sched_seconds",
     "lookups",
     "lookups_deferred",
     "loaded_tokens",
@@ -166,8 +193,7 @@ _STAT_KEYS = (
     "bytes_stored",
     "load_seconds",
     "store_seconds",
-    "sched_seconds",
-    "sched_steps",
+    "flush_seconds",
 )
 TIER_COUNTERS = (
     "hits",
@@ -187,36 +213,76 @@ TIER_COUNTERS = (
 _TIER_KEYS = tuple(
     f"{m}_{k}" for m in ("disk", "remote") for k in (*TIER_COUNTERS, "bytes_written", "bytes_read")
 )
+SAMPLE_KEYS = ("load_sizes", "load_times", "store_sizes", "store_times")
+"""The per-job observations the stats carry as lists (bytes and seconds of each finished copy
+job on each worker): Prometheus histograms."""
+SNAPSHOT = "snapshot"
+"""The key of the scheduler's periodic snapshot in the stats: the core's cumulative counters
+and its gauges, ``name`` or ``name/label/...`` → value
+(:mod:`~kvoffload.integrations.vllm.metrics` names them)."""
 # Every counter at 0: a new interval's counters (built once per step).
 _ZERO = dict.fromkeys((*_STAT_KEYS, *_TIER_KEYS), 0)
 
 
 @dataclass
 class KvOffloadStats(KVConnectorStats):
-    """Counters of one interval, summed over steps and workers (vLLM logs them); the lower
-    tiers' per medium (``disk_*``, ``remote_*``: :data:`TIER_COUNTERS` and bytes)."""
+    """The figures of one interval (vLLM logs them and exports them to Prometheus).
+
+    ``data`` holds three kinds of figures, each aggregated its own way:
+
+    * counters (the keys of ``_ZERO``: ``lookups``, ``bytes_loaded``, ..., the lower tiers' per
+      medium, ``disk_*`` / ``remote_*``): what happened in the interval, added up;
+    * :data:`SAMPLE_KEYS` (when a job finished): lists of per-job observations,
+      concatenated;
+    * :data:`SNAPSHOT` (when the interval took one): the scheduler's cumulative counters and
+      gauges at one moment; the later snapshot replaces the earlier.
+
+    Every figure comes from the one scheduler of the engine, workers' bytes and times summed
+    over the workers before they reach it: tensor-parallel ranks are counted once where a figure
+    is per engine (jobs, tokens, chunks, the pools), and summed where each rank does its own
+    share (bytes, copy seconds, per-worker samples).
+    """
 
     def __post_init__(self) -> None:
+        # Built once a step: the sample lists appear when a job finishes, not here.
         self.data.update({**_ZERO, **self.data})
 
     def reset(self) -> None:
-        """Zeroes every counter."""
-        self.data = dict(_ZERO)
+        """Zeroes every counter, drops the samples and the snapshot."""
+        fresh: dict[str, Any] = dict(_ZERO)
+        self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        """Adds ``other``'s counters."""
+        """Adds ``other``'s counters, appends its samples; its snapshot, if any, replaces
+        this one (snapshots are cumulative: the later one says everything)."""
+        d = self.data
         for k, v in other.data.items():
-            if isinstance(v, (int, float)):
-                self.data[k] = self.data.get(k, 0) + v
+            if k == SNAPSHOT:
+                if v:
+                    d[SNAPSHOT] = v
+            elif isinstance(v, list):
+                d.setdefault(k, []).extend(v)
+            elif isinstance(v, (int, float)):
+                d[k] = d.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The counters, plus the mean scheduler-side time per step in µs."""
-        out = {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
+        """The counters, each sample list's count and sum, and the mean scheduler-side time
+        per step in µs (vLLM's log line; the snapshot goes to Prometheus only)."""
+        out: dict[str, int | float] = {}
+        for k, v in self.data.items():
+            if isinstance(v, list):
+                out[f"{k}_count"] = len(v)
+                out[f"{k}_sum"] = sum(v)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = v
         steps = out.get("sched_steps", 0)
         out["sched_us_per_step"] = 1e6 * out.get("sched_seconds", 0.0) / steps if steps else 0.0
         return out
 
     def is_empty(self) -> bool:
-        """Whether nothing was counted."""
-        return not any(map(self.data.get, _ZERO))
+        """Whether nothing was counted, observed or snapshotted."""
+        d = self.data
+        return (
+            not any(map(d.get, _ZERO)) and not d.get(SNAPSHOT) and not any(map(d.get, SAMPLE_KEYS))
+        )

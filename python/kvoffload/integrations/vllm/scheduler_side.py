@@ -32,7 +32,7 @@ jobs itself (a lookup that finds chunks only below the CPU pool promotes them an
 ``None``, "ask later"); each plan ships them to the workers as one packed buffer, and they are
 completed from the workers' reports like copies. After a reset the core's plan names the tier
 jobs in flight apart from the copies (``tier_flush``). Stats gain the tier's counters per
-interval (``disk_*`` / ``remote_*``); events carry the medium (``CPU``, ``DISK``, ``REMOTE``),
+snapshot (``disk_*`` / ``remote_*``); events carry the medium (``CPU``, ``DISK``, ``REMOTE``),
 and with KV events off the tiers' events are drained and dropped every step.
 
 Request state lives in the core; the adapter keeps the requests' live hash lists (vLLM appends
@@ -46,6 +46,12 @@ runs over blocks or hashes: hashes (bytes), block tables and the step's sequence
 as vLLM holds them (:meth:`~kvoffload._core.Scheduler.schedule_batch`), and the plan comes back
 as job ids and one buffer of copy runs. With KV events off (vLLM's ``kv_events_config``) the CPU
 pools record none.
+
+**Stats and metrics.** The adapter counts what it sees as it happens (lookups, tokens, jobs
+planned, the workers' bytes, seconds and per-job samples); ``get_stats`` adds, at most every
+``metrics_interval_ms`` and when the engine falls quiet, a snapshot of the core's counters and
+gauges (:func:`~kvoffload.integrations.vllm.metrics.core_snapshot`): two core calls a second,
+none per step.
 """
 
 from __future__ import annotations
@@ -65,11 +71,13 @@ from kvoffload.errors import (
     UnknownRequestError,
 )
 from kvoffload.integrations.vllm.messages import (
+    SNAPSHOT,
     TIER_COUNTERS,
     KvOffloadMetadata,
     KvOffloadStats,
     KvOffloadWorkerMetadata,
 )
+from kvoffload.integrations.vllm.metrics import core_snapshot
 from kvoffload.scheduler import OffloadConfig
 
 if TYPE_CHECKING:
@@ -90,6 +98,7 @@ class SchedulerSide:
         exact_fence: bool,
         recompute: bool = False,
         kv_events: bool = True,
+        metrics_interval_ms: float = 1000.0,
     ) -> None:
         self.cfg = cfg
         self.exact_fence = exact_fence
@@ -119,6 +128,13 @@ class SchedulerSide:
         self.tier_seen: dict[str, int] = {}
         self.t = 0.0
         self.step_times: list[float] = []
+        # The core's snapshot for Prometheus: at most every metrics_interval_ms (the first
+        # stats call takes one), and when the engine falls quiet.
+        self.snapshot_every = metrics_interval_ms / 1000.0
+        self.next_snapshot = 0.0
+        self.chunk_bytes = [
+            cfg.bytes_per_chunk(g) * cfg.num_workers for g in range(len(cfg.groups))
+        ]
 
     def has_pending(self) -> bool:
         """Whether some job is still pending in the core."""
@@ -315,6 +331,13 @@ class SchedulerSide:
             d["bytes_stored"] += meta.bytes_stored
             d["load_seconds"] += meta.load_seconds
             d["store_seconds"] += meta.store_seconds
+            d["flush_seconds"] += meta.flush_seconds
+            if meta.load_sizes:
+                d["load_sizes"] = d.get("load_sizes", []) + meta.load_sizes
+                d["load_times"] = d.get("load_times", []) + meta.load_times
+            if meta.store_sizes:
+                d["store_sizes"] = d.get("store_sizes", []) + meta.store_sizes
+                d["store_times"] = d.get("store_times", []) + meta.store_times
             for medium, (written, read) in meta.tier_bytes.items():
                 d[f"{medium}_bytes_written"] += written
                 d[f"{medium}_bytes_read"] += read
@@ -372,23 +395,33 @@ class SchedulerSide:
         return events
 
     def get_stats(self) -> KvOffloadStats | None:
-        if self.tiers:
-            self._tier_counters()
+        """This interval's stats (vLLM calls it once a step), with a snapshot of the core when
+        one is due: ``metrics_interval_ms`` passed, or the engine fell quiet (no request
+        tracked, no job pending: its figures are final until it steps again)."""
+        now = time.monotonic()
+        if now >= self.next_snapshot or (not self.hashes and not self.sched.num_pending):
+            self._snapshot(now)
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, KvOffloadStats()
         return out
 
-    def _tier_counters(self) -> None:
-        """Adds each lower tier's counters since the last interval (summed over groups)."""
-        now: dict[str, int] = {}
-        for g in self.sched.tier_stats():
+    def _snapshot(self, now: float) -> None:
+        """Puts the core's cumulative counters and gauges in this interval's stats, and adds
+        each lower tier's counters since the last snapshot (summed over groups)."""
+        self.next_snapshot = now + self.snapshot_every
+        tiers = self.sched.tier_stats() if self.tiers else []
+        self.stats.data[SNAPSHOT] = core_snapshot(
+            self.sched.stats(), tiers, self.chunk_bytes, self.chunk_tokens
+        )
+        seen: dict[str, int] = {}
+        for g in tiers:
             for k in TIER_COUNTERS:
                 key = f"{g['medium']}_{k}"
-                now[key] = now.get(key, 0) + int(g[k])
-        for k, v in now.items():
+                seen[key] = seen.get(key, 0) + int(g[k])
+        for k, v in seen.items():
             self.stats.data[k] += v - self.tier_seen.get(k, 0)
-        self.tier_seen = now
+        self.tier_seen = seen
 
     def reset_cache(self) -> bool:
         loading = self.sched.loading_requests

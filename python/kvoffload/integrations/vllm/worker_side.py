@@ -99,6 +99,7 @@ class WorkerSide:
         # Tier jobs submitted and not finished yet, with the worker running each.
         self.tier_inflight: dict[int, DiskWorker | RemoteWorker] = {}
         self.tier_bytes: dict[str, tuple[int, int]] = {}  # per medium, at the last report
+        self.flush_wait_us = 0  # the data plane's host wait for flushes, at the last report
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         nb = int(self.kv_cache_config.num_blocks)
@@ -235,6 +236,8 @@ class WorkerSide:
             if r.kind == "load":
                 m.bytes_loaded += r.bytes
                 m.load_seconds += r.seconds
+                m.load_sizes.append(r.bytes)
+                m.load_times.append(r.seconds)
                 rid, plan = self.load_req.pop(r.job_id, ("", None))
                 if rid:
                     out.finished_recving.add(rid)
@@ -245,6 +248,8 @@ class WorkerSide:
             else:
                 m.bytes_stored += r.bytes
                 m.store_seconds += r.seconds
+                m.store_sizes.append(r.bytes)
+                m.store_times.append(r.seconds)
             if not r.ok:
                 logger.warning("kvoffload: %s job %d failed: %s", r.kind, r.job_id, r.error)
         return out
@@ -287,7 +292,14 @@ class WorkerSide:
     def take_meta(self) -> KvOffloadWorkerMetadata | None:
         self._tier_poll()
         m = self.meta
-        if not m.done and not m.failed and not m.tier_bytes:
+        if m.done or m.failed:
+            # The host's wait for flushes since the last report (a flushed job finished).
+            x = self.xfer
+            waited = x.flush_wait_us if x is not None else self.flush_wait_us
+            if waited != self.flush_wait_us:
+                m.flush_seconds += (waited - self.flush_wait_us) / 1e6
+                self.flush_wait_us = waited
+        elif not m.tier_bytes:
             return None
         self.meta = KvOffloadWorkerMetadata()
         return m
