@@ -42,23 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["KvOffloadConnector"]
 
-# The scheduler-side calls a scheduler connector hands to its SchedulerSide as they are (same
-# parameters and result), connector method -> SchedulerSide method: bound to the instance, so
-# vLLM calls the scheduler side directly (every call of a step, about twenty at B=512).
-_DIRECT_CALLS = {
-    "on_new_request": "on_new_request",
-    "get_num_new_matched_tokens": "get_num_new_matched_tokens",
-    "update_state_after_alloc": "update_state_after_alloc",
-    "build_connector_meta": "build_connector_meta",
-    "update_connector_output": "update_connector_output",
-    "request_finished": "request_finished",
-    "request_finished_all_groups": "request_finished",
-    "take_events": "take_events",
-    "has_pending_push_work": "has_pending",
-    "get_kv_connector_stats": "get_stats",
-}
-
-
 class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by kvoffload (see the package docstring)."""
 
@@ -90,11 +73,6 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_events=events is not None and bool(events.enable_kv_cache_events),
                 metrics_interval_ms=interval_ms,
             )
-            # The scheduler-side calls go straight to the scheduler side: the instance's
-            # attributes shadow the methods below, sparing two Python frames and the role
-            # check per call.
-            for name, target in _DIRECT_CALLS.items():
-                setattr(self, name, getattr(self.scheduler_side, target))
         else:
             self.worker_side = WorkerSide(cfg, kv_cache_config, worker_rank(vllm_config))
 
@@ -170,10 +148,6 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def _s(self) -> SchedulerSide:
         assert self.scheduler_side is not None, "scheduler-side call on a worker connector"
         return self.scheduler_side
-
-    # A scheduler connector's own attributes (``_DIRECT_CALLS``) shadow these (and the
-    # scheduler-side methods below): they serve a connector of the worker role, which has
-    # none, and document the calls.
 
     def on_new_request(self, request: Request) -> None:
         """Registers the request and its block hashes."""
