@@ -103,6 +103,9 @@ pub(crate) struct BulkConn {
     end: usize,
     /// When the operation running on it must end.
     deadline: Instant,
+    /// Cluster redirections (`MOVED …`, `ASK …`, without the `-`) answered to commands since
+    /// they were last taken: each such command counts as refused (a write) or absent (a read).
+    pub(crate) redirects: Vec<String>,
 }
 
 impl BulkConn {
@@ -147,6 +150,7 @@ impl BulkConn {
             pos: 0,
             end: 0,
             deadline,
+            redirects: Vec::new(),
         };
         let settings = info.redis_settings();
         let mut hello: Vec<Vec<u8>> = Vec::new();
@@ -230,13 +234,26 @@ impl BulkConn {
         Ok(())
     }
 
+    /// Whether `line` is a cluster redirection; if so it is kept in [`Self::redirects`].
+    fn redirected(&mut self, line: &[u8]) -> bool {
+        let is = line.starts_with(b"-MOVED ") || line.starts_with(b"-ASK ");
+        if is {
+            self.redirects
+                .push(String::from_utf8_lossy(&line[1..]).into_owned());
+        }
+        is
+    }
+
     /// The next reply as a status: `Ok(true)` for `+OK`, `Ok(false)` for a server error (the
     /// connection stays usable); any other reply is a protocol error.
     pub(crate) fn status(&mut self) -> io::Result<bool> {
         let line = self.line()?;
         match line.first() {
             _ if line == b"+OK" => Ok(true),
-            Some(b'-') => Ok(false),
+            Some(b'-') => {
+                self.redirected(&line);
+                Ok(false)
+            }
             _ => Err(protocol(format!(
                 "unexpected reply: {}",
                 String::from_utf8_lossy(&line[..line.len().min(200)])
@@ -288,6 +305,7 @@ impl BulkConn {
                 .map(Some)
                 .ok_or_else(|| protocol("bad bulk length".into())),
             Some(b'_') => Ok(None),
+            Some(b'-') if self.redirected(&line) => Ok(None),
             _ => Err(protocol(format!(
                 "unexpected reply: {}",
                 String::from_utf8_lossy(&line[..line.len().min(200)])
@@ -320,12 +338,61 @@ impl BulkConn {
                 .and_then(|s| s.parse().ok())
                 .map(Some)
                 .ok_or_else(|| protocol("bad integer reply".into())),
-            Some(b'-') => Ok(None),
+            Some(b'-') => {
+                self.redirected(&line);
+                Ok(None)
+            }
             _ => Err(protocol(format!(
                 "unexpected reply: {}",
                 String::from_utf8_lossy(&line[..line.len().min(200)])
             ))),
         }
+    }
+
+    /// The next reply as a whole value (small replies only: `CLUSTER SLOTS`); nesting and
+    /// lengths are bounded.
+    pub(crate) fn value(&mut self) -> io::Result<Value> {
+        self.value_at(0)
+    }
+
+    fn value_at(&mut self, depth: usize) -> io::Result<Value> {
+        if depth > 8 {
+            return Err(protocol("reply nested too deep".into()));
+        }
+        let line = self.line()?;
+        let num = |s: &[u8]| -> io::Result<i64> {
+            std::str::from_utf8(s)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| protocol("bad length".into()))
+        };
+        let text = || String::from_utf8_lossy(&line[1..]).into_owned();
+        Ok(match line.first() {
+            Some(b'+') => Value::Text(text()),
+            Some(b'-') => Value::Error(text()),
+            Some(b':') => Value::Int(num(&line[1..])?),
+            Some(b'_') => Value::Nil,
+            Some(b'$') => match num(&line[1..])? {
+                -1 => Value::Nil,
+                n if (0..=1 << 20).contains(&n) => {
+                    let mut v = vec![0u8; n as usize];
+                    self.read_into(&mut v)?;
+                    self.end_bulk()?;
+                    Value::Text(String::from_utf8_lossy(&v).into_owned())
+                }
+                _ => return Err(protocol("bulk reply too long".into())),
+            },
+            Some(b'*') => match num(&line[1..])? {
+                -1 => Value::Nil,
+                n if (0..=1 << 16).contains(&n) => Value::Array(
+                    (0..n)
+                        .map(|_| self.value_at(depth + 1))
+                        .collect::<io::Result<_>>()?,
+                ),
+                _ => return Err(protocol("array reply too long".into())),
+            },
+            _ => return Err(protocol(format!("unexpected reply: {}", text()))),
+        })
     }
 
     /// Discards the next `n` bytes of the reply.
@@ -349,6 +416,21 @@ impl BulkConn {
             Err(protocol("bulk reply without CRLF".into()))
         }
     }
+}
+
+/// A whole reply, for the few small replies read as values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Value {
+    /// A simple string or a bulk string (lossy UTF-8).
+    Text(String),
+    /// A server error, without the `-`.
+    Error(String),
+    /// An integer.
+    Int(i64),
+    /// A nil reply.
+    Nil,
+    /// An array.
+    Array(Vec<Value>),
 }
 
 /// One command in the Redis protocol.
