@@ -220,10 +220,10 @@ fn a_killed_master_fails_its_slots_by_the_deadline_then_its_promoted_replica_ser
     let c = RemoteClient::new(config(&cluster.url(), 500)).unwrap();
     let keys: Vec<u64> = (0..300).collect();
     assert_eq!(write(&c, &keys), vec![true; keys.len()]);
-    // Let the replicas catch up (replication is asynchronous: what they lack is a miss).
-    sleep(Duration::from_millis(300));
     let topo = cluster.topology();
     let victim = cluster.masters()[0];
+    // Replication is asynchronous (what a replica lacks is a miss): wait for the victim's.
+    assert_eq!(cli(victim, &["wait", "1", "5000"]).trim(), "1");
     let vid = topo.iter().find(|n| n.port == victim).unwrap().id.clone();
     let replica = topo.iter().find(|n| n.of == vid).unwrap().port;
     let ranges = slot_ranges(victim);
@@ -257,7 +257,8 @@ fn a_killed_master_fails_its_slots_by_the_deadline_then_its_promoted_replica_ser
         let ok = write(&c, &fresh);
         assert!(ok.iter().any(|&w| w) && !ok.iter().all(|&w| w), "{ok:?}");
     }
-    cli(replica, &["cluster", "failover", "takeover"]);
+    let said = cli(replica, &["cluster", "failover", "takeover"]);
+    assert!(said.starts_with("OK"), "{said}");
     // After the promotion every slot is served again (no wrong byte ever: `read` checks).
     let until = Instant::now() + Duration::from_secs(20);
     let fresh: Vec<u64> = (50_000..50_300).collect();
@@ -269,7 +270,11 @@ fn a_killed_master_fails_its_slots_by_the_deadline_then_its_promoted_replica_ser
         }
         assert!(
             Instant::now() < until,
-            "the promoted replica never served its slots"
+            "the promoted replica never served its slots: {} writes failed, {:?} reads, {:#?}, {}",
+            ok.iter().filter(|&&w| !w).count(),
+            out.iter().filter(|&&o| o != ReadOutcome::Hit).collect::<Vec<_>>(),
+            c.node_stats(),
+            cli(replica, &["cluster", "nodes"])
         );
         sleep(Duration::from_millis(100));
     }

@@ -84,6 +84,7 @@ impl Cluster {
                 // A master that is down costs only its slots.
                 .args(["--cluster-require-full-coverage", "no"])
                 .args(["--cluster-allow-reads-when-down", "no"])
+                .args(["--repl-diskless-sync-delay", "0"])
                 .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -130,9 +131,11 @@ impl Cluster {
                         flags.contains("master") && !flags.contains("fail")
                     })
                     .count();
+                let repl = cli(n.port, &["info", "replication"]);
                 info.contains("cluster_state:ok")
                     && info.contains("cluster_slots_ok:16384")
                     && masters == 3
+                    && (repl.contains("role:master") || repl.contains("master_link_status:up"))
             })
         });
     }
