@@ -236,16 +236,13 @@ fn a_killed_master_fails_its_slots_by_the_deadline_then_its_promoted_replica_ser
             ) == victim
         })
         .collect();
+    let sizes = (cli(victim, &["dbsize"]), cli(replica, &["dbsize"]));
     cluster.kill(victim);
     // Until the promotion: the victim's chunks fail fast, the others' are served and written.
     for round in 0..3 {
         let t = Instant::now();
         let out = read(&c, &keys);
-        assert!(
-            t.elapsed() < Duration::from_millis(500 * 3 + 500),
-            "{:?}",
-            t.elapsed()
-        );
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         for (o, &v) in out.iter().zip(&on_victim) {
             if v {
                 assert_ne!(*o, ReadOutcome::Hit);
@@ -258,6 +255,7 @@ fn a_killed_master_fails_its_slots_by_the_deadline_then_its_promoted_replica_ser
         assert!(ok.iter().any(|&w| w) && !ok.iter().all(|&w| w), "{ok:?}");
     }
     let said = cli(replica, &["cluster", "failover", "takeover"]);
+    eprintln!("{sizes:?} {said}");
     assert!(said.starts_with("OK"), "{said}");
     // After the promotion every slot is served again (no wrong byte ever: `read` checks).
     let until = Instant::now() + Duration::from_secs(20);
@@ -270,7 +268,7 @@ fn a_killed_master_fails_its_slots_by_the_deadline_then_its_promoted_replica_ser
         }
         assert!(
             Instant::now() < until,
-            "the promoted replica never served its slots: {} writes failed, {:?} reads, {:#?}, {}",
+            "the promoted replica never served its slots: {sizes:?} {} writes failed, {:?} reads, {:#?}, {}",
             ok.iter().filter(|&&w| !w).count(),
             out.iter().filter(|&&o| o != ReadOutcome::Hit).collect::<Vec<_>>(),
             c.node_stats(),
@@ -333,6 +331,11 @@ fn reads_and_writes_stay_correct_while_slots_migrate() {
     cluster.wait_ok();
     assert_eq!(read(&c, &written), vec![ReadOutcome::Hit; written.len()]);
     let s = c.stats();
+    eprintln!(
+        "migration: {} chunks, {} redirects",
+        written.len(),
+        s.redirects
+    );
     assert!(s.redirects > 0, "{s:?}");
     assert_eq!(s.checksum_mismatches, 0);
 }

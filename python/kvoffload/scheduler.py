@@ -97,8 +97,10 @@ class OffloadConfig:
             engine's write-behind never moves more than that (its I/O threads' CPU and the
             disk's bandwidth); chunks past the rate are skipped (``skipped_writes``), reused
             ones offered again when loaded.
-        remote_url: ``redis://host:port[/db]`` of a shared tier (Redis) below the CPU pool
-            (None: none). Engines configured with the same URL, model and layout share chunks:
+        remote_url: ``redis://[user:password@]host:port[/db]`` of a shared tier (Redis) below
+            the CPU pool, or ``redis+cluster://[user:password@]host:port[,host:port...]``
+            (seed nodes of a Redis Cluster; None: none). Engines configured with the same URL,
+            model and layout share chunks:
             chunks ready in the CPU pool are written behind, lookups that miss the CPU pool ask
             the server (asynchronously: "ask later") and promote what it holds. With
             ``disk_path`` too, chunks are written behind to both and lookups promote from the

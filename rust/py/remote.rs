@@ -121,6 +121,19 @@ fn stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
+/// Counters per server (the one server, or every cluster master the client talked to).
+fn node_stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    for (node, s) in client.node_stats() {
+        let d = PyDict::new(py);
+        for (k, v) in s.named() {
+            d.set_item(k, v)?;
+        }
+        out.set_item(node, d)?;
+    }
+    Ok(out)
+}
+
 /// A client of `url` with the default settings and `deadline_ms`.
 pub fn client(url: &str, deadline_ms: f64) -> PyResult<Client> {
     let mut cfg = RemoteConfig::new(url);
@@ -192,9 +205,15 @@ impl RemoteWorker {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, &self.client)
     }
+
+    /// The counters per server: `{"host:port": counters}` (every cluster master).
+    fn node_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        node_stats_dict(py, &self.client)
+    }
 }
 
-/// A client of one Redis server: pipelined batches, connection pool, deadlines, probation.
+/// A client of the shared tier (one Redis server or a cluster): pipelined batches, connection
+/// pools, deadlines, probation.
 #[pyclass(frozen, module = "kvoffload._core")]
 pub struct RemoteClient {
     inner: Client,
@@ -202,7 +221,8 @@ pub struct RemoteClient {
 
 #[pymethods]
 impl RemoteClient {
-    /// A client of `url` (`redis://host:port[/db]`). Connects lazily.
+    /// A client of `url` (`redis://[user:password@]host:port[/db]`, connects lazily; or
+    /// `redis+cluster://[user:password@]host:port[,host:port...]`, reads the slot map now).
     #[new]
     #[pyo3(signature = (url, *, deadline_ms = 1000.0, connections = None, part_bytes = 64 << 20,
                         probation_after = 3, probation_ms = 2000.0))]
@@ -332,6 +352,11 @@ impl RemoteClient {
     /// Counters so far, by name.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, &self.inner)
+    }
+
+    /// The counters per server: `{"host:port": counters}` (every cluster master).
+    fn node_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        node_stats_dict(py, &self.inner)
     }
 
     fn __repr__(&self) -> String {

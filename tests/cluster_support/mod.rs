@@ -98,7 +98,7 @@ impl Cluster {
         }
         let c = Self { nodes, root };
         for n in &c.nodes {
-            c.wait(|| {
+            Self::wait(|| {
                 Command::new("redis-cli")
                     .args(["-p", &n.port.to_string(), "ping"])
                     .output()
@@ -121,7 +121,7 @@ impl Cluster {
     /// Waits until every live node reports `cluster_state:ok`, all slots served, and sees
     /// three live masters.
     pub fn wait_ok(&self) {
-        self.wait(|| {
+        Self::wait(|| {
             self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
                 let info = cli(n.port, &["cluster", "info"]);
                 let masters = cli(n.port, &["cluster", "nodes"])
@@ -140,7 +140,7 @@ impl Cluster {
         });
     }
 
-    fn wait(&self, mut ok: impl FnMut() -> bool) {
+    fn wait(mut ok: impl FnMut() -> bool) {
         let until = Instant::now() + Duration::from_secs(30);
         while !ok() {
             assert!(Instant::now() < until, "the cluster did not become ready");

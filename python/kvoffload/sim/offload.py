@@ -387,5 +387,8 @@ class Offload:
         """Shuts the data plane down (idempotent)."""
         if not self.closed:
             self.xfer.shutdown(wait=False)
+            remote = self.tiers.get("remote")
+            if isinstance(remote, RemoteWorker):
+                self.result.remote_nodes = remote.node_stats()
             self.tiers.clear()  # their threads end once the workers are dropped
         self.closed = True

@@ -39,8 +39,8 @@ pub struct RemoteClient {
 }
 
 enum Mode {
-    Single(Node),
-    Cluster(Cluster),
+    Single(Box<Node>),
+    Cluster(Box<Cluster>),
 }
 
 impl std::fmt::Debug for RemoteClient {
@@ -61,8 +61,8 @@ impl RemoteClient {
     /// out-of-range settings.
     pub fn new(cfg: RemoteConfig) -> Result<Self> {
         let mode = match ClusterUrl::parse(&cfg.url)? {
-            None => Mode::Single(Node::new(cfg.clone(), false, false)?),
-            Some(url) => Mode::Cluster(Cluster::new(&cfg, url)?),
+            None => Mode::Single(Box::new(Node::new(cfg.clone(), false, false)?)),
+            Some(url) => Mode::Cluster(Box::new(Cluster::new(&cfg, url)?)),
         };
         Ok(Self { cfg, mode })
     }
@@ -414,7 +414,7 @@ impl Cluster {
             }
             self.refresh(!redirects.moved.is_empty(), &redirects.moved, &suspects);
             let after = self.map.read().expect("map lock").clone();
-            ask = redirects.ask.clone();
+            ask.clone_from(&redirects.ask);
             todo = failed
                 .into_iter()
                 .filter(|&i| {

@@ -136,13 +136,14 @@ impl SlotMap {
         if self.owner.len() != SLOTS {
             self.owner = vec![None; SLOTS];
         }
-        let i = match self.addrs.iter().position(|a| a == addr) {
-            Some(i) => i,
-            None => {
+        let i = self
+            .addrs
+            .iter()
+            .position(|a| a == addr)
+            .unwrap_or_else(|| {
                 self.addrs.push(addr.to_owned());
                 self.addrs.len() - 1
-            }
-        };
+            });
         self.owner[usize::from(slot)] = u16::try_from(i).ok();
     }
 
