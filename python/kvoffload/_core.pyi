@@ -118,6 +118,7 @@ class RemoteClient:
         part_bytes: int = ...,
         probation_after: int = 3,
         probation_ms: float = 2000.0,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> RemoteClient: ...
     @property
     def url(self) -> str: ...

@@ -225,7 +225,8 @@ impl RemoteClient {
     /// `redis+cluster://[user:password@]host:port[,host:port...]`, reads the slot map now).
     #[new]
     #[pyo3(signature = (url, *, deadline_ms = 1000.0, connections = None, part_bytes = 64 << 20,
-                        probation_after = 3, probation_ms = 2000.0))]
+                        probation_after = 3, probation_ms = 2000.0, tls_ca = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         url: &str,
         deadline_ms: f64,
@@ -233,6 +234,7 @@ impl RemoteClient {
         part_bytes: usize,
         probation_after: u32,
         probation_ms: f64,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let cfg = RemoteConfig {
             url: url.to_owned(),
@@ -241,6 +243,7 @@ impl RemoteClient {
             part_bytes,
             probation_after,
             probation: duration("remote_probation_ms", probation_ms)?,
+            tls_ca,
         };
         Ok(Self {
             inner: Client::new(cfg).map_err(to_py)?,

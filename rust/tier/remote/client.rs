@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::bulk::{self, BulkConn};
+use super::bulk::{self, BulkConn, Tls};
 use super::pack::{slice_pieces, Packed};
 use super::send::OpError;
+use super::slots::redact;
 use super::{
     parts, value_key, value_key_tagged, ChunkNames, ReadItem, ReadOutcome, RemoteConfig,
     RemoteCounters, RemoteStats, WriteItem, BATCH_BYTES, WRITE_BATCH_BYTES,
@@ -33,6 +34,8 @@ pub(super) struct Node {
     asking: bool,
     /// Redirections answered since the cluster last took them.
     pub(super) redirects: Mutex<Vec<String>>,
+    /// TLS (`rediss://`).
+    pub(super) tls: Option<Tls>,
     pub(super) client: redis::Client,
     pub(super) idle_bulk: Mutex<Vec<BulkConn>>,
     health: Mutex<Health>,
@@ -55,14 +58,45 @@ impl Node {
     /// `tagged`: cluster key names; `asking`: every command preceded by `ASKING`.
     pub(super) fn new(cfg: RemoteConfig, tagged: bool, asking: bool) -> Result<Self> {
         let bad = |field: &str, why: String| Error::Config(format!("{field}: {why}"));
-        if !(cfg.url.starts_with("redis://") || cfg.url.starts_with("unix://")) {
+        let shown = redact(&cfg.url);
+        if !["redis://", "rediss://", "unix://"]
+            .iter()
+            .any(|s| cfg.url.starts_with(s))
+        {
             return Err(bad(
                 "remote_url",
-                format!("{:?} is not a redis:// URL", cfg.url),
+                format!("{shown:?} is not a redis:// or rediss:// URL"),
             ));
         }
-        let client = redis::Client::open(cfg.url.as_str())
-            .map_err(|e| bad("remote_url", format!("{:?}: {e}", cfg.url)))?;
+        // The crate parses the address and credentials; TLS is ours.
+        let over_tls = cfg.url.starts_with("rediss://");
+        let plain = cfg.url.replacen("rediss://", "redis://", 1);
+        let client = redis::Client::open(plain.as_str())
+            .map_err(|e| bad("remote_url", format!("{shown:?}: {e}")))?;
+        let tls = match (over_tls, &cfg.tls_ca) {
+            (false, None) => None,
+            (false, Some(ca)) => {
+                return Err(bad(
+                    "remote_tls_ca",
+                    format!("{} given but {shown:?} is not rediss://", ca.display()),
+                ))
+            }
+            (true, None) => {
+                return Err(bad(
+                    "remote_tls_ca",
+                    format!(
+                    "{shown:?} is rediss://: give the CA file that signs the server's certificate"
+                ),
+                ))
+            }
+            (true, Some(ca)) => {
+                let redis::ConnectionAddr::Tcp(host, _) = client.get_connection_info().addr()
+                else {
+                    return Err(bad("remote_url", format!("{shown:?}: TLS needs TCP")));
+                };
+                Some(Tls::new(ca, host).map_err(|e| bad("remote_tls_ca", e))?)
+            }
+        };
         if cfg.deadline.is_zero() || cfg.deadline > Duration::from_secs(3600) {
             return Err(bad(
                 "remote_deadline",
@@ -88,11 +122,30 @@ impl Node {
             asking,
             redirects: Mutex::new(Vec::new()),
             client,
+            tls,
             idle_bulk: Mutex::new(Vec::new()),
             health: Mutex::new(health),
             counters: RemoteCounters::default(),
             generation: AtomicU64::new(0),
         })
+    }
+
+    /// Connects once now: a server that refuses (certificate, password) is a
+    /// [`Error::Config`] naming the URL (password redacted); one that cannot be reached is
+    /// not (the first operations fail). The connection is kept in the pool.
+    pub(super) fn probe(&self) -> Result<()> {
+        let end = Instant::now() + self.cfg.deadline;
+        match BulkConn::connect(self.client.get_connection_info(), self.tls.as_ref(), end) {
+            Ok(c) => {
+                self.idle_bulk.lock().expect("pool lock").push(c);
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => Err(Error::Config(format!(
+                "remote_url: {:?}: {e}",
+                redact(&self.cfg.url)
+            ))),
+            Err(_) => Ok(()),
+        }
     }
 
     /// The Redis key of part `part` of chunk `key` in namespace `namespace`.

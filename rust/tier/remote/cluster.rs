@@ -61,7 +61,11 @@ impl RemoteClient {
     /// out-of-range settings.
     pub fn new(cfg: RemoteConfig) -> Result<Self> {
         let mode = match ClusterUrl::parse(&cfg.url)? {
-            None => Mode::Single(Box::new(Node::new(cfg.clone(), false, false)?)),
+            None => {
+                let node = Node::new(cfg.clone(), false, false)?;
+                node.probe()?;
+                Mode::Single(Box::new(node))
+            }
             Some(url) => Mode::Cluster(Box::new(Cluster::new(&cfg, url)?)),
         };
         Ok(Self { cfg, mode })
@@ -244,13 +248,16 @@ impl Cluster {
         let client = redis::Client::open(self.url.node_url(addr))
             .map_err(|e| Fetch::Refused(format!("has a bad address: {e}")))?;
         let deadline = Instant::now() + self.cfg.deadline;
-        let mut con = BulkConn::connect(client.get_connection_info(), deadline).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::InvalidData {
-                Fetch::Refused(format!("refused the connection: {e}"))
-            } else {
-                Fetch::Unreachable
-            }
-        })?;
+        let node = Node::new(node_cfg(&self.cfg, &self.url, addr), true, false)
+            .map_err(|e| Fetch::Refused(e.to_string()))?;
+        let mut con = BulkConn::connect(client.get_connection_info(), node.tls.as_ref(), deadline)
+            .map_err(|e| {
+                if e.kind() == std::io::ErrorKind::InvalidData {
+                    Fetch::Refused(format!("refused the connection: {e}"))
+                } else {
+                    Fetch::Unreachable
+                }
+            })?;
         con.send(&super::bulk::pack(&[b"CLUSTER", b"SLOTS"]))
             .map_err(|_| Fetch::Unreachable)?;
         let reply = con.value().map_err(|_| Fetch::Unreachable)?;

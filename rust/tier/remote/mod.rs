@@ -92,7 +92,8 @@ pub const WRITE_BATCH_BYTES: usize = 1 << 20;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RemoteConfig {
     /// `redis://[user:password@]host:port[/db]`, or a cluster's seed nodes:
-    /// `redis+cluster://[user:password@]host:port[,host:port…]`.
+    /// `redis+cluster://[user:password@]host:port[,host:port…]`; `rediss` instead of `redis`:
+    /// over TLS (with [`RemoteConfig::tls_ca`]).
     pub url: String,
     /// Longest wait for one pipelined operation (and for connecting).
     pub deadline: Duration,
@@ -104,6 +105,8 @@ pub struct RemoteConfig {
     pub probation_after: u32,
     /// How long a probation lasts before the next trial.
     pub probation: Duration,
+    /// For `rediss://` (TLS): the PEM file of the CA certificates that sign the servers'.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl RemoteConfig {
@@ -118,6 +121,7 @@ impl RemoteConfig {
             part_bytes: 64 << 20,
             probation_after: 3,
             probation: Duration::from_secs(2),
+            tls_ca: None,
         }
     }
 }

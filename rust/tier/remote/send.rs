@@ -200,7 +200,8 @@ impl Node {
             let c = match con {
                 Some(c) => c,
                 None => con.insert(
-                    BulkConn::connect(self.client.get_connection_info(), end).map_err(classify)?,
+                    BulkConn::connect(self.client.get_connection_info(), self.tls.as_ref(), end)
+                        .map_err(classify)?,
                 ),
             };
             c.set_deadline(end);

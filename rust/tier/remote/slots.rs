@@ -50,17 +50,26 @@ pub struct ClusterUrl {
     credentials: String,
     /// Seed nodes, `host:port`.
     pub seeds: Vec<String>,
+    /// Over TLS (`rediss+cluster://`).
+    pub tls: bool,
 }
 
 /// The URL scheme of a cluster.
 pub const CLUSTER_SCHEME: &str = "redis+cluster://";
+/// The URL scheme of a cluster over TLS.
+pub const CLUSTER_TLS_SCHEME: &str = "rediss+cluster://";
 
 impl ClusterUrl {
     /// Parses `url`; `None` when it is not a cluster URL, a [`Error::Config`] naming the
     /// (redacted) URL when it is one but malformed.
     pub fn parse(url: &str) -> Result<Option<Self>> {
-        let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) else {
-            return Ok(None);
+        let (rest, tls) = match (
+            url.strip_prefix(CLUSTER_SCHEME),
+            url.strip_prefix(CLUSTER_TLS_SCHEME),
+        ) {
+            (Some(rest), _) => (rest, false),
+            (_, Some(rest)) => (rest, true),
+            _ => return Ok(None),
         };
         let bad = |why: &str| {
             Error::Config(format!(
@@ -90,12 +99,14 @@ impl ClusterUrl {
         Ok(Some(Self {
             credentials: credentials.to_owned(),
             seeds,
+            tls,
         }))
     }
 
     /// The single-server URL of the node at `addr` (`host:port`), with the credentials.
     pub fn node_url(&self, addr: &str) -> String {
-        format!("redis://{}{addr}", self.credentials)
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://{}{addr}", self.credentials)
     }
 }
 
