@@ -360,6 +360,7 @@ class Scheduler:
         ttl_s: float = 60.0,
         retry_s: float = 1.0,
         io_cpus: Iterable[int] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None: ...
     def attach_disk(
         self,
@@ -482,6 +483,7 @@ class RemoteWorker(TierWorker):
         deadline_ms: float = 1000.0,
         io_cpus: Iterable[int] | None = None,
         dtypes: Sequence[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> RemoteWorker: ...
     def stats(self) -> dict[str, int]: ...
     def node_stats(self) -> dict[str, dict[str, int]]: ...

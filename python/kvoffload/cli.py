@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         "one engine with both tiers",
     )
     s.add_argument(
+        "--remote-tls-ca",
+        dest="remote_tls_ca",
+        metavar="FILE",
+        help="with a rediss:// (TLS) --remote: the PEM file of the CA that signs the servers'",
+    )
+    s.add_argument(
         "--engines",
         type=int,
         default=2,

@@ -107,6 +107,8 @@ class OffloadConfig:
             disk first, from the shared tier what the disk lacks.
         remote_model: Names the weights and dtype in the shared tier's namespace.
         cache_salt: Tenant salt in the shared tier's namespace: different salts share nothing.
+        remote_tls_ca: For a ``rediss://`` (TLS) ``remote_url``: the PEM file of the CA
+            certificates that sign the servers' (None: no TLS).
         remote_deadline_ms: Longest wait for one operation of the shared tier; later is a miss
             (the request recomputes), and repeated failures put the tier on probation.
         disk_min_hits: Admission filter of the disk tier: write a chunk behind once it was
@@ -152,6 +154,7 @@ class OffloadConfig:
     remote_model: str = ""
     cache_salt: str = ""
     remote_deadline_ms: float = 1000.0
+    remote_tls_ca: str | None = None
     disk_min_hits: int = 0
     remote_min_hits: int = 0
     tier_write_share: float = 0.125
@@ -251,6 +254,7 @@ class OffloadConfig:
                 cache_salt=self.cache_salt,
                 deadline_ms=float(self.remote_deadline_ms),
                 io_cpus=self.io_cpus,
+                tls_ca=self.remote_tls_ca,
             )
             core.set_tier_admission("remote", self.remote_min_hits)
         return core

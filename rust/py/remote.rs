@@ -6,6 +6,7 @@
 //! Chunks are given as one 1-D, C-contiguous `uint8` buffer holding `len(keys)` chunks of
 //! equal size back to back (e.g. a numpy array or a CPU tensor's numpy view).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::buffer::PyBuffer;
@@ -134,10 +135,11 @@ fn node_stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py,
     Ok(out)
 }
 
-/// A client of `url` with the default settings and `deadline_ms`.
-pub fn client(url: &str, deadline_ms: f64) -> PyResult<Client> {
+/// A client of `url` with the default settings, `deadline_ms` and `tls_ca` (`rediss://`).
+pub fn client(url: &str, deadline_ms: f64, tls_ca: Option<PathBuf>) -> PyResult<Client> {
     let mut cfg = RemoteConfig::new(url);
     cfg.deadline = duration("remote_deadline_ms", deadline_ms)?;
+    cfg.tls_ca = tls_ca;
     Client::new(cfg).map_err(to_py)
 }
 
@@ -157,7 +159,7 @@ impl RemoteWorker {
     #[new]
     #[pyo3(signature = (url, buffers, groups, blocks_per_chunk = 1, model = "", cache_salt = "",
                         rank = 0, world_size = 1, threads = 2, deadline_ms = 1000.0,
-                        io_cpus = None, dtypes = None))]
+                        io_cpus = None, dtypes = None, tls_ca = None))]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         url: &str,
@@ -172,9 +174,10 @@ impl RemoteWorker {
         deadline_ms: f64,
         io_cpus: Option<Bound<'_, PyAny>>,
         dtypes: Option<Vec<String>>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cpus = io_cpus_arg(io_cpus.as_ref())?;
-        let client = Arc::new(client(url, deadline_ms)?);
+        let client = Arc::new(client(url, deadline_ms, tls_ca)?);
         let base = TierWorker::open(
             "RemoteWorker",
             MEDIUM,
@@ -234,7 +237,7 @@ impl RemoteClient {
         part_bytes: usize,
         probation_after: u32,
         probation_ms: f64,
-        tls_ca: Option<std::path::PathBuf>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let cfg = RemoteConfig {
             url: url.to_owned(),

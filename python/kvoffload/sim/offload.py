@@ -114,6 +114,7 @@ class Offload:
                 model=MODEL,
                 deadline_ms=cfg.remote_deadline_ms,
                 io_cpus=cfg.io_cpus,
+                tls_ca=cfg.remote_tls_ca,
             )
 
     def _inject_fault(self, job_id: int) -> None:
