@@ -222,10 +222,21 @@ fn a_killed_master_fails_its_slots_by_the_deadline_then_its_promoted_replica_ser
     assert_eq!(write(&c, &keys), vec![true; keys.len()]);
     let topo = cluster.topology();
     let victim = cluster.masters()[0];
-    // Replication is asynchronous (what a replica lacks is a miss): wait for the victim's.
-    assert_eq!(cli(victim, &["wait", "1", "5000"]).trim(), "1");
     let vid = topo.iter().find(|n| n.port == victim).unwrap().id.clone();
     let replica = topo.iter().find(|n| n.of == vid).unwrap().port;
+    // Replication is asynchronous (what a replica lacks is a miss): wait until the victim's
+    // replica has its offset (`WAIT` from a fresh connection waits for nothing).
+    let offset = |port: u16, field: &str| -> i64 {
+        cli(port, &["info", "replication"])
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .map_or(-1, |v| v.trim().parse().unwrap())
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    while offset(replica, "slave_repl_offset:") < offset(victim, "master_repl_offset:") {
+        assert!(Instant::now() < until, "the replica did not catch up");
+        sleep(Duration::from_millis(20));
+    }
     let ranges = slot_ranges(victim);
     let on_victim: Vec<bool> = keys
         .iter()
