@@ -350,3 +350,19 @@ fn reads_and_writes_stay_correct_while_slots_migrate() {
     assert!(s.redirects > 0, "{s:?}");
     assert_eq!(s.checksum_mismatches, 0);
 }
+
+#[test]
+fn a_cluster_over_tls_serves_chunks_and_refuses_another_cas_certificate() {
+    let cluster = Cluster::start_with(true);
+    let dir = cluster.tls.clone().unwrap();
+    let mut cfg = config(&cluster.url(), 5000);
+    cfg.tls_ca = Some(dir.join("ca.crt"));
+    let c = RemoteClient::new(cfg.clone()).unwrap();
+    let keys: Vec<u64> = (0..150).collect();
+    assert_eq!(write(&c, &keys), vec![true; keys.len()]);
+    assert_eq!(read(&c, &keys), vec![ReadOutcome::Hit; keys.len()]);
+    assert_eq!(c.node_stats().len(), 3);
+    cfg.tls_ca = Some(dir.join("other-ca.crt"));
+    let e = RemoteClient::new(cfg).unwrap_err().to_string();
+    assert!(e.contains("remote_url") && e.contains("TLS"), "{e}");
+}

@@ -5,7 +5,7 @@
 //! error naming the URL, password redacted.
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
@@ -13,75 +13,8 @@ use std::time::{Duration, Instant};
 use kvoffload::tier::remote::{ReadItem, ReadOutcome, RemoteClient, RemoteConfig, WriteItem};
 use kvoffload::Key;
 
-fn run(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .output()
-        .expect("openssl is installed (make test installs it)");
-    assert!(out.status.success(), "openssl {args:?}: {out:?}");
-}
-
-/// Certificates in `dir`: `ca.crt`, `server.crt`/`server.key` (127.0.0.1), `other-ca.crt`.
-fn certificates(dir: &Path) {
-    for ca in ["ca", "other-ca"] {
-        run(
-            dir,
-            &[
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "2",
-                "-subj",
-                &format!("/CN=kvoffload test {ca}"),
-                "-keyout",
-                &format!("{ca}.key"),
-                "-out",
-                &format!("{ca}.crt"),
-            ],
-        );
-    }
-    run(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ],
-    );
-    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-    run(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "server.crt",
-        ],
-    );
-}
+mod cluster_support;
+use cluster_support::certificates;
 
 struct TlsServer {
     port: u16,

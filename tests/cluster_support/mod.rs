@@ -21,6 +21,79 @@ pub struct NodeProc {
 pub struct Cluster {
     pub nodes: Vec<NodeProc>,
     root: PathBuf,
+    /// The directory of the certificates ([`certificates`]) of a cluster over TLS.
+    pub tls: Option<PathBuf>,
+}
+
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .output()
+        .expect("openssl is installed (make test installs it)");
+    assert!(out.status.success(), "openssl {args:?}: {out:?}");
+}
+
+/// Certificates in `dir`: `ca.crt`, `server.crt`/`server.key` (127.0.0.1), `other-ca.crt`
+/// (a CA that signed nothing of the server's).
+pub fn certificates(dir: &std::path::Path) {
+    for ca in ["ca", "other-ca"] {
+        openssl(
+            dir,
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                &format!("/CN=kvoffload test {ca}"),
+                "-keyout",
+                &format!("{ca}.key"),
+                "-out",
+                &format!("{ca}.crt"),
+            ],
+        );
+    }
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+    );
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.crt",
+        ],
+    );
 }
 
 /// A free port whose cluster bus port (`+10000`) is free too.
@@ -36,7 +109,16 @@ fn free_port() -> u16 {
 
 /// `redis-cli -p port args…`, its output (panics when it fails).
 pub fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli")
+    cli_tls(None, port, args)
+}
+
+/// [`cli`], over TLS with the certificates in `tls` when given.
+pub fn cli_tls(tls: Option<&std::path::Path>, port: u16, args: &[&str]) -> String {
+    let mut cmd = Command::new("redis-cli");
+    if let Some(dir) = tls {
+        cmd.arg("--tls").arg("--cacert").arg(dir.join("ca.crt"));
+    }
+    let out = cmd
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)
         .stdin(Stdio::null())
@@ -60,18 +142,43 @@ pub struct NodeLine {
 impl Cluster {
     /// Starts six nodes, creates the cluster and waits until every node sees it complete.
     pub fn start() -> Self {
+        Self::start_with(false)
+    }
+
+    /// [`Cluster::start`], over TLS only (clients, cluster bus, replication) when `tls`, with
+    /// certificates made in its directory ([`certificates`]).
+    pub fn start_with(tls: bool) -> Self {
         let root = std::env::temp_dir().join(format!(
             "kvoffload-cluster-{}-{}",
             std::process::id(),
             free_port()
         ));
+        std::fs::create_dir_all(&root).unwrap();
+        let certs = tls.then(|| {
+            certificates(&root);
+            root.clone()
+        });
         let mut nodes = Vec::new();
         for _ in 0..6 {
             let port = free_port();
             let dir = root.join(port.to_string());
             std::fs::create_dir_all(&dir).unwrap();
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            let mut cmd = Command::new("redis-server");
+            match &certs {
+                None => cmd.args(["--port", &port.to_string()]),
+                Some(c) => cmd
+                    .args(["--port", "0", "--tls-port", &port.to_string()])
+                    .args(["--tls-cluster", "yes", "--tls-replication", "yes"])
+                    .arg("--tls-cert-file")
+                    .arg(c.join("server.crt"))
+                    .arg("--tls-key-file")
+                    .arg(c.join("server.key"))
+                    .arg("--tls-ca-cert-file")
+                    .arg(c.join("ca.crt"))
+                    .args(["--tls-auth-clients", "no"]),
+            };
+            let child = cmd
+                .args(["--bind", "127.0.0.1"])
                 .arg("--dir")
                 .arg(&dir)
                 .args([
@@ -96,11 +203,18 @@ impl Cluster {
                 child: Some(child),
             });
         }
-        let c = Self { nodes, root };
+        let c = Self {
+            nodes,
+            root,
+            tls: certs,
+        };
         for n in &c.nodes {
             Self::wait(|| {
-                Command::new("redis-cli")
-                    .args(["-p", &n.port.to_string(), "ping"])
+                let mut cmd = Command::new("redis-cli");
+                if let Some(dir) = &c.tls {
+                    cmd.arg("--tls").arg("--cacert").arg(dir.join("ca.crt"));
+                }
+                cmd.args(["-p", &n.port.to_string(), "ping"])
                     .output()
                     .is_ok_and(|o| o.stdout.starts_with(b"PONG"))
             });
@@ -113,7 +227,7 @@ impl Cluster {
         let mut args: Vec<&str> = vec!["--cluster", "create"];
         args.extend(addrs.iter().map(String::as_str));
         args.extend(["--cluster-replicas", "1", "--cluster-yes"]);
-        cli(c.nodes[0].port, &args);
+        c.cli(c.nodes[0].port, &args);
         c.wait_ok();
         c
     }
@@ -123,15 +237,16 @@ impl Cluster {
     pub fn wait_ok(&self) {
         Self::wait(|| {
             self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
-                let info = cli(n.port, &["cluster", "info"]);
-                let masters = cli(n.port, &["cluster", "nodes"])
+                let info = self.cli(n.port, &["cluster", "info"]);
+                let masters = self
+                    .cli(n.port, &["cluster", "nodes"])
                     .lines()
                     .filter(|l| {
                         let flags = l.split(' ').nth(2).unwrap_or("");
                         flags.contains("master") && !flags.contains("fail")
                     })
                     .count();
-                let repl = cli(n.port, &["info", "replication"]);
+                let repl = self.cli(n.port, &["info", "replication"]);
                 info.contains("cluster_state:ok")
                     && info.contains("cluster_slots_ok:16384")
                     && masters == 3
@@ -148,15 +263,25 @@ impl Cluster {
         }
     }
 
-    /// `redis+cluster://` with one seed (the first node).
+    /// [`cli_tls`] with this cluster's certificates.
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        cli_tls(self.tls.as_deref(), port, args)
+    }
+
+    /// `redis+cluster://` (`rediss+cluster://` over TLS) with one seed (the first node).
     pub fn url(&self) -> String {
-        format!("redis+cluster://127.0.0.1:{}", self.nodes[0].port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}+cluster://127.0.0.1:{}", self.nodes[0].port)
     }
 
     /// `CLUSTER NODES` as one live node sees it.
     pub fn topology(&self) -> Vec<NodeLine> {
         let live = self.nodes.iter().find(|n| n.child.is_some()).unwrap();
-        cli(live.port, &["cluster", "nodes"])
+        self.cli(live.port, &["cluster", "nodes"])
             .lines()
             .filter(|l| !l.is_empty())
             .map(|l| {

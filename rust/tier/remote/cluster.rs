@@ -165,6 +165,8 @@ struct Cluster {
     map: RwLock<Arc<SlotMap>>,
     nodes: Mutex<HashMap<String, Arc<Node>>>,
     askers: Mutex<HashMap<String, Arc<Node>>>,
+    /// Clients that only read slot maps (seeds, masters), by address.
+    probes: Mutex<HashMap<String, Arc<Node>>>,
     refreshed: Mutex<Option<Instant>>,
 }
 
@@ -212,6 +214,7 @@ impl Cluster {
             map: RwLock::new(Arc::new(SlotMap::default())),
             nodes: Mutex::new(HashMap::new()),
             askers: Mutex::new(HashMap::new()),
+            probes: Mutex::new(HashMap::new()),
             refreshed: Mutex::new(None),
         };
         for seed in &c.url.seeds {
@@ -245,19 +248,31 @@ impl Cluster {
 
     /// The slot map as `addr` (`host:port`) knows it.
     fn fetch(&self, addr: &str) -> std::result::Result<SlotMap, Fetch> {
-        let client = redis::Client::open(self.url.node_url(addr))
-            .map_err(|e| Fetch::Refused(format!("has a bad address: {e}")))?;
+        let node = {
+            let mut probes = self.probes.lock().expect("nodes lock");
+            if let Some(n) = probes.get(addr) {
+                n.clone()
+            } else {
+                let n = Node::new(node_cfg(&self.cfg, &self.url, addr), true, false)
+                    .map_err(|e| Fetch::Refused(e.to_string()))?;
+                let n = Arc::new(n);
+                probes.insert(addr.to_owned(), n.clone());
+                n
+            }
+        };
         let deadline = Instant::now() + self.cfg.deadline;
-        let node = Node::new(node_cfg(&self.cfg, &self.url, addr), true, false)
-            .map_err(|e| Fetch::Refused(e.to_string()))?;
-        let mut con = BulkConn::connect(client.get_connection_info(), node.tls.as_ref(), deadline)
-            .map_err(|e| {
-                if e.kind() == std::io::ErrorKind::InvalidData {
-                    Fetch::Refused(format!("refused the connection: {e}"))
-                } else {
-                    Fetch::Unreachable
-                }
-            })?;
+        let mut con = BulkConn::connect(
+            node.client.get_connection_info(),
+            node.tls.as_ref(),
+            deadline,
+        )
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::InvalidData {
+                Fetch::Refused(format!("refused the connection: {e}"))
+            } else {
+                Fetch::Unreachable
+            }
+        })?;
         con.send(&super::bulk::pack(&[b"CLUSTER", b"SLOTS"]))
             .map_err(|_| Fetch::Unreachable)?;
         let reply = con.value().map_err(|_| Fetch::Unreachable)?;
