@@ -130,7 +130,8 @@ impl RemoteClient {
         }
     }
 
-    /// Counters so far (on a cluster, the sum over its masters).
+    /// Counters so far (on a cluster, the sum over its masters, a chunk sent again after a
+    /// redirection counted once, by its last outcome).
     pub fn stats(&self) -> RemoteStats {
         match &self.mode {
             Mode::Single(n) => n.stats(),
@@ -139,6 +140,11 @@ impl RemoteClient {
                 for (_, s) in c.node_stats() {
                     total.add(&s);
                 }
+                let u = c.uncount.snapshot();
+                total.failed_writes = total.failed_writes.saturating_sub(u.failed_writes);
+                total.read_misses = total.read_misses.saturating_sub(u.read_misses);
+                total.failed_reads = total.failed_reads.saturating_sub(u.failed_reads);
+                total.lookups = total.lookups.saturating_sub(u.lookups);
                 total
             }
         }
@@ -167,6 +173,9 @@ struct Cluster {
     askers: Mutex<HashMap<String, Arc<Node>>>,
     /// Clients that only read slot maps (seeds, masters), by address.
     probes: Mutex<HashMap<String, Arc<Node>>>,
+    /// Chunk outcomes the masters counted that a later round replaced (a redirected chunk
+    /// counted as failed or missing, then sent again): subtracted from the sums.
+    uncount: super::RemoteCounters,
     refreshed: Mutex<Option<Instant>>,
 }
 
@@ -215,6 +224,7 @@ impl Cluster {
             nodes: Mutex::new(HashMap::new()),
             askers: Mutex::new(HashMap::new()),
             probes: Mutex::new(HashMap::new()),
+            uncount: super::RemoteCounters::default(),
             refreshed: Mutex::new(None),
         };
         for seed in &c.url.seeds {
@@ -456,6 +466,7 @@ impl Cluster {
             .map(|it| chunk_slot(names.key, it.key))
             .collect();
         let mut out = vec![false; items.len()];
+        let mut seen = vec![false; items.len()];
         self.rounds(
             &slots,
             |groups| {
@@ -467,6 +478,10 @@ impl Cluster {
             |idx, done: Vec<bool>| {
                 let mut failed = Vec::new();
                 for (&i, ok) in idx.iter().zip(done) {
+                    // Sent again: its failure before was a redirection, not a failed write.
+                    if std::mem::replace(&mut seen[i], true) {
+                        super::client::add(&self.uncount.failed_writes, 1);
+                    }
                     out[i] = ok;
                     if !ok {
                         failed.push(i);
@@ -488,6 +503,7 @@ impl Cluster {
             .collect();
         let slots: Vec<u16> = pairs.iter().map(|&(ns, k)| chunk_slot(ns, k)).collect();
         let mut found = vec![false; pairs.len()];
+        let mut seen = vec![false; pairs.len()];
         let mut any = false;
         self.rounds(
             &slots,
@@ -515,6 +531,9 @@ impl Cluster {
                     any = true;
                     let mut missed = Vec::new();
                     for (&i, f) in idx.iter().zip(r) {
+                        if std::mem::replace(&mut seen[i], true) {
+                            super::client::add(&self.uncount.lookups, 1);
+                        }
                         found[i] = f;
                         if !f {
                             missed.push(i);
@@ -541,6 +560,7 @@ impl Cluster {
             .map(|it| chunk_slot(names.key, it.key))
             .collect();
         let mut out = vec![ReadOutcome::Failed; items.len()];
+        let mut seen = vec![false; items.len()];
         let cells: Vec<Mutex<&mut ReadItem<'_>>> = items.iter_mut().map(Mutex::new).collect();
         self.rounds(
             &slots,
@@ -568,6 +588,13 @@ impl Cluster {
             |idx, r: Vec<ReadOutcome>| {
                 let mut again = Vec::new();
                 for (&i, o) in idx.iter().zip(r) {
+                    // Read again: its outcome before was a redirection's.
+                    if std::mem::replace(&mut seen[i], true) {
+                        match out[i] {
+                            ReadOutcome::Miss => super::client::add(&self.uncount.read_misses, 1),
+                            _ => super::client::add(&self.uncount.failed_reads, 1),
+                        }
+                    }
                     out[i] = o;
                     if matches!(o, ReadOutcome::Miss | ReadOutcome::Failed) {
                         again.push(i);
