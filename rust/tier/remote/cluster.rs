@@ -652,3 +652,61 @@ fn parallel<R: Send>(
             .collect()
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redirections_parse_and_name_their_slots() {
+        let mut r = Redirects::default();
+        r.parse("MOVED 3999 127.0.0.1:6381");
+        r.parse("ASK 12 10.0.0.2:7000");
+        r.parse("MOVED x 1:2");
+        r.parse("CLUSTERDOWN The cluster is down");
+        assert_eq!(
+            r.moved.get(&3999).map(String::as_str),
+            Some("127.0.0.1:6381")
+        );
+        assert_eq!(r.ask.get(&12).map(String::as_str), Some("10.0.0.2:7000"));
+        assert!(r.touches(3999) && r.touches(12) && !r.touches(13));
+        assert_eq!(r.moved.len() + r.ask.len(), 2);
+    }
+
+    #[test]
+    fn a_slot_map_from_cluster_slots() {
+        let node = |ip: &str, port: i64| {
+            Value::Array(vec![
+                Value::Text(ip.into()),
+                Value::Int(port),
+                Value::Text("id".into()),
+            ])
+        };
+        let reply = Value::Array(vec![
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(8191),
+                node("", 7000),
+                node("h", 7003),
+            ]),
+            Value::Array(vec![Value::Int(8192), Value::Int(16383), node("h2", 7001)]),
+        ]);
+        let map = SlotMap::from_reply(&reply, "seed").unwrap();
+        assert_eq!(map.addr(0), Some("seed:7000"));
+        assert_eq!(map.addr(8191), Some("seed:7000"));
+        assert_eq!(map.addr(8192), Some("h2:7001"));
+        let mut partial = SlotMap::from_reply(
+            &Value::Array(vec![Value::Array(vec![
+                Value::Int(5),
+                Value::Int(5),
+                node("a", 1),
+            ])]),
+            "s",
+        )
+        .unwrap();
+        assert_eq!((partial.addr(4), partial.addr(5)), (None, Some("a:1")));
+        partial.set(4, "b:2");
+        assert_eq!(partial.addr(4), Some("b:2"));
+        assert!(SlotMap::from_reply(&Value::Error("ERR no cluster".into()), "s").is_err());
+    }
+}
