@@ -35,11 +35,12 @@ $(STAMP_BUILD): $(STAMP_DEPS) $(RUST_SRC)
 
 build: $(STAMP_BUILD) ## build the Rust extension (release) into .venv
 
-# The shared-tier tests run a real redis-server from Debian's package; installed when missing.
-redis-server: ## install Debian's redis-server if it is not on PATH (needs root)
-	@command -v redis-server >/dev/null || { \
-		[ "$$(id -u)" = 0 ] || { echo "redis-server is missing and installing it needs root: run 'sudo apt-get install -y redis-server'" >&2; exit 1; }; \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server; }
+# The shared-tier tests run a real redis-server (and redis-cli, for clusters) from Debian's
+# package and make TLS certificates with openssl; installed when missing.
+redis-server: ## install Debian's redis-server and openssl if not on PATH (needs root)
+	@{ command -v redis-server && command -v redis-cli && command -v openssl; } >/dev/null || { \
+		[ "$$(id -u)" = 0 ] || { echo "redis-server or openssl is missing and installing them needs root: run 'sudo apt-get install -y redis-server openssl'" >&2; exit 1; }; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server openssl; }
 
 lint: build ## rustfmt, clippy (pedantic), ruff, ruff format, stubtest, mypy
 	cargo fmt --check

@@ -3,6 +3,7 @@
 Run::
 
     .venv/bin/python benches/bench_remote.py [--only throughput|pace|faults]  # tables + JSON
+    .venv/bin/python benches/bench_remote.py --cluster  # a Redis Cluster against one server
     .venv/bin/python benches/bench_remote.py --only throughput --io-threads 1 --io-threads 2 \
         --connections 2 --connections 4    # one throughput run per server/client setting
     .venv/bin/python -m pytest benches/bench_remote.py -q -s   # same, as a test with the goals
@@ -58,8 +59,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benches.remote_ceiling import Cost, RawWriter, measure
-from tests.remote_support import redis_server
+from benches.remote_ceiling import Cost, RawWriter, measure, thread_cpu
+from tests.remote_support import RedisCluster, redis_server
 
 from kvoffload._core import RemoteClient
 
@@ -327,6 +328,136 @@ def report(out: dict[str, float], options: tuple[str, ...] = ()) -> None:
     print(json.dumps(out))
 
 
+def _cpu(pids: list[int]) -> list[dict[int, float]]:
+    return [thread_cpu(p) for p in pids]
+
+
+def _spent(
+    before: list[dict[int, float]], after: list[dict[int, float]]
+) -> list[tuple[float, float]]:
+    """Per process: (CPU seconds of all threads, of its busiest thread) between two reads."""
+    out = []
+    for b, a in zip(before, after, strict=True):
+        per = [v - b.get(tid, 0.0) for tid, v in a.items()] or [0.0]
+        out.append((sum(per), max(per)))
+    return out
+
+
+def cluster_run(
+    chunks: int = CHUNKS, rounds: int = ROUNDS, nodes_at: tuple[int, ...] = (1, 3, 6, 12, 24)
+) -> dict[str, object]:
+    """Our client on a Redis Cluster (three masters, three replicas) against one server of the
+    same build and options, alone (the same binary, not in cluster mode), on the same work:
+    per target, best write and read GB/s, client CPU s/GB, server CPU s/GB per master (all
+    threads, main thread), the replicas' CPU s/GB, and the *parallelism* of the per-master
+    batches (the masters' main-thread CPU over the wall time: how many masters were busy at
+    once). From the costs, the write GB/s the servers allow at N masters (each master's main
+    thread takes 1/N of the bytes) and per client core."""
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, size=chunks * CHUNK, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    keys = list(range(1, chunks + 1))
+    gb = chunks * CHUNK / 1e9
+    out: dict[str, object] = {"chunk_bytes": CHUNK, "chunks": chunks, "rounds": rounds}
+    cluster = RedisCluster()
+    try:
+        with redis_server(maxmemory=5 * chunks * CHUNK + (256 << 20)) as single:
+            assert single.proc is not None
+            targets = {
+                "single": (single.url, [single.proc.pid], []),
+                "cluster": (
+                    cluster.url,
+                    [cluster.procs[cluster.ports.index(p)].pid for p in cluster.masters],
+                    [
+                        pr.pid
+                        for port, pr in zip(cluster.ports, cluster.procs, strict=True)
+                        if port not in cluster.masters
+                    ],
+                ),
+            }
+            for name, (url, masters, replicas) in targets.items():
+                client = RemoteClient(url, deadline_ms=10_000)
+                w_best, r_best = 1e9, 1e9
+                client_cpu = 0.0
+                m_all = [0.0] * len(masters)
+                m_top = [0.0] * len(masters)
+                rep = 0.0
+                busy = 0.0
+                for _ in range(rounds):
+                    b = _cpu(masters + replicas)
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    assert client.write(NAMESPACE, keys, src) == [True] * chunks
+                    wall = time.perf_counter() - t0
+                    client_cpu += time.process_time() - c0
+                    spent = _spent(b, _cpu(masters + replicas))
+                    for i in range(len(masters)):
+                        m_all[i] += spent[i][0]
+                        m_top[i] += spent[i][1]
+                    rep += sum(x for x, _ in spent[len(masters) :])
+                    busy += sum(t for _, t in spent[: len(masters)]) / wall
+                    w_best = min(w_best, wall)
+                    dst[:] = 0
+                    r_best = min(r_best, ours_read(client, dst, keys))
+                    assert np.array_equal(src, dst), f"{name}: read other bytes"
+                tot = gb * rounds
+                top = sum(m_top) / tot  # main-thread CPU s per GB of the tier, all masters
+                row: dict[str, object] = {
+                    "write_gbps": gb / w_best,
+                    "read_gbps": gb / r_best,
+                    "client_cpu_s_per_gb": client_cpu / tot,
+                    "server_cpu_s_per_gb_per_master": [x / tot for x in m_all],
+                    "server_main_cpu_s_per_gb_per_master": [x / tot for x in m_top],
+                    "replicas_cpu_s_per_gb": rep / tot,
+                    "parallelism": busy / rounds,
+                    "bytes_share_per_master": [
+                        s["bytes_written"] / max(1, client.stats()["bytes_written"])
+                        for s in client.node_stats().values()
+                    ],
+                    "projected_server_gbps_at_n_masters": {n: n / top for n in nodes_at},
+                    "projected_gbps_per_client_core": 1 / (client_cpu / tot),
+                }
+                out[name] = row
+    finally:
+        cluster.close()
+    return out
+
+
+def cluster_report(out: dict[str, object]) -> None:
+    """Prints the cluster table and the JSON line."""
+    print(
+        f"\nshared tier on a cluster (3 masters + 3 replicas) vs one server, loopback, "
+        f"{out['chunks']} x {int(out['chunk_bytes']) >> 20} MiB chunks, best of {out['rounds']}"  # type: ignore[call-overload]
+    )
+    print(
+        f"{'target':8} {'write GB/s':>10} {'read GB/s':>9} {'client s/GB':>11} "
+        f"{'master s/GB (main)':>30} {'replicas s/GB':>13} {'parallel':>8}"
+    )
+    for name in ("single", "cluster"):
+        r = out[name]
+        assert isinstance(r, dict)
+        per = " ".join(
+            f"{a:.2f}({m:.2f})"
+            for a, m in zip(
+                r["server_cpu_s_per_gb_per_master"],
+                r["server_main_cpu_s_per_gb_per_master"],
+                strict=True,
+            )
+        )
+        print(
+            f"{name:8} {r['write_gbps']:10.2f} {r['read_gbps']:9.2f} "
+            f"{r['client_cpu_s_per_gb']:11.3f} {per:>30} {r['replicas_cpu_s_per_gb']:13.3f} "
+            f"{r['parallelism']:8.2f}"
+        )
+    c = out["cluster"]
+    assert isinstance(c, dict)
+    proj = ", ".join(f"{n}: {g:.1f}" for n, g in c["projected_server_gbps_at_n_masters"].items())
+    print(
+        f"projected write GB/s the masters allow (cluster costs, one core per master): {proj}; "
+        f"the client: {c['projected_gbps_per_client_core']:.1f} GB/s per core"
+    )
+    print(json.dumps(out))
+
+
 def test_bench_remote() -> None:
     out = run()
     report(out)
@@ -354,6 +485,11 @@ def main(argv: list[str] | None = None) -> None:
         help="run only this measurement (repeatable; default: all)",
     )
     ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="our client on a Redis Cluster (3 masters + 3 replicas) against one server",
+    )
+    ap.add_argument(
         "--io-threads",
         type=int,
         action="append",
@@ -366,6 +502,9 @@ def main(argv: list[str] | None = None) -> None:
         help="throughput: connections of our client and the raw writer; repeatable: one run each",
     )
     args = ap.parse_args(argv)
+    if args.cluster:
+        cluster_report(cluster_run())
+        return
     only = set(args.only or ("throughput", "pace", "faults"))
     if "throughput" in only:
         for n in args.io_threads or [1]:

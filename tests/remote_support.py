@@ -7,6 +7,8 @@
   settable delay, so a client's deadline passes (the "slow server" fault);
   :class:`ProxyProcess` runs one in a process of its own, for measurements of the process
   that uses it (its threads then take neither the GIL nor that process's CPU time).
+- :class:`RedisCluster` runs a Redis Cluster of three masters and three replicas on
+  127.0.0.1 (free ports, temporary directories), created with ``redis-cli --cluster create``.
 - :class:`NetnsHosts` creates simulated hosts: one network namespace each, joined to this
   namespace by a veth pair with addresses it chose itself, and removes them all afterwards.
 
@@ -404,6 +406,131 @@ class NetnsHosts:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
         self._links.clear()
         self.names.clear()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (``+10000``) is free too."""
+    while True:
+        port = free_port()
+        if port < 55_000:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10_000))
+                except OSError:
+                    continue
+            return port
+
+
+class RedisCluster:
+    """Three masters and three replicas of ``redis-server`` on 127.0.0.1, in a temporary
+    directory; a master that is down costs only its slots (``cluster-require-full-coverage
+    no``). Started at construction (a few seconds); :meth:`close` stops and removes it."""
+
+    def __init__(self, nodes: int = 6) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvoffload-cluster-"))
+        self.ports = [_cluster_port() for _ in range(nodes)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for port in self.ports:
+                d = self.dir / str(port)
+                d.mkdir()
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            REDIS_SERVER,
+                            *("--port", str(port), "--bind", "127.0.0.1", "--dir", str(d)),
+                            *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+                            *("--cluster-node-timeout", "2000"),
+                            *("--cluster-require-full-coverage", "no"),
+                            *("--repl-diskless-sync-delay", "0"),
+                            *("--save", "", "--appendonly", "no", "--protected-mode", "no"),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+            for port in self.ports:
+                self._wait(lambda p=port: self.cli(p, "ping").startswith("PONG"))
+            addrs = [f"127.0.0.1:{p}" for p in self.ports]
+            self.cli(self.ports[0], "--cluster", "create", *addrs, "--cluster-replicas", "1")
+            self._wait(self._ready)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def cli(port: int, *args: str) -> str:
+        """``redis-cli -p port args...`` (``--cluster-yes`` for cluster commands)."""
+        extra = ["--cluster-yes"] if args and args[0] == "--cluster" else []
+        out = subprocess.run(
+            ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args, *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return out.stdout
+
+    @staticmethod
+    def _wait(ok: object, timeout: float = 30.0) -> None:
+        end = time.monotonic() + timeout
+        while not ok():  # type: ignore[operator]
+            if time.monotonic() > end:
+                raise RuntimeError("the Redis cluster did not become ready")
+            time.sleep(0.05)
+
+    def _ready(self) -> bool:
+        for port in self.ports:
+            info = self.cli(port, "cluster", "info")
+            if "cluster_state:ok" not in info or "cluster_slots_ok:16384" not in info:
+                return False
+            if len(self.masters_of(port)) != 3:
+                return False
+            repl = self.cli(port, "info", "replication")
+            if "role:master" not in repl and "master_link_status:up" not in repl:
+                return False
+        return True
+
+    def masters_of(self, port: int) -> list[int]:
+        """Ports of the live masters as the node on ``port`` sees them."""
+        out = []
+        for line in self.cli(port, "cluster", "nodes").splitlines():
+            f = line.split()
+            if len(f) > 2 and "master" in f[2] and "fail" not in f[2]:
+                out.append(int(f[1].split("@")[0].rsplit(":", 1)[1]))
+        return sorted(out)
+
+    @property
+    def masters(self) -> list[int]:
+        """Ports of the live masters."""
+        return self.masters_of(self.ports[0])
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` with one seed node."""
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def dbsize(self, port: int) -> int:
+        """Keys on the node on ``port``."""
+        return int(self.cli(port, "dbsize"))
+
+    def close(self) -> None:
+        """Stops every node and removes the directory (idempotent)."""
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.procs.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """One Redis Cluster for a test module (tests must not change its topology)."""
+    cluster = RedisCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
 
 
 @contextlib.contextmanager

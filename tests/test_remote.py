@@ -121,6 +121,7 @@ def test_stats_name_every_counter_in_their_documented_order() -> None:
         "recoveries",
         "bytes_written",
         "bytes_read",
+        "redirects",
     ]
     # A list of pairs: a dict comparison would ignore the order.
     assert list(client.stats().items()) == [(name, 0) for name in names]

@@ -224,10 +224,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--remote",
         dest="remote_url",
         metavar="URL",
-        help="a shared tier (Redis, redis://host:port) below the CPU pool: engines A and B run "
-        "the workload at the same time against the same server, B starting once A finished a "
-        "quarter of it; the table is engine B's (it promotes what A wrote behind). With --disk: "
+        help="a shared tier below the CPU pool: Redis (redis://[user:password@]host:port) or a "
+        "Redis Cluster (redis+cluster://[user:password@]host:port[,host:port...]): --engines "
+        "engines run the workload at the same time against it, each starting once the one "
+        "before finished a quarter of it; the table is the last engine's (it promotes what the "
+        "others wrote behind), followed by the share of keys and bytes per server. With --disk: "
         "one engine with both tiers",
+    )
+    s.add_argument(
+        "--remote-tls-ca",
+        dest="remote_tls_ca",
+        metavar="FILE",
+        help="with a rediss:// (TLS) --remote: the PEM file of the CA that signs the servers'",
+    )
+    s.add_argument(
+        "--engines",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with --remote: how many engines share the tier (default: 2)",
     )
     s.add_argument(
         "--io-cpus",
@@ -357,6 +372,48 @@ def _disk(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_name(i: int) -> str:
+    """A, B, ..., Z, then E27, E28, ..."""
+    return chr(ord("A") + i) if i < 26 else f"E{i + 1}"
+
+
+def _redacted(url: str) -> str:
+    """``url`` with its password replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    cred, at, hosts = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user = cred.split(":", 1)[0] if ":" in cred else ""
+    return f"{scheme}://{user}:***@{hosts}"
+
+
+def _node_table(runs: list[Any]) -> str:
+    """The shared tier's servers: keys and bytes written (and their shares) and chunks read,
+    summed over every engine."""
+    total: dict[str, dict[str, int]] = {}
+    for r in runs:
+        for node, st in r.remote_nodes.items():
+            into = total.setdefault(node, {})
+            for k, v in st.items():
+                into[k] = into.get(k, 0) + v
+    if not total:
+        return ""
+    keys = sum(st["writes"] for st in total.values()) or 1
+    nbytes = sum(st["bytes_written"] for st in total.values()) or 1
+    lines = [
+        f"{'server':<24} {'chunks written':>15} {'share':>7} {'bytes written':>15} "
+        f"{'share':>7} {'chunks read':>12} {'failed ops':>11}"
+    ]
+    for node in sorted(total):
+        st = total[node]
+        lines.append(
+            f"{node:<24} {st['writes']:>15,} {st['writes'] / keys:>7.1%} "
+            f"{st['bytes_written']:>15,} {st['bytes_written'] / nbytes:>7.1%} "
+            f"{st['read_hits']:>12,} {st['errors'] + st['deadline_misses']:>11,}"
+        )
+    return "\n".join(lines)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from kvoffload.errors import ConfigError, TierInUseError
     from kvoffload.sim import SimConfig, SimError, simulate, simulate_fleet
@@ -369,6 +426,7 @@ def _simulate(args: argparse.Namespace) -> int:
         except (ImportError, ValueError) as e:
             print(f"kvoffload simulate: error: --plot: {e}", file=sys.stderr)
             return 2
+    remote_nodes = ""
     try:
         given = vars(args)
         cfg = SimConfig(**{f.name: given[f.name] for f in fields(SimConfig) if f.name in given})
@@ -382,15 +440,24 @@ def _simulate(args: argparse.Namespace) -> int:
                 "written to "
                 f"{cfg.disk_path}, {first.prefill_tokens:,} prefill tokens"
             )
+        if args.engines != 2 and cfg.remote_url is None:
+            raise ConfigError(f"--engines {args.engines} needs --remote URL")
         if cfg.remote_url is not None and cfg.disk_path is None:
-            first, run = simulate_fleet(
-                cfg, progress=lambda i: _Progress(f"engine {'AB'[i]}", not args.quiet)
+            runs = simulate_fleet(
+                cfg,
+                engines=args.engines,
+                progress=lambda i: _Progress(f"engine {_engine_name(i)}", not args.quiet),
             )
-            print(
-                f"engine A: {first.tier_written_chunks.get('remote', 0):,} chunks written to "
-                f"{cfg.remote_url}, {first.prefill_tokens:,} prefill tokens; engine B "
-                "(concurrently):"
-            )
+            run = runs[-1]
+            for i, first in enumerate(runs[:-1]):
+                print(
+                    f"engine {_engine_name(i)}: "
+                    f"{first.tier_written_chunks.get('remote', 0):,} chunks written to "
+                    f"{_redacted(cfg.remote_url)}, {first.prefill_tokens:,} prefill tokens, "
+                    f"{first.tier_promoted_chunks.get('remote', 0):,} chunks promoted from it"
+                )
+            print(f"engine {_engine_name(len(runs) - 1)} (concurrently):")
+            remote_nodes = _node_table(runs)
         else:
             run = simulate(cfg, progress=_Progress("offload", not args.quiet))
         base = None
@@ -403,6 +470,8 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     figs = figures(run, base)
     print(format_table(figs))
+    if remote_nodes:
+        print(remote_nodes)
     for m in run.mismatch_details[:5]:
         print(
             f"  mismatch: {m.kind} of {m.request} group {m.group} chunk {m.chunk} "

@@ -97,14 +97,18 @@ class OffloadConfig:
             engine's write-behind never moves more than that (its I/O threads' CPU and the
             disk's bandwidth); chunks past the rate are skipped (``skipped_writes``), reused
             ones offered again when loaded.
-        remote_url: ``redis://host:port[/db]`` of a shared tier (Redis) below the CPU pool
-            (None: none). Engines configured with the same URL, model and layout share chunks:
+        remote_url: ``redis://[user:password@]host:port[/db]`` of a shared tier (Redis) below
+            the CPU pool, or ``redis+cluster://[user:password@]host:port[,host:port...]``
+            (seed nodes of a Redis Cluster; None: none). Engines configured with the same URL,
+            model and layout share chunks:
             chunks ready in the CPU pool are written behind, lookups that miss the CPU pool ask
             the server (asynchronously: "ask later") and promote what it holds. With
             ``disk_path`` too, chunks are written behind to both and lookups promote from the
             disk first, from the shared tier what the disk lacks.
         remote_model: Names the weights and dtype in the shared tier's namespace.
         cache_salt: Tenant salt in the shared tier's namespace: different salts share nothing.
+        remote_tls_ca: For a ``rediss://`` (TLS) ``remote_url``: the PEM file of the CA
+            certificates that sign the servers' (None: no TLS).
         remote_deadline_ms: Longest wait for one operation of the shared tier; later is a miss
             (the request recomputes), and repeated failures put the tier on probation.
         disk_min_hits: Admission filter of the disk tier: write a chunk behind once it was
@@ -150,6 +154,7 @@ class OffloadConfig:
     remote_model: str = ""
     cache_salt: str = ""
     remote_deadline_ms: float = 1000.0
+    remote_tls_ca: str | None = None
     disk_min_hits: int = 0
     remote_min_hits: int = 0
     tier_write_share: float = 0.125
@@ -249,6 +254,7 @@ class OffloadConfig:
                 cache_salt=self.cache_salt,
                 deadline_ms=float(self.remote_deadline_ms),
                 io_cpus=self.io_cpus,
+                tls_ca=self.remote_tls_ca,
             )
             core.set_tier_admission("remote", self.remote_min_hits)
         return core

@@ -6,6 +6,7 @@
 //! Chunks are given as one 1-D, C-contiguous `uint8` buffer holding `len(keys)` chunks of
 //! equal size back to back (e.g. a numpy array or a CPU tensor's numpy view).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::buffer::PyBuffer;
@@ -121,10 +122,24 @@ fn stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
-/// A client of `url` with the default settings and `deadline_ms`.
-pub fn client(url: &str, deadline_ms: f64) -> PyResult<Client> {
+/// Counters per server (the one server, or every cluster master the client talked to).
+fn node_stats_dict<'py>(py: Python<'py>, client: &Client) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    for (node, s) in client.node_stats() {
+        let d = PyDict::new(py);
+        for (k, v) in s.named() {
+            d.set_item(k, v)?;
+        }
+        out.set_item(node, d)?;
+    }
+    Ok(out)
+}
+
+/// A client of `url` with the default settings, `deadline_ms` and `tls_ca` (`rediss://`).
+pub fn client(url: &str, deadline_ms: f64, tls_ca: Option<PathBuf>) -> PyResult<Client> {
     let mut cfg = RemoteConfig::new(url);
     cfg.deadline = duration("remote_deadline_ms", deadline_ms)?;
+    cfg.tls_ca = tls_ca;
     Client::new(cfg).map_err(to_py)
 }
 
@@ -144,7 +159,7 @@ impl RemoteWorker {
     #[new]
     #[pyo3(signature = (url, buffers, groups, blocks_per_chunk = 1, model = "", cache_salt = "",
                         rank = 0, world_size = 1, threads = 2, deadline_ms = 1000.0,
-                        io_cpus = None, dtypes = None))]
+                        io_cpus = None, dtypes = None, tls_ca = None))]
     #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
     fn new(
         url: &str,
@@ -159,9 +174,10 @@ impl RemoteWorker {
         deadline_ms: f64,
         io_cpus: Option<Bound<'_, PyAny>>,
         dtypes: Option<Vec<String>>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cpus = io_cpus_arg(io_cpus.as_ref())?;
-        let client = Arc::new(client(url, deadline_ms)?);
+        let client = Arc::new(client(url, deadline_ms, tls_ca)?);
         let base = TierWorker::open(
             "RemoteWorker",
             MEDIUM,
@@ -192,9 +208,15 @@ impl RemoteWorker {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, &self.client)
     }
+
+    /// The counters per server: `{"host:port": counters}` (every cluster master).
+    fn node_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        node_stats_dict(py, &self.client)
+    }
 }
 
-/// A client of one Redis server: pipelined batches, connection pool, deadlines, probation.
+/// A client of the shared tier (one Redis server or a cluster): pipelined batches, connection
+/// pools, deadlines, probation.
 #[pyclass(frozen, module = "kvoffload._core")]
 pub struct RemoteClient {
     inner: Client,
@@ -202,10 +224,12 @@ pub struct RemoteClient {
 
 #[pymethods]
 impl RemoteClient {
-    /// A client of `url` (`redis://host:port[/db]`). Connects lazily.
+    /// A client of `url` (`redis://[user:password@]host:port[/db]`, connects lazily; or
+    /// `redis+cluster://[user:password@]host:port[,host:port...]`, reads the slot map now).
     #[new]
     #[pyo3(signature = (url, *, deadline_ms = 1000.0, connections = None, part_bytes = 64 << 20,
-                        probation_after = 3, probation_ms = 2000.0))]
+                        probation_after = 3, probation_ms = 2000.0, tls_ca = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         url: &str,
         deadline_ms: f64,
@@ -213,6 +237,7 @@ impl RemoteClient {
         part_bytes: usize,
         probation_after: u32,
         probation_ms: f64,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let cfg = RemoteConfig {
             url: url.to_owned(),
@@ -221,6 +246,7 @@ impl RemoteClient {
             part_bytes,
             probation_after,
             probation: duration("remote_probation_ms", probation_ms)?,
+            tls_ca,
         };
         Ok(Self {
             inner: Client::new(cfg).map_err(to_py)?,
@@ -332,6 +358,11 @@ impl RemoteClient {
     /// Counters so far, by name.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, &self.inner)
+    }
+
+    /// The counters per server: `{"host:port": counters}` (every cluster master).
+    fn node_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        node_stats_dict(py, &self.inner)
     }
 
     fn __repr__(&self) -> String {

@@ -4,7 +4,7 @@
 
 /// Declares `$name` (one `AtomicU64` per counter, thread-safe, `Default`), `$snap` (the same
 /// counters as `u64`), `$name::snapshot`, which reads every counter (relaxed), and
-/// `$snap::named`, every counter with its name (for stats dicts).
+/// `$snap::named`, every counter with its name (for stats dicts), and `$snap::add`.
 macro_rules! atomic_counters {
     (
         $(#[$meta:meta])*
@@ -37,6 +37,11 @@ macro_rules! atomic_counters {
             /// Every counter with its field name, in declaration order.
             pub fn named(&self) -> Vec<(&'static str, u64)> {
                 vec![$( (stringify!($field), self.$field), )*]
+            }
+
+            /// Adds every counter of `other` (sums over several clients).
+            pub fn add(&mut self, other: &$snap) {
+                $( self.$field += other.$field; )*
             }
         }
     };

@@ -85,6 +85,7 @@ class SimConfig:
         remote_url: A shared tier (Redis) below the CPU pool at this URL (None: none); with
             ``disk_path`` too, both tiers (lookups promote from the disk first). A run
             against a server an earlier run (another engine) filled finds its chunks there.
+        remote_tls_ca: For a ``rediss://`` URL: the CA file (the scheduler's).
         io_cpus: CPU ids the lower tiers' I/O threads are pinned to (None: not pinned; the
             scheduler's ``io_cpus``).
         tier_delay_ms_per_chunk: Simulated speed of every lower tier: each tier runs its jobs
@@ -129,6 +130,7 @@ class SimConfig:
     disk_probation_ms: float = 5000.0
     remote_url: str | None = None
     remote_deadline_ms: float = 1000.0
+    remote_tls_ca: str | None = None
     io_cpus: tuple[int, ...] | None = None
     tier_delay_ms_per_chunk: float = 0.0
     tier_stall: bool = False
@@ -169,6 +171,7 @@ class SimConfig:
             remote_url=self.remote_url,
             remote_model="kvoffload-sim",
             remote_deadline_ms=self.remote_deadline_ms,
+            remote_tls_ca=self.remote_tls_ca,
             io_cpus=self.io_cpus,
             tier_write_share=self.tier_write_share,
         )

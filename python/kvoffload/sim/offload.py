@@ -114,6 +114,7 @@ class Offload:
                 model=MODEL,
                 deadline_ms=cfg.remote_deadline_ms,
                 io_cpus=cfg.io_cpus,
+                tls_ca=cfg.remote_tls_ca,
             )
 
     def _inject_fault(self, job_id: int) -> None:
@@ -387,5 +388,8 @@ class Offload:
         """Shuts the data plane down (idempotent)."""
         if not self.closed:
             self.xfer.shutdown(wait=False)
+            remote = self.tiers.get("remote")
+            if isinstance(remote, RemoteWorker):
+                self.result.remote_nodes = remote.node_stats()
             self.tiers.clear()  # their threads end once the workers are dropped
         self.closed = True

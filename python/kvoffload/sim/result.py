@@ -81,6 +81,8 @@ class SimResult:
     """Per medium: tier jobs that failed (the request recomputed)."""
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per medium: the scheduler's tier counters, summed over the groups."""
+    remote_nodes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The shared tier's client counters per server (``host:port``; every cluster master)."""
     flushes_necessary: int = 0
     flushes_conservative: int = 0
     flushes_vllm_rule: int = 0

@@ -28,6 +28,7 @@ def open_remote_worker(
     threads: int = 2,
     deadline_ms: float = 1000.0,
     io_cpus: Sequence[int] | None = None,
+    tls_ca: str | None = None,
 ) -> RemoteWorker:
     """Opens the shared tier at ``url`` for ``engine``'s CPU pool.
 
@@ -40,6 +41,7 @@ def open_remote_worker(
         url: The scheduler's ``remote_url``.
         cache_salt: The scheduler's ``cache_salt``.
         deadline_ms: Longest wait for one operation (the scheduler's ``remote_deadline_ms``).
+        tls_ca: For ``rediss://``: the CA file (the scheduler's ``remote_tls_ca``).
 
     Raises:
         ConfigError: ``block_sizes`` does not match the engine's groups, or a value is refused
@@ -57,4 +59,5 @@ def open_remote_worker(
         threads=threads,
         deadline_ms=deadline_ms,
         io_cpus=io_cpus,
+        tls_ca=tls_ca,
     )

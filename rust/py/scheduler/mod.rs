@@ -578,7 +578,7 @@ impl Scheduler {
     /// `deadline_ms`) and promote what it holds. `model` and `cache_salt` are part of the
     /// namespace: other models or tenants never share chunks. The lookup threads run on
     /// `io_cpus` when given (as the tier workers' I/O threads). Call it before the first request.
-    #[pyo3(signature = (url, model = "", cache_salt = "", deadline_ms = 1000.0, ttl_s = 60.0, retry_s = 1.0, io_cpus = None))]
+    #[pyo3(signature = (url, model = "", cache_salt = "", deadline_ms = 1000.0, ttl_s = 60.0, retry_s = 1.0, io_cpus = None, tls_ca = None))]
     #[allow(clippy::too_many_arguments)]
     fn attach_remote(
         &self,
@@ -589,10 +589,11 @@ impl Scheduler {
         ttl_s: f64,
         retry_s: f64,
         io_cpus: Option<&Bound<'_, PyAny>>,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<()> {
         guarded(|| {
             let cpus = super::tier_worker::io_cpus_arg(io_cpus)?;
-            let client = super::remote::client(url, deadline_ms)?;
+            let client = super::remote::client(url, deadline_ms, tls_ca)?;
             let secs = |field: &str, v: f64| {
                 if v.is_finite() && v > 0.0 && v <= 1e6 {
                     Ok(std::time::Duration::from_secs_f64(v))

@@ -31,9 +31,53 @@ const MAX_LINE: usize = 4096;
 /// Size of the small-read buffer.
 const BUF: usize = 64 << 10;
 
+/// TLS of a connection (`rediss://`): the client configuration (trusted CAs) and the name
+/// the server's certificate must carry.
+#[derive(Clone, Debug)]
+pub(crate) struct Tls {
+    /// Client configuration.
+    pub config: std::sync::Arc<rustls::ClientConfig>,
+    /// The server's name (a host name or an IP address).
+    pub name: rustls_pki_types::ServerName<'static>,
+}
+
+impl Tls {
+    /// TLS to `host` (a name or an IP address), trusting the CA certificates of the PEM file
+    /// `ca`; an error says why not.
+    pub(crate) fn new(ca: &std::path::Path, host: &str) -> Result<Self, String> {
+        use rustls_pki_types::pem::PemObject;
+        let mut roots = rustls::RootCertStore::empty();
+        let certs = rustls_pki_types::CertificateDer::pem_file_iter(ca)
+            .map_err(|e| format!("{}: {e}", ca.display()))?;
+        for c in certs {
+            let c = c.map_err(|e| format!("{}: {e}", ca.display()))?;
+            roots.add(c).map_err(|e| format!("{}: {e}", ca.display()))?;
+        }
+        if roots.is_empty() {
+            return Err(format!("{}: no CA certificate in it", ca.display()));
+        }
+        // ring, not aws-lc-rs (whose post-quantum key exchange needs a cmake build).
+        #[allow(deprecated)]
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let name = rustls_pki_types::ServerName::try_from(host.to_owned())
+            .map_err(|e| format!("{host:?}: {e}"))?;
+        Ok(Self {
+            config: std::sync::Arc::new(config),
+            name,
+        })
+    }
+}
+
 #[derive(Debug)]
 enum Stream {
     Tcp(TcpStream),
+    /// TLS over TCP: the socket's timeouts bound every read and write of the records too.
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
     #[cfg(unix)]
     Unix(UnixStream),
 }
@@ -44,6 +88,10 @@ impl Stream {
             Stream::Tcp(s) => {
                 s.set_read_timeout(t)?;
                 s.set_write_timeout(t)
+            }
+            Stream::Tls(s) => {
+                s.sock.set_read_timeout(t)?;
+                s.sock.set_write_timeout(t)
             }
             #[cfg(unix)]
             Stream::Unix(s) => {
@@ -58,6 +106,7 @@ impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
             #[cfg(unix)]
             Stream::Unix(s) => s.read(buf),
         }
@@ -68,6 +117,7 @@ impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
             #[cfg(unix)]
             Stream::Unix(s) => s.write(buf),
         }
@@ -76,6 +126,7 @@ impl Write for Stream {
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
+            Stream::Tls(s) => s.write_vectored(bufs),
             #[cfg(unix)]
             Stream::Unix(s) => s.write_vectored(bufs),
         }
@@ -94,6 +145,16 @@ fn late() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, "deadline passed")
 }
 
+/// Sets `sock`'s timeouts to the time left before `deadline` (an error once it passed).
+fn con_arm(sock: &TcpStream, deadline: Instant) -> io::Result<()> {
+    let left = deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| *d >= Duration::from_micros(1))
+        .ok_or_else(late)?;
+    sock.set_read_timeout(Some(left))?;
+    sock.set_write_timeout(Some(left))
+}
+
 /// One connection of the read path.
 #[derive(Debug)]
 pub(crate) struct BulkConn {
@@ -103,12 +164,20 @@ pub(crate) struct BulkConn {
     end: usize,
     /// When the operation running on it must end.
     deadline: Instant,
+    /// Cluster redirections (`MOVED …`, `ASK …`, without the `-`) answered to commands since
+    /// they were last taken: each such command counts as refused (a write) or absent (a read).
+    pub(crate) redirects: Vec<String>,
 }
 
 impl BulkConn {
-    /// Connects to the server of `info` and runs its handshake, both by `deadline` (which the
-    /// connection keeps until [`BulkConn::set_deadline`]).
-    pub(crate) fn connect(info: &ConnectionInfo, deadline: Instant) -> io::Result<Self> {
+    /// Connects to the server of `info` (over `tls` when given) and runs its handshake, both
+    /// by `deadline` (which the connection keeps until [`BulkConn::set_deadline`]). A refusal
+    /// (TLS, authentication) is an [`io::ErrorKind::InvalidData`] error.
+    pub(crate) fn connect(
+        info: &ConnectionInfo,
+        tls: Option<&Tls>,
+        deadline: Instant,
+    ) -> io::Result<Self> {
         let left = || {
             deadline
                 .checked_duration_since(Instant::now())
@@ -130,7 +199,14 @@ impl BulkConn {
                 }
                 let s = found.ok_or(last)?;
                 s.set_nodelay(true)?;
-                Stream::Tcp(s)
+                match tls {
+                    None => Stream::Tcp(s),
+                    Some(t) => {
+                        let conn = rustls::ClientConnection::new(t.config.clone(), t.name.clone())
+                            .map_err(|e| protocol(format!("TLS: {e}")))?;
+                        Stream::Tls(Box::new(rustls::StreamOwned::new(conn, s)))
+                    }
+                }
             }
             #[cfg(unix)]
             ConnectionAddr::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
@@ -147,6 +223,7 @@ impl BulkConn {
             pos: 0,
             end: 0,
             deadline,
+            redirects: Vec::new(),
         };
         let settings = info.redis_settings();
         let mut hello: Vec<Vec<u8>> = Vec::new();
@@ -161,6 +238,22 @@ impl BulkConn {
         if settings.db() != 0 {
             let db = settings.db().to_string();
             hello.push(pack(&[b"SELECT", db.as_bytes()]));
+        }
+        if let Stream::Tls(s) = &mut con.stream {
+            // The TLS handshake, by the deadline; a refused certificate is InvalidData.
+            while s.conn.is_handshaking() {
+                con_arm(&s.sock, deadline)?;
+                s.conn.complete_io(&mut s.sock).map_err(|e| {
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) {
+                        e
+                    } else {
+                        protocol(format!("TLS handshake refused: {e}"))
+                    }
+                })?;
+            }
         }
         for cmd in &hello {
             con.send(cmd)?;
@@ -230,13 +323,26 @@ impl BulkConn {
         Ok(())
     }
 
+    /// Whether `line` is a cluster redirection; if so it is kept in [`Self::redirects`].
+    fn redirected(&mut self, line: &[u8]) -> bool {
+        let is = line.starts_with(b"-MOVED ") || line.starts_with(b"-ASK ");
+        if is {
+            self.redirects
+                .push(String::from_utf8_lossy(&line[1..]).into_owned());
+        }
+        is
+    }
+
     /// The next reply as a status: `Ok(true)` for `+OK`, `Ok(false)` for a server error (the
     /// connection stays usable); any other reply is a protocol error.
     pub(crate) fn status(&mut self) -> io::Result<bool> {
         let line = self.line()?;
         match line.first() {
             _ if line == b"+OK" => Ok(true),
-            Some(b'-') => Ok(false),
+            Some(b'-') => {
+                self.redirected(&line);
+                Ok(false)
+            }
             _ => Err(protocol(format!(
                 "unexpected reply: {}",
                 String::from_utf8_lossy(&line[..line.len().min(200)])
@@ -288,6 +394,7 @@ impl BulkConn {
                 .map(Some)
                 .ok_or_else(|| protocol("bad bulk length".into())),
             Some(b'_') => Ok(None),
+            Some(b'-') if self.redirected(&line) => Ok(None),
             _ => Err(protocol(format!(
                 "unexpected reply: {}",
                 String::from_utf8_lossy(&line[..line.len().min(200)])
@@ -320,12 +427,61 @@ impl BulkConn {
                 .and_then(|s| s.parse().ok())
                 .map(Some)
                 .ok_or_else(|| protocol("bad integer reply".into())),
-            Some(b'-') => Ok(None),
+            Some(b'-') => {
+                self.redirected(&line);
+                Ok(None)
+            }
             _ => Err(protocol(format!(
                 "unexpected reply: {}",
                 String::from_utf8_lossy(&line[..line.len().min(200)])
             ))),
         }
+    }
+
+    /// The next reply as a whole value (small replies only: `CLUSTER SLOTS`); nesting and
+    /// lengths are bounded.
+    pub(crate) fn value(&mut self) -> io::Result<Value> {
+        self.value_at(0)
+    }
+
+    fn value_at(&mut self, depth: usize) -> io::Result<Value> {
+        if depth > 8 {
+            return Err(protocol("reply nested too deep".into()));
+        }
+        let line = self.line()?;
+        let num = |s: &[u8]| -> io::Result<i64> {
+            std::str::from_utf8(s)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| protocol("bad length".into()))
+        };
+        let text = || String::from_utf8_lossy(&line[1..]).into_owned();
+        Ok(match line.first() {
+            Some(b'+') => Value::Text(text()),
+            Some(b'-') => Value::Error(text()),
+            Some(b':') => Value::Int(num(&line[1..])?),
+            Some(b'_') => Value::Nil,
+            Some(b'$') => match num(&line[1..])? {
+                -1 => Value::Nil,
+                n if (0..=1 << 20).contains(&n) => {
+                    let mut v = vec![0u8; n as usize];
+                    self.read_into(&mut v)?;
+                    self.end_bulk()?;
+                    Value::Text(String::from_utf8_lossy(&v).into_owned())
+                }
+                _ => return Err(protocol("bulk reply too long".into())),
+            },
+            Some(b'*') => match num(&line[1..])? {
+                -1 => Value::Nil,
+                n if (0..=1 << 16).contains(&n) => Value::Array(
+                    (0..n)
+                        .map(|_| self.value_at(depth + 1))
+                        .collect::<io::Result<_>>()?,
+                ),
+                _ => return Err(protocol("array reply too long".into())),
+            },
+            _ => return Err(protocol(format!("unexpected reply: {}", text()))),
+        })
     }
 
     /// Discards the next `n` bytes of the reply.
@@ -349,6 +505,21 @@ impl BulkConn {
             Err(protocol("bulk reply without CRLF".into()))
         }
     }
+}
+
+/// A whole reply, for the few small replies read as values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Value {
+    /// A simple string or a bulk string (lossy UTF-8).
+    Text(String),
+    /// A server error, without the `-`.
+    Error(String),
+    /// An integer.
+    Int(i64),
+    /// A nil reply.
+    Nil,
+    /// An array.
+    Array(Vec<Value>),
 }
 
 /// One command in the Redis protocol.

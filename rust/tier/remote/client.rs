@@ -1,17 +1,19 @@
-//! The client of one Redis server: its configuration, connection pools, probation
-//! ([`Health`]) and counters, and the three operations (write, exists, read). How one operation
+//! The client of one Redis server (a whole single-server tier, or one master of a cluster):
+//! its configuration, connection pools, probation ([`Health`]) and counters, and the three
+//! operations (write, exists, read). How one operation
 //! is sent (deadlines, parallel sub-batches) is in `send.rs`; see the parent module for how.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::bulk::{self, BulkConn};
+use super::bulk::{self, BulkConn, Tls};
 use super::pack::{slice_pieces, Packed};
 use super::send::OpError;
+use super::slots::redact;
 use super::{
-    parts, value_key, ChunkNames, ReadItem, ReadOutcome, RemoteConfig, RemoteCounters, RemoteStats,
-    WriteItem, BATCH_BYTES, WRITE_BATCH_BYTES,
+    parts, value_key, value_key_tagged, ChunkNames, ReadItem, ReadOutcome, RemoteConfig,
+    RemoteCounters, RemoteStats, WriteItem, BATCH_BYTES, WRITE_BATCH_BYTES,
 };
 use crate::error::{Error, Result};
 use crate::ids::Key;
@@ -24,8 +26,16 @@ pub(super) fn add(c: &AtomicU64, n: usize) {
 
 /// A client of one Redis server: connection pool, health, counters. Thread-safe; every
 /// method blocks its calling thread for at most about one deadline per sub-batch.
-pub struct RemoteClient {
+pub(super) struct Node {
     pub(super) cfg: RemoteConfig,
+    /// Cluster key names (a chunk's parts share its hash slot, see [`value_key_tagged`]).
+    tagged: bool,
+    /// Each command preceded by `ASKING` (a twin for keys of a slot being imported).
+    asking: bool,
+    /// Redirections answered since the cluster last took them.
+    pub(super) redirects: Mutex<Vec<String>>,
+    /// TLS (`rediss://`).
+    pub(super) tls: Option<Tls>,
     pub(super) client: redis::Client,
     pub(super) idle_bulk: Mutex<Vec<BulkConn>>,
     health: Mutex<Health>,
@@ -33,28 +43,60 @@ pub struct RemoteClient {
     generation: AtomicU64,
 }
 
-impl std::fmt::Debug for RemoteClient {
+impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RemoteClient")
+        f.debug_struct("Node")
             .field("url", &self.cfg.url)
             .field("on_probation", &self.on_probation())
             .finish_non_exhaustive()
     }
 }
 
-impl RemoteClient {
+impl Node {
     /// A client for `cfg.url`. Connects lazily: a server that is down now only makes the first
     /// operations fail. Refuses a URL that is not a Redis URL and out-of-range settings.
-    pub fn new(cfg: RemoteConfig) -> Result<Self> {
+    /// `tagged`: cluster key names; `asking`: every command preceded by `ASKING`.
+    pub(super) fn new(cfg: RemoteConfig, tagged: bool, asking: bool) -> Result<Self> {
         let bad = |field: &str, why: String| Error::Config(format!("{field}: {why}"));
-        if !(cfg.url.starts_with("redis://") || cfg.url.starts_with("unix://")) {
+        let shown = redact(&cfg.url);
+        if !["redis://", "rediss://", "unix://"]
+            .iter()
+            .any(|s| cfg.url.starts_with(s))
+        {
             return Err(bad(
                 "remote_url",
-                format!("{:?} is not a redis:// URL", cfg.url),
+                format!("{shown:?} is not a redis:// or rediss:// URL"),
             ));
         }
-        let client = redis::Client::open(cfg.url.as_str())
-            .map_err(|e| bad("remote_url", format!("{:?}: {e}", cfg.url)))?;
+        // The crate parses the address and credentials; TLS is ours.
+        let over_tls = cfg.url.starts_with("rediss://");
+        let plain = cfg.url.replacen("rediss://", "redis://", 1);
+        let client = redis::Client::open(plain.as_str())
+            .map_err(|e| bad("remote_url", format!("{shown:?}: {e}")))?;
+        let tls = match (over_tls, &cfg.tls_ca) {
+            (false, None) => None,
+            (false, Some(ca)) => {
+                return Err(bad(
+                    "remote_tls_ca",
+                    format!("{} given but {shown:?} is not rediss://", ca.display()),
+                ))
+            }
+            (true, None) => {
+                return Err(bad(
+                    "remote_tls_ca",
+                    format!(
+                    "{shown:?} is rediss://: give the CA file that signs the server's certificate"
+                ),
+                ))
+            }
+            (true, Some(ca)) => {
+                let redis::ConnectionAddr::Tcp(host, _) = client.get_connection_info().addr()
+                else {
+                    return Err(bad("remote_url", format!("{shown:?}: TLS needs TCP")));
+                };
+                Some(Tls::new(ca, host).map_err(|e| bad("remote_tls_ca", e))?)
+            }
+        };
         if cfg.deadline.is_zero() || cfg.deadline > Duration::from_secs(3600) {
             return Err(bad(
                 "remote_deadline",
@@ -76,7 +118,11 @@ impl RemoteClient {
         let health = Health::new("remote_probation_after", cfg.probation_after, cfg.probation)?;
         Ok(Self {
             cfg,
+            tagged,
+            asking,
+            redirects: Mutex::new(Vec::new()),
             client,
+            tls,
             idle_bulk: Mutex::new(Vec::new()),
             health: Mutex::new(health),
             counters: RemoteCounters::default(),
@@ -84,9 +130,31 @@ impl RemoteClient {
         })
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &RemoteConfig {
-        &self.cfg
+    /// Connects once now: a server that refuses (certificate, password) is a
+    /// [`Error::Config`] naming the URL (password redacted); one that cannot be reached is
+    /// not (the first operations fail). The connection is kept in the pool.
+    pub(super) fn probe(&self) -> Result<()> {
+        let end = Instant::now() + self.cfg.deadline;
+        match BulkConn::connect(self.client.get_connection_info(), self.tls.as_ref(), end) {
+            Ok(c) => {
+                self.idle_bulk.lock().expect("pool lock").push(c);
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => Err(Error::Config(format!(
+                "remote_url: {:?}: {e}",
+                redact(&self.cfg.url)
+            ))),
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// The Redis key of part `part` of chunk `key` in namespace `namespace`.
+    pub(super) fn key(&self, namespace: u128, key: Key, part: usize) -> Vec<u8> {
+        if self.tagged {
+            value_key_tagged(namespace, key, part)
+        } else {
+            value_key(namespace, key, part)
+        }
     }
 
     /// Whether the tier is on probation now (operations are skipped).
@@ -99,7 +167,7 @@ impl RemoteClient {
 
     /// Whether an operation may run now: not on probation, or the probation is over (then this
     /// operation is the trial).
-    fn admit(&self) -> bool {
+    pub(super) fn admit(&self) -> bool {
         self.health
             .lock()
             .expect("health lock")
@@ -169,7 +237,10 @@ impl RemoteClient {
                 for part in (0..count).rev() {
                     let value = slice_pieces(&it.data, part * size, ((part + 1) * size).min(len));
                     let prefix: &[u8] = if part == 0 { &header } else { &[] };
-                    let name = value_key(names.key, it.key, part);
+                    let name = self.key(names.key, it.key, part);
+                    if self.asking {
+                        packed.command(&[b"ASKING"], None);
+                    }
                     packed.command(&[b"SET", &name], Some((prefix, &value)));
                 }
             }
@@ -181,7 +252,7 @@ impl RemoteClient {
             let mut at = replies.iter();
             for &i in batch {
                 // All parts acknowledged (a failed operation has no replies).
-                let n = parts(lens[i], self.cfg.part_bytes).0;
+                let n = parts(lens[i], self.cfg.part_bytes).0 * (1 + usize::from(self.asking));
                 let ok = at.by_ref().take(n).filter(|&&r| r).count() == n;
                 out[i] = ok;
                 if ok {
@@ -193,12 +264,6 @@ impl RemoteClient {
             }
         }
         out
-    }
-
-    /// Whether each of `keys` exists in namespace `namespace`; one round trip. `None` when
-    /// the operation failed or the tier is on probation (the caller treats it as all-miss).
-    pub fn exists(&self, namespace: u128, keys: &[Key]) -> Option<Vec<bool>> {
-        self.exists_in_all(&[namespace], keys)
     }
 
     /// Whether each of `keys` exists in every namespace of `namespaces` (e.g. every tensor
@@ -214,22 +279,37 @@ impl RemoteClient {
         }
         let names: Vec<Vec<u8>> = namespaces
             .iter()
-            .flat_map(|&ns| keys.iter().map(move |&k| value_key(ns, k, 0)))
+            .flat_map(|&ns| keys.iter().map(move |&k| self.key(ns, k, 0)))
             .collect();
-        let mut packed = Packed::default();
-        for name in &names {
-            packed.command(&[b"EXISTS", name], None);
-        }
-        let replies = self.pipeline(packed).ok()?;
+        let replies = self.exists_names(&names)?;
         let mut found = vec![true; keys.len()];
-        for (i, v) in replies.iter().enumerate() {
-            found[i % keys.len()] &= matches!(v, Some(n) if *n > 0);
+        for (i, &v) in replies.iter().enumerate() {
+            found[i % keys.len()] &= v;
         }
         add(
             &self.counters.lookup_hits,
             found.iter().filter(|&&f| f).count(),
         );
         Some(found)
+    }
+
+    /// Whether each key of `names` exists; one round trip, no probation check (the caller
+    /// admitted it). `None` when the operation failed.
+    pub(super) fn exists_names(&self, names: &[Vec<u8>]) -> Option<Vec<bool>> {
+        let mut packed = Packed::default();
+        for name in names {
+            if self.asking {
+                packed.command(&[b"ASKING"], None);
+            }
+            packed.command(&[b"EXISTS", name], None);
+        }
+        let replies = self.pipeline(packed, self.asking).ok()?;
+        Some(
+            replies
+                .iter()
+                .map(|v| matches!(v, Some(n) if *n > 0))
+                .collect(),
+        )
     }
 
     /// Reads `items` of namespace `namespace` ([`ChunkNames`]: keys and headers) into their
@@ -261,7 +341,10 @@ impl RemoteClient {
             for (g, &i) in guards.iter().zip(batch) {
                 let key = g.as_ref().expect("item").key;
                 for part in 0..parts(lens[i], self.cfg.part_bytes).0 {
-                    let name = value_key(names.key, key, part);
+                    let name = self.key(names.key, key, part);
+                    if self.asking {
+                        packed.extend_from_slice(&bulk::pack(&[b"ASKING"]));
+                    }
                     packed.extend_from_slice(&bulk::pack(&[b"GET", &name]));
                 }
             }
@@ -312,6 +395,9 @@ impl RemoteClient {
             let start = part * size;
             let data = ((part + 1) * size).min(len) - start;
             let want = data + if part == 0 { HEADER_LEN } else { 0 };
+            if self.asking && !con.status()? {
+                return Err(std::io::Error::other("ASKING refused"));
+            }
             match con.bulk_len()? {
                 None => {
                     if outcome == ReadOutcome::Hit {
@@ -382,7 +468,7 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused_by_name() {
-        let err = |cfg: RemoteConfig| RemoteClient::new(cfg).unwrap_err().to_string();
+        let err = |cfg: RemoteConfig| Node::new(cfg, false, false).unwrap_err().to_string();
         assert!(err(RemoteConfig::new("http://x")).contains("remote_url"));
         let mut c = RemoteConfig::new("redis://127.0.0.1:1");
         c.connections = 0;

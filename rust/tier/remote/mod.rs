@@ -42,18 +42,30 @@
 //!   serve the bytes.
 
 //!
+//! - **Cluster**: `remote_url = "redis+cluster://[user[:password]@]host:port[,host:port…]"`
+//!   names seed nodes of a Redis Cluster (see `cluster.rs`). Keys carry a hash tag of their
+//!   chunk (`kvo:{<namespace>:<key>}[:<part>]`): a chunk's parts share a slot, so its parts
+//!   and then its header are published in order on one master, and chunks spread over all
+//!   slots. Each call is split per master and sent to all of them in parallel; every master
+//!   has its own pool, deadline and probation (one slow master costs only its slots).
+//!
 //! Files: this one the configuration, counters, items and keys; `pack.rs` how a pipeline's
 //! commands are laid out (data pieces sent from the caller's memory, the lead split off);
-//! `bulk.rs` the connection that sends and receives chunk values; `client.rs` the client
-//! (connection pools, probation, counters, write / exists / read); `send.rs` how it sends one
-//! operation (deadline, outcome) and runs a call's sub-batches on parallel threads.
+//! `bulk.rs` the connection that sends and receives chunk values; `client.rs` the client of
+//! one server (connection pools, probation, counters, write / exists / read); `send.rs` how it
+//! sends one operation (deadline, outcome) and runs a call's sub-batches on parallel threads;
+//! `cluster.rs` the tier's client, on one server or on a cluster (slot map, per-master
+//! split, redirections); `slots.rs` cluster URLs, hash slots and the slot map.
 
 mod bulk;
 mod client;
+mod cluster;
 mod pack;
 mod send;
+mod slots;
 
-pub use client::RemoteClient;
+pub use cluster::RemoteClient;
+pub use slots::{key_slot, slot_of, ClusterUrl, SLOTS};
 
 use std::time::Duration;
 
@@ -79,7 +91,9 @@ pub const WRITE_BATCH_BYTES: usize = 1 << 20;
 /// How to reach the server and how patient to be.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RemoteConfig {
-    /// `redis://host:port[/db]`.
+    /// `redis://[user:password@]host:port[/db]`, or a cluster's seed nodes:
+    /// `redis+cluster://[user:password@]host:port[,host:port…]`; `rediss` instead of `redis`:
+    /// over TLS (with [`RemoteConfig::tls_ca`]).
     pub url: String,
     /// Longest wait for one pipelined operation (and for connecting).
     pub deadline: Duration,
@@ -91,6 +105,8 @@ pub struct RemoteConfig {
     pub probation_after: u32,
     /// How long a probation lasts before the next trial.
     pub probation: Duration,
+    /// For `rediss://` (TLS): the PEM file of the CA certificates that sign the servers'.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl RemoteConfig {
@@ -105,6 +121,7 @@ impl RemoteConfig {
             part_bytes: 64 << 20,
             probation_after: 3,
             probation: Duration::from_secs(2),
+            tls_ca: None,
         }
     }
 }
@@ -148,6 +165,8 @@ atomic_counters! {
         bytes_written,
         /// Value bytes read (headers included).
         bytes_read,
+        /// Commands a cluster answered with a redirection (`MOVED`, `ASK`): sent again.
+        redirects,
     }
 }
 
@@ -225,6 +244,16 @@ pub fn value_key(namespace: u128, key: Key, part: usize) -> Vec<u8> {
         format!("kvo:{namespace:032x}:{:032x}", key.0).into_bytes()
     } else {
         format!("kvo:{namespace:032x}:{:032x}:{part}", key.0).into_bytes()
+    }
+}
+
+/// The Redis key of part `part` of chunk `key` in namespace `namespace` on a cluster: the
+/// chunk's identity is its hash tag, so all its parts live in one slot.
+pub fn value_key_tagged(namespace: u128, key: Key, part: usize) -> Vec<u8> {
+    if part == 0 {
+        format!("kvo:{{{namespace:032x}:{:032x}}}", key.0).into_bytes()
+    } else {
+        format!("kvo:{{{namespace:032x}:{:032x}}}:{part}", key.0).into_bytes()
     }
 }
 

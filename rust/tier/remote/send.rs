@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use super::bulk::BulkConn;
-use super::client::{add, RemoteClient};
+use super::client::{add, Node};
 use super::pack::{Packed, Split};
 
 /// Why one pipelined operation failed.
@@ -18,18 +18,28 @@ pub(super) enum OpError {
     Late,
 }
 
-impl RemoteClient {
+impl Node {
     /// Sends the commands of `packed` (existence checks) on a pooled connection and returns
     /// their integer replies (`None`: a server error), or fails the operation (error or
     /// deadline), recording the outcome in the tier's health.
+    /// `asking`: every other command is an `ASKING` (its `+OK` skipped).
     pub(super) fn pipeline(
         &self,
         packed: Packed<'_>,
+        asking: bool,
     ) -> std::result::Result<Vec<Option<i64>>, OpError> {
         let (segments, count) = packed.finish();
         self.bulk_op(|c| {
             c.send_all(&segments.iter().map(|s| &**s).collect::<Vec<_>>())?;
-            (0..count).map(|_| c.int()).collect()
+            let mut out = Vec::with_capacity(count);
+            for i in 0..count {
+                if asking && i % 2 == 0 {
+                    c.status()?;
+                } else {
+                    out.push(c.int()?);
+                }
+            }
+            Ok(out)
         })
     }
 
@@ -190,12 +200,21 @@ impl RemoteClient {
             let c = match con {
                 Some(c) => c,
                 None => con.insert(
-                    BulkConn::connect(self.client.get_connection_info(), end).map_err(classify)?,
+                    BulkConn::connect(self.client.get_connection_info(), self.tls.as_ref(), end)
+                        .map_err(classify)?,
                 ),
             };
             c.set_deadline(end);
             add(&self.counters.round_trips, 1);
-            let out = op(c).map_err(classify)?;
+            let out = op(c);
+            if !c.redirects.is_empty() {
+                add(&self.counters.redirects, c.redirects.len());
+                self.redirects
+                    .lock()
+                    .expect("redirects lock")
+                    .append(&mut c.redirects);
+            }
+            let out = out.map_err(classify)?;
             if start.elapsed() > deadline {
                 return Err(OpError::Late);
             }
@@ -217,13 +236,13 @@ mod tests {
     #[test]
     fn large_writes_go_alone_small_ones_share_a_pipeline() {
         let two_mib = [2 << 20; 4];
-        let alone = RemoteClient::batches(two_mib.iter().copied(), WRITE_BATCH_BYTES);
+        let alone = Node::batches(two_mib.iter().copied(), WRITE_BATCH_BYTES);
         assert_eq!(alone, vec![vec![0], vec![1], vec![2], vec![3]]);
-        let shared = RemoteClient::batches(two_mib.iter().copied(), BATCH_BYTES);
+        let shared = Node::batches(two_mib.iter().copied(), BATCH_BYTES);
         assert_eq!(shared, vec![vec![0, 1, 2, 3]]);
-        let small = RemoteClient::batches([64 << 10; 32].into_iter(), WRITE_BATCH_BYTES);
+        let small = Node::batches([64 << 10; 32].into_iter(), WRITE_BATCH_BYTES);
         assert_eq!(small, vec![(0..16).collect::<Vec<_>>(), (16..32).collect()]);
-        let mixed = RemoteClient::batches([4096, 2 << 20, 4096].into_iter(), WRITE_BATCH_BYTES);
+        let mixed = Node::batches([4096, 2 << 20, 4096].into_iter(), WRITE_BATCH_BYTES);
         assert_eq!(mixed, vec![vec![0], vec![1], vec![2]]);
     }
 }
