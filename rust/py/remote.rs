@@ -17,6 +17,7 @@ use super::convert::keys as extract_keys;
 use super::errors::{to_py, ConfigError, KvOffloadError};
 use super::tier_worker::{io_cpus_arg, RegionArg, TierWorker};
 use crate::ids::Key;
+use crate::py::sync::guarded;
 use crate::tier::io::RemoteGroup;
 use crate::tier::namespace::Namespace;
 use crate::tier::remote::{
@@ -206,12 +207,12 @@ impl RemoteWorker {
 
     /// The client's counters (writes, reads, checksum mismatches, probations, ...).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.client)
+        guarded(|| stats_dict(py, &self.client))
     }
 
     /// The counters per server: `{"host:port": counters}` (every cluster master).
     fn node_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        node_stats_dict(py, &self.client)
+        guarded(|| node_stats_dict(py, &self.client))
     }
 }
 
@@ -255,14 +256,14 @@ impl RemoteClient {
 
     /// The server's URL.
     #[getter]
-    fn url(&self) -> String {
-        self.inner.config().url.clone()
+    fn url(&self) -> PyResult<String> {
+        guarded(|| Ok(self.inner.config().url.clone()))
     }
 
     /// Whether the tier is on probation (operations skipped) now.
     #[getter]
-    fn on_probation(&self) -> bool {
-        self.inner.on_probation()
+    fn on_probation(&self) -> PyResult<bool> {
+        guarded(|| Ok(self.inner.on_probation()))
     }
 
     /// Writes chunk `i` of `data` under `keys[i]` in `namespace`; per key, whether it was
@@ -276,26 +277,28 @@ impl RemoteClient {
         data: &Bound<'_, PyAny>,
         group: u32,
     ) -> PyResult<Vec<bool>> {
-        let keys = extract_keys(keys, "keys")?;
-        let buf = PyBuffer::<u8>::get(data)?;
-        let size = chunk_buffer(&buf, keys.len(), false, "data")?;
-        let base = buf.buf_ptr() as usize;
-        let total = buf.len_bytes();
-        py.detach(|| {
-            #[allow(unsafe_code)]
-            // SAFETY: `buf` holds the export of `total` bytes at `base` for this whole call, so
-            // the memory stays allocated and unresized; it is only read.
-            let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, total) };
-            let items: Vec<WriteItem<'_>> = keys
-                .iter()
-                .zip(bytes.chunks_exact(size))
-                .map(|(&key, chunk)| WriteItem {
-                    key,
-                    group,
-                    data: vec![chunk],
-                })
-                .collect();
-            Ok(self.inner.write(namespace, &items))
+        guarded(|| {
+            let keys = extract_keys(keys, "keys")?;
+            let buf = PyBuffer::<u8>::get(data)?;
+            let size = chunk_buffer(&buf, keys.len(), false, "data")?;
+            let base = buf.buf_ptr() as usize;
+            let total = buf.len_bytes();
+            py.detach(|| {
+                #[allow(unsafe_code)]
+                // SAFETY: `buf` holds the export of `total` bytes at `base` for this whole call, so
+                // the memory stays allocated and unresized; it is only read.
+                let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, total) };
+                let items: Vec<WriteItem<'_>> = keys
+                    .iter()
+                    .zip(bytes.chunks_exact(size))
+                    .map(|(&key, chunk)| WriteItem {
+                        key,
+                        group,
+                        data: vec![chunk],
+                    })
+                    .collect();
+                Ok(self.inner.write(namespace, &items))
+            })
         })
     }
 
@@ -311,36 +314,38 @@ impl RemoteClient {
         out: &Bound<'_, PyAny>,
         group: u32,
     ) -> PyResult<Vec<&'static str>> {
-        let keys = extract_keys(keys, "keys")?;
-        let buf = PyBuffer::<u8>::get(out)?;
-        let size = chunk_buffer(&buf, keys.len(), true, "out")?;
-        let base = buf.buf_ptr() as usize;
-        let total = buf.len_bytes();
-        let outcomes = py.detach(|| {
-            #[allow(unsafe_code)]
-            // SAFETY: `buf` holds the writable export of `total` bytes at `base` for this whole
-            // call; this is the only reference made to that memory here.
-            let bytes = unsafe { std::slice::from_raw_parts_mut(base as *mut u8, total) };
-            let mut items: Vec<ReadItem<'_>> = keys
-                .iter()
-                .zip(bytes.chunks_exact_mut(size))
-                .map(|(&key, chunk)| ReadItem {
-                    key,
-                    group,
-                    dst: vec![chunk],
+        guarded(|| {
+            let keys = extract_keys(keys, "keys")?;
+            let buf = PyBuffer::<u8>::get(out)?;
+            let size = chunk_buffer(&buf, keys.len(), true, "out")?;
+            let base = buf.buf_ptr() as usize;
+            let total = buf.len_bytes();
+            let outcomes = py.detach(|| {
+                #[allow(unsafe_code)]
+                // SAFETY: `buf` holds the writable export of `total` bytes at `base` for this whole
+                // call; this is the only reference made to that memory here.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(base as *mut u8, total) };
+                let mut items: Vec<ReadItem<'_>> = keys
+                    .iter()
+                    .zip(bytes.chunks_exact_mut(size))
+                    .map(|(&key, chunk)| ReadItem {
+                        key,
+                        group,
+                        dst: vec![chunk],
+                    })
+                    .collect();
+                self.inner.read(namespace, &mut items)
+            });
+            Ok(outcomes
+                .into_iter()
+                .map(|o| match o {
+                    ReadOutcome::Hit => "hit",
+                    ReadOutcome::Miss => "miss",
+                    ReadOutcome::Corrupt => "corrupt",
+                    ReadOutcome::Failed => "failed",
                 })
-                .collect();
-            self.inner.read(namespace, &mut items)
-        });
-        Ok(outcomes
-            .into_iter()
-            .map(|o| match o {
-                ReadOutcome::Hit => "hit",
-                ReadOutcome::Miss => "miss",
-                ReadOutcome::Corrupt => "corrupt",
-                ReadOutcome::Failed => "failed",
-            })
-            .collect())
+                .collect())
+        })
     }
 
     /// Per key of `namespace`, whether it exists: one round trip. `None` when the operation
@@ -351,25 +356,29 @@ impl RemoteClient {
         namespace: u128,
         keys: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Vec<bool>>> {
-        let keys: Vec<Key> = extract_keys(keys, "keys")?;
-        Ok(py.detach(|| self.inner.exists(namespace, &keys)))
+        guarded(|| {
+            let keys: Vec<Key> = extract_keys(keys, "keys")?;
+            Ok(py.detach(|| self.inner.exists(namespace, &keys)))
+        })
     }
 
     /// Counters so far, by name.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner)
+        guarded(|| stats_dict(py, &self.inner))
     }
 
     /// The counters per server: `{"host:port": counters}` (every cluster master).
     fn node_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        node_stats_dict(py, &self.inner)
+        guarded(|| node_stats_dict(py, &self.inner))
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "RemoteClient({:?}, on_probation={})",
-            self.inner.config().url,
-            self.inner.on_probation()
-        )
+    fn __repr__(&self) -> PyResult<String> {
+        guarded(|| {
+            Ok(format!(
+                "RemoteClient({:?}, on_probation={})",
+                self.inner.config().url,
+                self.inner.on_probation()
+            ))
+        })
     }
 }

@@ -23,6 +23,7 @@ use super::errors::{to_py, ConfigError, KvOffloadError};
 use super::tier::{decode_tier_jobs, set_counters, worker_jobs, TierJobArg};
 use crate::copy::RowSpace;
 use crate::ids::JobId;
+use crate::py::sync::guarded;
 use crate::tier::affinity::CpuSet;
 use crate::tier::disk::{
     engine_namespace, inspect, layout_namespace, SlabFile, SlabLayout, MEDIUM as DISK,
@@ -193,25 +194,29 @@ fn results(done: Vec<(JobId, bool)>) -> Vec<(u64, bool)> {
 impl TierWorker {
     /// The tier's medium: `"disk"` or `"remote"`.
     #[getter]
-    fn medium(&self) -> &'static str {
-        self.medium
+    fn medium(&self) -> PyResult<&'static str> {
+        guarded(|| Ok(self.medium))
     }
 
     /// Queues tier jobs as `StepPlan.tier_jobs` carries them; returns at once.
     fn submit(&self, jobs: Vec<TierJobArg>) -> PyResult<()> {
-        let jobs = worker_jobs(jobs, self.medium)?;
-        self.with(|w| w.map(|w| w.submit(jobs)))
-            .ok_or_else(|| self.closed_err())
+        guarded(|| {
+            let jobs = worker_jobs(jobs, self.medium)?;
+            self.with(|w| w.map(|w| w.submit(jobs)))
+                .ok_or_else(|| self.closed_err())
+        })
     }
 
     /// Queues the tier jobs of a packed buffer (`Scheduler.schedule_batch`'s sixth item, one
     /// row per chunk); returns their ids at once, in order.
     fn submit_packed(&self, jobs: &[u8]) -> PyResult<Vec<u64>> {
-        let jobs = decode_tier_jobs(jobs, self.medium)?;
-        let ids = jobs.iter().map(|j| j.id.0).collect();
-        self.with(|w| w.map(|w| w.submit(jobs)))
-            .ok_or_else(|| self.closed_err())?;
-        Ok(ids)
+        guarded(|| {
+            let jobs = decode_tier_jobs(jobs, self.medium)?;
+            let ids = jobs.iter().map(|j| j.id.0).collect();
+            self.with(|w| w.map(|w| w.submit(jobs)))
+                .ok_or_else(|| self.closed_err())?;
+            Ok(ids)
+        })
     }
 
     /// Jobs finished since the last poll or wait: `(job_id, ok)`.
@@ -219,37 +224,42 @@ impl TierWorker {
     /// Stays attached: it takes a lock the I/O threads hold only to push a result, so releasing
     /// the GIL for it would only let another Python thread take the engine's GIL for up to a
     /// switch interval every step.
-    fn poll(&self) -> Vec<(u64, bool)> {
-        results(self.with(|w| w.map(Io::poll).unwrap_or_default()))
+    fn poll(&self) -> PyResult<Vec<(u64, bool)>> {
+        guarded(|| Ok(results(self.with(|w| w.map(Io::poll).unwrap_or_default()))))
     }
 
     /// Waits (GIL released) until every job of `job_ids` finished or `timeout` seconds
     /// passed; returns every job finished since the last poll or wait: `(job_id, ok)`.
     #[pyo3(signature = (job_ids, timeout = 60.0))]
     fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: f64) -> PyResult<Vec<(u64, bool)>> {
-        if !timeout.is_finite() || timeout < 0.0 {
-            return Err(ConfigError::new_err(format!(
-                "wait: timeout={timeout} must be a finite number of seconds >= 0"
-            )));
-        }
-        let ids: Vec<JobId> = job_ids.into_iter().map(JobId).collect();
-        let d = Duration::from_secs_f64(timeout.min(1e9));
-        Ok(results(py.detach(|| {
-            self.with(|w| w.map(|w| w.wait(&ids, d)).unwrap_or_default())
-        })))
+        guarded(|| {
+            if !timeout.is_finite() || timeout < 0.0 {
+                return Err(ConfigError::new_err(format!(
+                    "wait: timeout={timeout} must be a finite number of seconds >= 0"
+                )));
+            }
+            let ids: Vec<JobId> = job_ids.into_iter().map(JobId).collect();
+            let d = Duration::from_secs_f64(timeout.min(1e9));
+            Ok(results(py.detach(|| {
+                self.with(|w| w.map(|w| w.wait(&ids, d)).unwrap_or_default())
+            })))
+        })
     }
 
     /// Finishes the queued jobs (their results are dropped), stops the threads and releases
     /// the tier; later submits raise, polls return nothing. Idempotent.
-    fn close(&self, py: Python<'_>) {
-        let io = self.inner.write().expect("tier worker lock").take();
-        py.detach(move || drop(io));
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| {
+            let io = self.inner.write().expect("tier worker lock").take();
+            py.detach(move || drop(io));
+            Ok(())
+        })
     }
 
     /// Whether `close` was called.
     #[getter]
-    fn closed(&self) -> bool {
-        self.with(|w| w.is_none())
+    fn closed(&self) -> PyResult<bool> {
+        guarded(|| Ok(self.with(|w| w.is_none())))
     }
 }
 
