@@ -81,8 +81,8 @@ $(STAMP_VLLM_BUILD): $(STAMP_VLLM_DEPS) $(RUST_SRC) $(PY_SRC)
 	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall $(VLLM_VENV)/wheels/kvoffload-*.whl
 	touch $@
 
-test-vllm: $(STAMP_VLLM_BUILD) redis-server ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm
-	$(VLLM_PY) -m pytest -q tests/vllm
+test-vllm: $(STAMP_VLLM_BUILD) redis-server ## vLLM (CPU) venv in .venv-vllm, kvoffload wheel, tests/vllm (A/B harness runs: bench-vllm)
+	$(VLLM_PY) -m pytest -q tests/vllm -m "not ab_harness"
 
 # vLLM 0.33.0 has no CPU build: PyPI's CUDA wheel and its torch, without the GPU kernel packages
 # (VLLM033_GPU_ONLY) that nothing on the scheduler side imports. Its model cannot run on this
@@ -117,7 +117,8 @@ $(STAMP_VLLM033_BUILD): $(STAMP_VLLM033_DEPS) $(STAMP_VLLM_BUILD)
 test-vllm-033: $(STAMP_VLLM033_BUILD) ## vLLM 0.33.0 (CUDA wheel, driven on the CPU) in .venv-vllm033: scheduler-level tests
 	KVOFFLOAD_EXPECT_VLLM=0.33.0 $(VLLM033_PY) -m pytest -q $(VLLM033_TESTS)
 
-bench-vllm: $(STAMP_VLLM_BUILD) ## both offload connectors in vLLM's scheduler, multi-turn chat (BENCH_VLLM_ARGS)
+bench-vllm: $(STAMP_VLLM_BUILD) ## the A/B harness's tests, then both offload connectors in vLLM's scheduler, multi-turn chat (BENCH_VLLM_ARGS)
+	$(VLLM_PY) -m pytest -q tests/vllm/test_workload_bench.py -m ab_harness
 	$(VLLM_PY) benches/vllm_workload.py $(BENCH_VLLM_ARGS)
 
 FUZZ_SECONDS ?= 60
