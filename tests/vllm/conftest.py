@@ -23,3 +23,10 @@ with warnings.catch_warnings():
             importlib.import_module(_name)
         except ImportError:  # pragma: no cover - vllm absent: the tests skip
             break
+
+
+def pytest_configure(config) -> None:  # type: ignore[no-untyped-def]
+    config.addinivalue_line(
+        "markers",
+        "ab_harness: runs of benches/vllm_ab.py (make bench-vllm runs them, make test-vllm not)",
+    )

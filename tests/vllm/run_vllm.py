@@ -1,17 +1,23 @@
 """Runs a tiny Llama (random weights) in vLLM on the CPU and prints greedy outputs as JSON.
 
-Used by ``test_e2e.py`` in a subprocess (vLLM wants its engine built under ``__main__``)::
+One engine per run (vLLM wants its engine built under ``__main__``)::
 
     python tests/vllm/run_vllm.py --connector on|off [--async-scheduling] --out result.json \
         [--model tiny-llama|tiny-llama-sw|tiny-llama-bench] [--workload mixed|bench] \
         [--fail-loads N]
 
-Models (``config.json`` only, ``load_format="dummy"`` then seeded random weights):
+or many runs from one process, one after another (what ``test_e2e.py`` and ``test_e2e_tiers.py``
+use)::
 
-* ``tiny-llama``: 2 full-attention layers, one KV group;
-* ``tiny-llama-sw``: 4 layers alternating sliding-window (64 tokens) and full attention: vLLM's
-  hybrid allocator makes two KV groups (``SlidingWindowSpec`` and ``FullAttentionSpec``);
-* ``tiny-llama-bench``: 6 layers, hidden 512, where prefill compute dominates (``bench``).
+    python tests/vllm/run_vllm.py --runs runs.json
+
+``runs.json`` maps each run's name to its arguments as above (``--out`` included). The process
+imports vLLM once (half of a run's start-up), then forks one child per run, before any engine
+exists: the child builds its engine, runs its workload, writes its JSON and its log (``--out``
+with ``.log``) and exits; the next child starts when it has exited (so a restart run sees its
+writer's directory complete and unlocked). The exit status is 1 if any child failed. One child
+at a time: vLLM's CPU backend binds its OpenMP threads to every core, and two engines side by
+side each ran almost four times slower than alone on two cores.
 
 ``--fail-loads N`` (connector on) fails the first, third, ... load job on the worker, N in all,
 through the ``TransferEngine``'s ``_fault_injector`` hook, under
@@ -41,10 +47,13 @@ recomputes them).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
+import sys
 import time
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -189,7 +198,7 @@ def _tiers(llm, tok, gen, result: dict) -> None:  # type: ignore[no-untyped-def]
     }
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--connector", choices=("on", "off"), required=True)
     ap.add_argument("--async-scheduling", action="store_true")
@@ -203,14 +212,28 @@ def main() -> None:
     ap.add_argument("--fail-loads", type=int, default=0)
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=2048)
-    args = ap.parse_args()
+    return ap
+
+
+def _import_vllm() -> None:
+    """vLLM's imports (most of a run's start-up), its environment set first."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # OpenMP threads that wait sleep instead of spinning (read when torch loads libgomp): on a
+    # shared 2-core machine spinning threads starved the connector's copy threads and the other
+    # processes, and runs took 2-4 times longer. Outputs do not depend on it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import vllm.config  # noqa: F401  (imported for its cost, before any fork)
+
+
+def run(args: argparse.Namespace) -> None:
+    """One engine, one workload: writes the result to ``args.out``."""
     bench = args.workload == "bench"
     failed: list[int] = []
     if args.fail_loads:
         _inject_load_faults(args.fail_loads, failed)
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _import_vllm()
     from vllm.config import KVTransferConfig
 
     from vllm import LLM, SamplingParams
@@ -302,6 +325,59 @@ def main() -> None:
     except Exception as e:
         result["kv_stats_error"] = repr(e)
     Path(args.out).write_text(json.dumps(result))
+
+
+def _child(argv: list[str]) -> int:
+    """A forked child: runs one engine with its output in ``--out`` + ``.log``; its exit code."""
+    t = time.perf_counter()
+    args = _parser().parse_args(argv)
+    log = os.open(args.out + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        run(args)
+        # The engine's objects finalized as at an interpreter's exit (a lower tier closes).
+        gc.collect()
+        # Wall time of this run (start-up after the shared imports included).
+        out = Path(args.out)
+        res = json.loads(out.read_text())
+        res["wall_seconds"] = time.perf_counter() - t
+        out.write_text(json.dumps(res))
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+def run_all(runs: dict[str, list[str]]) -> int:
+    """Each run in a forked child, one after another; 1 if any failed."""
+    _import_vllm()
+    failed = 0
+    for name, argv in runs.items():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child leaves through os._exit, never back into this loop
+            code = 1
+            try:
+                code = _child(argv)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            print(f"{name} failed: exit status {code}", file=sys.stderr)
+            failed = 1
+    return failed
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--runs"]:
+        sys.exit(run_all(json.loads(Path(sys.argv[2]).read_text())))
+    run(_parser().parse_args())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """End to end inside real vLLM (CPU backend): the connector changes no output, only speed.
 
-Each engine runs ``run_vllm.py`` in a subprocess (vLLM builds its engine under ``__main__``).
+One ``run_vllm.py --runs`` subprocess runs every engine (vLLM builds its engine under
+``__main__``): it imports vLLM once and forks a child per engine, one after another, so nothing
+runs beside the bench pair's timed requests.
 The GPU cache is small enough that the chat scenario evicts prefix-cache blocks and preempts
 requests. Runs, each compared token for token with the same model and workload without the
 connector:
@@ -14,7 +16,7 @@ connector:
   re-read after ``reset_prefix_cache()``: time to first token and total time, on and off.
 
 Wall times, the bench's speedups and the connector's scheduler-side time per step are written to
-``.venv-vllm/e2e-report.json`` (``make test-vllm`` prints it). Only correctness is asserted,
+``.venv-vllm/e2e-report.json``. Only correctness is asserted,
 never wall-clock times.
 """
 
@@ -38,37 +40,35 @@ REPORT = ROOT / ".venv-vllm" / "e2e-report.json"
 pytest.importorskip("vllm")
 
 
-def _run(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
-    return _run_together(tmp_path, {name: args})[name]
-
-
-def _run_together(tmp_path: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict[str, Any]]:
-    """Runs the engines at once, one subprocess each; returns each one's result."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    t = time.perf_counter()
-    procs = {
-        name: subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "run_vllm.py"),
-                "--out",
-                str(tmp_path / f"{name}.json"),
-                *args,
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, args in runs.items()
-    }
+def run_engines(tmp_path: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict[str, Any]]:
+    """Runs the engines from one ``run_vllm.py --runs`` process (vLLM imported once, one forked
+    child per engine, one after another, in order); returns each one's result."""
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        OMP_WAIT_POLICY="PASSIVE",  # see run_vllm.py
+    )
+    spec = {name: ["--out", str(tmp_path / f"{name}.json"), *args] for name, args in runs.items()}
+    (tmp_path / "runs.json").write_text(json.dumps(spec))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "run_vllm.py"), "--runs", str(tmp_path / "runs.json")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=1800,
+    )
     out = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        if proc.returncode != 0:
-            pytest.fail(f"{name} failed (rc {proc.returncode}):\n{err[-6000:]}")
-        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
-        out[name]["wall_seconds"] = time.perf_counter() - t
+    for name in runs:
+        path = tmp_path / f"{name}.json"
+        if not path.exists():
+            log = tmp_path / f"{name}.json.log"
+            tail = log.read_text()[-6000:] if log.exists() else "(no log)"
+            pytest.fail(f"{name} failed (rc {proc.returncode}):\n{tail}\n{proc.stderr[-2000:]}")
+        out[name] = json.loads(path.read_text())
+    if proc.returncode != 0:
+        pytest.fail(f"run_vllm.py --runs failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     return out
 
 
@@ -114,7 +114,7 @@ def _bench_report(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm")
     t = time.perf_counter()
-    res = {name: _run(tmp, name, *args) for name, args in RUNS.items()}
+    res = run_engines(tmp, RUNS)
     report = {
         "e2e_wall_seconds": time.perf_counter() - t,
         "bench": _bench_report(res["bench_off"], res["bench_on"]),

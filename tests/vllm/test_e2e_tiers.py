@@ -1,4 +1,4 @@
-"""The lower tiers end to end in real vLLM engines (CPU backend, one process per engine).
+"""The lower tiers end to end in real vLLM engines (CPU backend, one forked process per engine).
 
 * Disk restart (issue 14): engine 1 runs the prompts with ``disk_path`` set and exits after its
   write-behind finished; engine 2, a new process on the same directory, serves the same prompts:
@@ -8,10 +8,9 @@
   ``redis-server`` this test starts) and ``cache_salt``: B serves A's prefixes with equal
   outputs and less prefill; engine C with another salt shares nothing.
 
-The engines that fill the tiers run at once, then the three that read them. Times to first
-token (one request at a time, with the other engines running beside them) are written to
-``.venv-vllm/e2e-tiers-report.json`` beside the prefill counts; only outputs and token counts
-are asserted, never wall time.
+The engines run one at a time, those that fill the tiers first. Times to first token (one
+request at a time) are written to ``.venv-vllm/e2e-tiers-report.json`` beside the prefill
+counts; only outputs and token counts are asserted, never wall time.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.remote_support import RedisServer
-from tests.vllm.test_e2e import ROOT, _run_together
+from tests.vllm.test_e2e import ROOT, run_engines
 
 REPORT = ROOT / ".venv-vllm" / "e2e-tiers-report.json"
 DOCS = ("--docs", "4", "--doc-tokens", "300")  # 9 full 32-token blocks each
@@ -40,14 +39,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     server = RedisServer(maxmemory=64 << 20)
     try:
         remote = ("--remote", server.url)
-        # Two waves of engines running at once (each start costs ~20 s): the first ones fill
-        # the tiers, the second ones read them.
-        res = _run_together(
-            tmp, {"disk_1": (*TIERS, "--disk", disk), "remote_a": (*TIERS, *remote, *SALT_1)}
-        )
-        res |= _run_together(
+        # One engine at a time, in this order: each reader starts after its writer exited.
+        res = run_engines(
             tmp,
             {
+                "disk_1": (*TIERS, "--disk", disk),
+                "remote_a": (*TIERS, *remote, *SALT_1),
                 "disk_2": (*TIERS, "--disk", disk),
                 "remote_b": (*TIERS, *remote, *SALT_1),
                 "remote_other_salt": (*TIERS, *remote, "--cache-salt", "tenant-2"),

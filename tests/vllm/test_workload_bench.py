@@ -19,6 +19,10 @@ pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
+# The A/B harness's runs (``benches/vllm_ab.py``, a minute and more): ``make bench-vllm`` runs
+# them, ``make test-vllm`` deselects them.
+ab_harness = pytest.mark.ab_harness
+
 BENCH = Path(__file__).resolve().parents[2] / "benches" / "vllm_workload.py"
 
 
@@ -104,6 +108,7 @@ def test_workload_is_seeded() -> None:
         assert 1 <= len(ca.turns) <= w.max_turns
 
 
+@ab_harness
 def test_ab_bench_runs_one_build_against_itself(tmp_path: Path) -> None:
     """``benches/vllm_ab.py`` with this build as the other one too (an A/A run): both engines
     finish the same requests in every round, and it reports each round and each method."""
@@ -129,6 +134,7 @@ def test_ab_bench_runs_one_build_against_itself(tmp_path: Path) -> None:
     assert "build_connector_meta" in out.stdout
 
 
+@ab_harness
 def test_ab_bench_whole_package_mode_runs_the_other_connector(tmp_path: Path) -> None:
     """``benches/vllm_ab.py`` against a whole package installed by ``ab_prepare.py``'s
     ``install_package`` (this build's, renamed ``kvbase``): the other engine runs the renamed
