@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KvOffloadConnector"]
 
+
 class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by kvoffload (see the package docstring)."""
 
