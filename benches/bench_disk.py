@@ -1,5 +1,5 @@
 """Disk tier throughput against a plain positioned write / read loop of the same bytes, and the
-engine thread's stall, in one run (issue 14, DESIGN.md §7: ≥ 80% of the plain loop for 2 MiB
+engine thread's stall, in one run (DESIGN.md §7: ≥ 80% of the plain loop for 2 MiB
 chunks; the engine's thread loses < 1% to disk I/O).
 
 Run::

@@ -29,7 +29,7 @@ Every write phase also records this process's CPU time and the server's, per thr
 the GB/s this machine's cores allow each writer (``bound``): client and server share the
 cores, the server's main thread and redis-py's one thread use at most one each. Those costs
 vary far less with the machine's load than the GB/s do. What they showed on the 2-core
-development machine (session 8, loaded by other builds): the server takes 0.26-0.47 CPU
+development machine (loaded by other builds): the server takes 0.26-0.47 CPU
 s/GB from any of our writers (half of it the kernel's copy out of the socket), the raw writer
 needs 0.29-0.37 of client CPU, our client 0.38-0.44 (the difference is CRC-32C), redis-py
 0.80-1.0 on one thread. So redis-py is bound near 1.1-1.2 GB/s by its own thread and any

@@ -75,7 +75,7 @@ def run(w: DiskWorker, batch: list[tuple], ok: bool = True) -> float:
 
 
 def floor_exe() -> str:
-    """The floor's binary (``examples/disk_floor.rs``), built first (a no-op when up to date)."""
+    """The floor's binary (``benches/tools/disk_floor.rs``), built first (a no-op if up to date)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = ["cargo", "build", "--release", "-q", "--example", "disk_floor"]
     subprocess.run(cmd, cwd=root, check=True)
@@ -83,7 +83,7 @@ def floor_exe() -> str:
 
 
 class Floor:
-    """The floor (``examples/disk_floor.rs``): the tier's jobs' bytes moved by a plain
+    """The floor (``benches/tools/disk_floor.rs``): the tier's jobs' bytes moved by a plain
     positioned write / read loop with CRC-32C, in a child process at CPU priority ``nice``
     (and on CPUs ``cpus`` when given, as the tier's pinned I/O threads), over a slab file of
     ``n`` slots at ``path``; jobs are submitted and polled like a worker's."""

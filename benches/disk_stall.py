@@ -1,4 +1,4 @@
-"""The engine thread's stall under disk I/O (issue 14: the engine's Python thread loses < 1% of
+"""The engine thread's stall under disk I/O (DESIGN.md §7: the engine's Python thread loses < 1% of
 its time to the disk tier), measured by a probe that is itself validated in the same run, and
 set against a floor: what moving the same bytes costs the engine thread without our tier.
 
@@ -35,7 +35,7 @@ kind took, so polls and submits come alike):
   that size is seen.
 * **disk**, per rate: B = the jobs do their I/O on the tier's thread. The goal is met when
   the whole interval ``mean ± 2 s.e.`` lies below 1%.
-* **floor**, per rate: B = the same jobs' bytes moved by ``examples/disk_floor.rs`` in a child
+* **floor**, per rate: B = the same jobs' bytes moved by ``benches/tools/disk_floor.rs`` in a child
   process (no GIL, none of the tier's code) at the tier's I/O threads' priority, on the same
   file system: per chunk its CRC-32C and its header block and data in one positioned write
   (``O_DIRECT`` when the tier uses it), one ``fdatasync`` per job, then the header blocks; a

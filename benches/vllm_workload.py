@@ -1,5 +1,5 @@
 """Scheduler-side cost of two KV-offloading connectors inside vLLM 0.32's real scheduler, on a
-closed-loop multi-turn chat workload (issue 12).
+closed-loop multi-turn chat workload.
 
 Run with the vLLM virtualenv (``make test-vllm`` builds it)::
 

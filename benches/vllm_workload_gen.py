@@ -1,4 +1,4 @@
-"""The workload and the engine of ``benches/vllm_workload.py`` (issue 12): the seeded multi-turn
+"""The workload and the engine of ``benches/vllm_workload.py``: the seeded multi-turn
 chat generator (:class:`Workload`, :class:`Conversations`) and vLLM 0.32's real ``Scheduler``
 built with either connector (:func:`build_scheduler`). See that file's docstring.
 """
@@ -23,7 +23,7 @@ MODEL_DIR = Path(__file__).resolve().parent.parent / "tests" / "vllm"
 
 @dataclass(frozen=True)
 class Workload:
-    """The closed-loop multi-turn chat workload of issue 12 (defaults) and its engine."""
+    """The closed-loop multi-turn chat workload (defaults) and its engine."""
 
     b: int = 64
     attention: str = "full"  # "full" or "hybrid"

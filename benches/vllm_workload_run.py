@@ -1,4 +1,4 @@
-"""One run of ``benches/vllm_workload.py`` (issue 12): the connector timers, the fake worker
+"""One run of ``benches/vllm_workload.py``: the connector timers, the fake worker
 that completes the plans' jobs, the step loop (:func:`run_workload`) and the comparison of two
 runs (:func:`compare`). See that file's docstring.
 """
@@ -89,7 +89,7 @@ class Timers:
         self._gc_start = 0.0
         # KVOFFLOAD_BENCH_TRACE=FILE: every outermost call's name and CLOCK_MONOTONIC interval
         # is written to FILE at close, to pick the connector's samples out of a
-        # `perf record -k CLOCK_MONOTONIC` profile of the whole run (benches/perf_calls.py).
+        # `perf record -k CLOCK_MONOTONIC` profile of the whole run (benches/ab/perf_calls.py).
         self.trace_path = os.environ.get("KVOFFLOAD_BENCH_TRACE")
         self.trace: list[tuple[str, float, float]] = []
         gc.callbacks.append(self._gc_pause)
@@ -311,7 +311,7 @@ def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResul
 
 
 class WorkloadRun:
-    """One run of the workload, a step at a time (``benches/vllm_ab.py`` interleaves two)."""
+    """One run of the workload, a step at a time (``benches/ab/vllm_ab.py`` interleaves two)."""
 
     def __init__(
         self,

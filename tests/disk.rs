@@ -1,4 +1,4 @@
-//! The disk tier against its acceptance points (issue 14): every served byte equals the byte
+//! The disk tier against its guarantees: every served byte equals the byte
 //! oracle (a chunk's bytes are a function of its key), restarts rebuild the index from the
 //! headers, 1,000 injected corruptions are 1,000 misses, the bound holds under a workload 10×
 //! the tier, and 20 processes killed with SIGKILL while writing lose no committed chunk and

@@ -1,4 +1,4 @@
-//! Integration tests of the CPU pool's public API: the reference scenario of issue 3, every
+//! Integration tests of the CPU pool's public API: the reference scenario of DESIGN.md §5, every
 //! rule of DESIGN.md §5 for both policies, and a property test that runs random operations
 //! against a naive `Vec`-based model of each policy, checking the invariants after every step.
 
@@ -65,7 +65,7 @@ fn observe(p: &Pool, universe: &[u128]) -> (Vec<KeyState>, Vec<Option<SlotId>>, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The reference scenario of issue 3.
+// The reference scenario of DESIGN.md §5.
 
 #[test]
 fn reference_scenario_lru() {

@@ -215,7 +215,7 @@ fn bad_input_changes_nothing() {
 
 #[test]
 fn a_duplicated_report_does_not_publish_a_torn_store() {
-    // Issue 10, item 9: with two workers, worker 0's duplicated report must not stand in for
+    // With two workers, worker 0's duplicated report must not stand in for
     // worker 1's, whose copy may still be running.
     let mut s = Scheduler::new(workers(2)).unwrap();
     let ks = keys(2);

@@ -1,4 +1,4 @@
-"""The shared tier's faults at the engine level (issue 15): a simulated engine (scheduler,
+"""The shared tier's faults at the engine level: a simulated engine (scheduler,
 transfer engine, remote worker, byte oracle) runs a chat workload while the server is killed,
 restarted empty, flushed and slowed past the deadline (a delay proxy). Every request finishes,
 nothing wrong is served, probation and recovery are counted, and no lookup waits for the

@@ -1,4 +1,4 @@
-"""The core's Python surface under hostile input (issue 11, items 2, 4, 5 and 9).
+"""The core's Python surface under hostile input.
 
 - Every public entry point of ``OffloadScheduler``, ``OffloadConfig``, ``StepInput``, ``CpuPool``
   and ``JobTracker``, called with arbitrary types and values, raises only ``kvoffload.errors``

@@ -1,4 +1,4 @@
-"""The data plane's surface under hostile use (issue 11): memory safety of the core copy, no
+"""The data plane's surface under hostile use: memory safety of the core copy, no
 leak of an engine dropped in a reference cycle, thread safety of poll/wait/fence, the one
 worker-step call, one copy path for test hooks, and bad input.
 

@@ -488,7 +488,7 @@ fn one_failed_report_fails_the_job() {
 
 #[test]
 fn a_duplicated_report_never_stands_in_for_another_worker() {
-    // The torn store of issue 10, item 9: with two workers, worker 0 reports twice while
+    // A torn store: with two workers, worker 0 reports twice while
     // worker 1 may still be copying. The job stays pending, and fenced, until worker 1 reports.
     let mut t = tracker(2, 8);
     t.release(O1);

@@ -1,7 +1,7 @@
 //! `io_cpus`: the CPUs the lower tiers' I/O threads may run on.
 //!
 //! On a machine with few cores, the I/O threads' checksums and copies take CPU time from the
-//! engine's Python thread even at the lowest priority (issue 14's stall goal). Pinned to a CPU
+//! engine's Python thread even at the lowest priority (the stall budget, DESIGN.md §7). Pinned to a CPU
 //! set of their own (and the engine kept off it), they cannot. A [`CpuSet`] is checked once,
 //! when it is made, before any thread starts; each I/O thread then pins itself
 //! ([`CpuSet::pin_current_thread`]) and the threads it starts (the checksum helpers, the shared

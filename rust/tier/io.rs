@@ -18,7 +18,7 @@
 //!
 //! The I/O threads of a worker with a disk tier run at the lowest CPU priority (nice 19,
 //! [`lower_thread_priority`]): the checksums and copies of a write-behind must not take the
-//! CPU from the engine's Python thread on a small machine (issue 14's stall goal).
+//! CPU from the engine's Python thread on a small machine (the stall budget, DESIGN.md §7).
 //! [`TierWorker::low_priority_threads`] says how many got it (a sandbox may refuse). A worker
 //! of the shared tier alone keeps the engine's priority: its threads mostly wait on the
 //! network, and at nice 19 on a loaded machine they starved.

@@ -1,10 +1,10 @@
 """The lower tiers end to end in real vLLM engines (CPU backend, one forked process per engine).
 
-* Disk restart (issue 14): engine 1 runs the prompts with ``disk_path`` set and exits after its
+* Disk restart: engine 1 runs the prompts with ``disk_path`` set and exits after its
   write-behind finished; engine 2, a new process on the same directory, serves the same prompts:
   equal greedy outputs, and its prefill skips what the disk tier held (vLLM's
   ``num_cached_tokens``; a fresh engine has nothing in its GPU prefix cache or CPU pool).
-* Shared tier (issue 15): engines A and B configured with the same ``remote_url`` (a
+* Shared tier: engines A and B configured with the same ``remote_url`` (a
   ``redis-server`` this test starts) and ``cache_salt``: B serves A's prefixes with equal
   outputs and less prefill; engine C with another salt shares nothing.
 

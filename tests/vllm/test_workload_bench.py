@@ -19,11 +19,12 @@ pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-# The A/B harness's runs (``benches/vllm_ab.py``, a minute and more): ``make bench-vllm`` runs
+# The A/B harness's runs (``benches/ab/vllm_ab.py``, a minute and more): ``make bench-vllm`` runs
 # them, ``make test-vllm`` deselects them.
 ab_harness = pytest.mark.ab_harness
 
 BENCH = Path(__file__).resolve().parents[2] / "benches" / "vllm_workload.py"
+AB = BENCH.parent / "ab"
 
 
 def _bench() -> Any:
@@ -110,7 +111,7 @@ def test_workload_is_seeded() -> None:
 
 @ab_harness
 def test_ab_bench_runs_one_build_against_itself(tmp_path: Path) -> None:
-    """``benches/vllm_ab.py`` with this build as the other one too (an A/A run): both engines
+    """``benches/ab/vllm_ab.py`` with this build as the other one too (an A/A run): both engines
     finish the same requests in every round, and it reports each round and each method."""
     import subprocess
 
@@ -121,7 +122,7 @@ def test_ab_bench_runs_one_build_against_itself(tmp_path: Path) -> None:
     (kvbase / "__init__.py").write_text("")
     so = Path(core.__file__)
     (kvbase / so.name).write_bytes(so.read_bytes())
-    ab = BENCH.with_name("vllm_ab.py")
+    ab = AB / "vllm_ab.py"
     argv = [sys.executable, str(ab), str(tmp_path), "--b", "8", "--rounds", "2"]
     out = subprocess.run(
         [*argv, "--steps", "12", "--warmup", "12"], capture_output=True, text=True, timeout=600
@@ -136,23 +137,23 @@ def test_ab_bench_runs_one_build_against_itself(tmp_path: Path) -> None:
 
 @ab_harness
 def test_ab_bench_whole_package_mode_runs_the_other_connector(tmp_path: Path) -> None:
-    """``benches/vllm_ab.py`` against a whole package installed by ``ab_prepare.py``'s
+    """``benches/ab/vllm_ab.py`` against a whole package installed by ``ab_prepare.py``'s
     ``install_package`` (this build's, renamed ``kvbase``): the other engine runs the renamed
     connector and its core, and both finish the same requests."""
     import subprocess
 
     import kvoffload
 
-    sys.path.insert(0, str(BENCH.parent))
+    sys.path.insert(0, str(AB))
     try:
         from ab_prepare import install_package
     finally:
-        sys.path.remove(str(BENCH.parent))
+        sys.path.remove(str(AB))
     dest = install_package(Path(kvoffload.__file__).parent, tmp_path)
     side = (dest / "integrations" / "vllm" / "scheduler_side.py").read_text()
     assert "from kvbase.errors import" in side
     assert "kvoffload" not in side
-    ab = BENCH.with_name("vllm_ab.py")
+    ab = AB / "vllm_ab.py"
     argv = [sys.executable, str(ab), str(tmp_path), "--b", "8", "--rounds", "2"]
     out = subprocess.run(
         [*argv, "--steps", "12", "--warmup", "12"], capture_output=True, text=True, timeout=600

@@ -24,7 +24,7 @@
 //!
 //! [`DiskTier`] puts both halves in one process (simulator, CLI, tests, benches).
 //!
-//! Why not `foyer` (issue 14 asked to evaluate it first): its hybrid cache owns the index
+//! Why not `foyer` (evaluated first): its hybrid cache owns the index
 //! and the I/O in one process behind an async (tokio) API, and rebuilds its index in the
 //! process that opens the device. In vLLM the scheduler (which must answer lookups
 //! synchronously, in microseconds, and plan which chunk goes where) and the workers (which

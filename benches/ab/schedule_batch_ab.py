@@ -9,7 +9,7 @@ buffer is rewritten, so each call starts with cold caches, as inside vLLM.
 Run (the other build's ``_core*.so`` copied into ``DIR/kvbase/`` with an empty
 ``__init__.py``)::
 
-    .venv/bin/python benches/schedule_batch_ab.py DIR [--b 512] [--steps 400]
+    .venv/bin/python benches/ab/schedule_batch_ab.py DIR [--b 512] [--steps 400]
 
 It prints the median µs per ``schedule_batch`` call and per ``complete_counts`` call of each
 build (calls alternate which build goes first) and their ratios.

@@ -7,12 +7,12 @@ so the ratio is the evidence for a change of a few percent, where separate runs 
 
 Two ways to give the other build (in ``.venv-vllm``)::
 
-    .venv-vllm/bin/python benches/vllm_ab.py DIR [--b 512] [--attention full] [--rounds 2]
+    .venv-vllm/bin/python benches/ab/vllm_ab.py DIR [--b 512] [--attention full] [--rounds 2]
 
 * The core alone: its ``_core*.so`` copied into ``DIR/kvbase/`` with an empty
   ``__init__.py``, as for ``schedule_batch_ab.py``. Both engines run this checkout's
   connector (``kvoffload.integrations.vllm``); the other one builds the other core.
-* The whole package: ``benches/ab_prepare.py REV DIR`` builds revision ``REV`` and installs
+* The whole package: ``benches/ab/ab_prepare.py REV DIR`` builds revision ``REV`` and installs
   its package as ``DIR/kvbase`` (``kvoffload`` renamed in its Python sources). The other
   engine then runs that revision's connector (``kvbase.integrations.vllm``) and its core, so
   a change to the adapter's Python is measured too. The other core still raises this
@@ -35,7 +35,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The workload and its runner live one folder up, in benches/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_workload import _pin
 from vllm_workload_gen import Workload
 from vllm_workload_run import WorkloadRun

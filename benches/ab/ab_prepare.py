@@ -1,12 +1,12 @@
 """Builds a revision of this repository and installs its whole package as ``DIR/kvbase``
 (``kvoffload`` renamed ``kvbase`` in its Python sources): the other build of
-``benches/vllm_ab.py``'s whole-package mode (its connector and its core), and through
+``benches/ab/vllm_ab.py``'s whole-package mode (its connector and its core), and through
 ``DIR/kvbase/_core*.so`` of the core-only harnesses (``schedule_batch_ab.py``,
 ``request_calls_ab.py``). Run from the checkout, in ``.venv-vllm`` (its maturin); the build
 reuses this checkout's ``target/``::
 
-    .venv-vllm/bin/python benches/ab_prepare.py HEAD~1 /tmp/base
-    .venv-vllm/bin/python benches/vllm_ab.py /tmp/base --rounds 4
+    .venv-vllm/bin/python benches/ab/ab_prepare.py HEAD~1 /tmp/base
+    .venv-vllm/bin/python benches/ab/vllm_ab.py /tmp/base --rounds 4
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def install_package(package: Path, into: Path) -> Path:

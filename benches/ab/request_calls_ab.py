@@ -15,7 +15,7 @@ answers are compared.
 Run (the other build's ``_core*.so`` copied into ``DIR/kvbase/`` with an empty
 ``__init__.py``)::
 
-    .venv/bin/python benches/request_calls_ab.py DIR [--rounds 120] [--per-round 4]
+    .venv/bin/python benches/ab/request_calls_ab.py DIR [--rounds 120] [--per-round 4]
 
 It prints, per call, the median µs of each build over the timed requests and their ratio.
 """

@@ -7,7 +7,7 @@ taken inside the connector's timed calls, by the call intervals the bench writes
         -- .venv-vllm/bin/python benches/vllm_workload.py --b 512 --attention full \\
         --connectors ours
     perf script -i /tmp/p.data -F time,ip,sym,dso --ns > /tmp/p.script
-    python3 benches/perf_calls.py /tmp/calls.txt < /tmp/p.script
+    python3 benches/ab/perf_calls.py /tmp/calls.txt < /tmp/p.script
 
 It prints the samples per connector method, then per shared object and per symbol (the top
 ``--top``), over the whole run's calls or only one method's (``--method``).
