@@ -473,8 +473,15 @@ class RedisCluster:
 
     @staticmethod
     def _wait(ok: object, timeout: float = 30.0) -> None:
+        """Polls ``ok`` until it holds; a node not listening yet (``redis-cli`` failing) is
+        not ready, not an error."""
         end = time.monotonic() + timeout
-        while not ok():  # type: ignore[operator]
+        while True:
+            try:
+                if ok():  # type: ignore[operator]
+                    return
+            except subprocess.CalledProcessError:
+                pass
             if time.monotonic() > end:
                 raise RuntimeError("the Redis cluster did not become ready")
             time.sleep(0.05)
