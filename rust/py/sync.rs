@@ -15,7 +15,7 @@
 //! with the same error: a core that stopped half-way through a call is never used again.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
 use pyo3::prelude::*;
 
@@ -25,33 +25,30 @@ use super::errors::InternalError;
 /// attached. A poisoned lock (an earlier call panicked while holding it) raises
 /// `InternalError`.
 pub fn lock<T: Send>(m: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
-    loop {
-        match m.try_lock() {
-            Ok(g) => return Ok(g),
-            Err(TryLockError::Poisoned(_)) => {
-                return Err(InternalError::new_err(
-                    "an earlier call panicked inside this object's core (a bug in kvoffload; its \
-                     message is on stderr): its state may be half-applied, so it refuses every \
-                     call; build a new one",
-                ))
-            }
-            Err(TryLockError::WouldBlock) => {
-                // Wait for the holder without the GIL, then retry with it: a guard cannot leave
-                // the detached closure (it is not `Send`).
-                Python::attach(|py| py.detach(|| drop(m.lock())));
-            }
-        }
-    }
+    take(m).map_err(|_| {
+        InternalError::new_err(
+            "an earlier call panicked inside this object's core (a bug in kvoffload; its \
+             message is on stderr): its state may be half-applied, so it refuses every call; \
+             build a new one",
+        )
+    })
 }
 
 /// [`lock`] for a lock that guards only a cache of the bindings (never core state): a poisoned
 /// one is taken as is.
 pub fn lock_cache<T: Send>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    take(m).unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The lock discipline of [`lock`] and [`lock_cache`]: `Err` holds a poisoned lock's guard.
+fn take<T: Send>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>, PoisonError<MutexGuard<'_, T>>> {
     loop {
         match m.try_lock() {
-            Ok(g) => return g,
-            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+            Ok(g) => return Ok(g),
+            Err(TryLockError::Poisoned(p)) => return Err(p),
             Err(TryLockError::WouldBlock) => {
+                // Wait for the holder without the GIL, then retry with it: a guard cannot leave
+                // the detached closure (it is not `Send`).
                 Python::attach(|py| py.detach(|| drop(m.lock())));
             }
         }
