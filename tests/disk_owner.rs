@@ -21,6 +21,16 @@ use kvoffload::Key;
 
 const LEN: usize = 8192;
 
+/// The tests of this binary one at a time: one of them spawns a process, and a lock file's
+/// descriptor lives in the forked child until its `exec` (close-on-exec), so a test that
+/// drops a tier and reopens it at that moment would find the directory still locked.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kvo-owner-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -53,6 +63,7 @@ fn put(t: &mut DiskTier, key: u128) {
 
 #[test]
 fn a_second_opener_in_this_process_is_refused_naming_the_directory_and_holder() {
+    let _serial = serial();
     let root = tmp("twice");
     let mut first = DiskTier::open(&opts(&root, 4), &ns()).unwrap();
     put(&mut first, 1);
@@ -81,6 +92,7 @@ const HOLD_DIR: &str = "KVOFFLOAD_HOLD_DIR";
 #[test]
 #[ignore = "child process of a_second_process_is_refused"]
 fn hold_child() {
+    let _serial = serial();
     let Some(d) = std::env::var_os(HOLD_DIR) else {
         return;
     };
@@ -94,6 +106,7 @@ fn hold_child() {
 
 #[test]
 fn a_second_process_is_refused() {
+    let _serial = serial();
     let root = tmp("process");
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
@@ -136,6 +149,7 @@ fn made(name: &str) -> PathBuf {
 
 #[test]
 fn a_symbolic_link_in_the_tier_is_refused_and_its_target_untouched() {
+    let _serial = serial();
     for name in [SLAB_FILE, LAYOUT_FILE, LOCK_FILE] {
         let root = made(&format!("link-{name}"));
         let target = root.join("precious");
@@ -165,6 +179,7 @@ fn a_symbolic_link_in_the_tier_is_refused_and_its_target_untouched() {
 
 #[test]
 fn a_hard_linked_slab_is_refused() {
+    let _serial = serial();
     let root = made("hardlink");
     let other = root.join("other-name");
     std::fs::hard_link(dir(&root).join(SLAB_FILE), &other).unwrap();
@@ -181,6 +196,7 @@ fn mode(p: &Path) -> u32 {
 
 #[test]
 fn files_and_directories_are_owner_only() {
+    let _serial = serial();
     let root = made("modes");
     let d = dir(&root);
     assert_eq!(mode(&d), 0o700);
@@ -197,6 +213,7 @@ fn files_and_directories_are_owner_only() {
 
 #[test]
 fn the_layout_note_is_left_alone_when_unchanged_and_replaced_atomically() {
+    let _serial = serial();
     let root = made("note");
     let note = dir(&root).join(LAYOUT_FILE);
     // An old timestamp: a rewrite would change it.
@@ -224,6 +241,7 @@ fn the_layout_note_is_left_alone_when_unchanged_and_replaced_atomically() {
 
 #[test]
 fn a_clean_close_syncs_what_it_acknowledged() {
+    let _serial = serial();
     // Without per-batch barriers, nothing is synced until the close; with them, the last
     // batch's headers still are only in the page cache until the close.
     for (sync, before) in [(false, 0), (true, 1)] {
@@ -244,6 +262,7 @@ fn a_clean_close_syncs_what_it_acknowledged() {
 
 #[test]
 fn headers_carry_the_tensor_layout_and_another_layout_reads_nothing() {
+    let _serial = serial();
     let root = tmp("layout");
     let layout = SlabLayout::new(LEN as u64, opts(&root, 4).disk_bytes).unwrap();
     let place = ns();
