@@ -9,7 +9,7 @@ use kvoffload::policy::PolicyKind;
 use kvoffload::pool::KeyState;
 use kvoffload::scheduler::{Scheduler, StepPlan, TierAdmission, TierJobKind};
 use kvoffload::tier::disk::{DiskIndex, SlabLayout, BLOCK};
-use kvoffload::tier::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
+use kvoffload::tier::{Location, Medium, TierEvent, TierIndex, TierStats, TierWritePlan};
 use kvoffload::{BlockId, Key};
 
 mod tier_support;
@@ -30,8 +30,8 @@ fn disk(held: &[Key]) -> DiskIndex {
 struct Shared(DiskIndex);
 
 impl TierIndex for Shared {
-    fn medium(&self) -> &'static str {
-        "remote"
+    fn medium(&self) -> Medium {
+        Medium::Remote
     }
     fn state(&self, key: Key) -> KeyState {
         self.0.state(key)
@@ -78,7 +78,7 @@ fn scheduler(on_disk: &[Key], shared: &[Key], admit_shared: TierAdmission) -> Sc
 
 /// Completes every store and tier job of `plan` (ok); returns the tier jobs as
 /// `(kind, medium, keys)`.
-fn run(s: &mut Scheduler, plan: &StepPlan) -> Vec<(TierJobKind, &'static str, Vec<Key>)> {
+fn run(s: &mut Scheduler, plan: &StepPlan) -> Vec<(TierJobKind, Medium, Vec<Key>)> {
     for j in &plan.stores {
         s.complete(j.id, 0, true).unwrap();
     }
@@ -97,7 +97,7 @@ fn compute(
     s: &mut Scheduler,
     id: &'static str,
     blocks: [u32; 5],
-) -> Vec<(TierJobKind, &'static str, Vec<Key>)> {
+) -> Vec<(TierJobKind, Medium, Vec<Key>)> {
     s.add_request(id, 17, keys()).unwrap();
     assert_eq!(s.lookup(id, 0).unwrap(), Some(0));
     s.allocate(id, &[blocks.iter().copied().map(BlockId).collect()], 0, 0)
@@ -116,14 +116,14 @@ fn a_stored_chunk_is_written_behind_to_each_tier() {
     assert_eq!(
         jobs,
         [
-            (TierJobKind::Write, "disk", keys()),
-            (TierJobKind::Write, "remote", keys())
+            (TierJobKind::Write, Medium::Disk, keys()),
+            (TierJobKind::Write, Medium::Remote, keys())
         ]
     );
     let st = s.tier_stats();
     assert_eq!(
         (st[0].medium, st[1].medium),
-        ("disk", "remote"),
+        (Medium::Disk, Medium::Remote),
         "nearest first"
     );
     assert!(st.iter().all(|t| t.tier.writes == 4 && t.pending == 0));
@@ -147,15 +147,15 @@ fn a_lookup_promotes_each_chunk_from_the_nearest_tier_holding_it() {
     assert_eq!(
         jobs,
         [
-            (TierJobKind::Promote, "disk", vec![k[0], k[2]]),
-            (TierJobKind::Promote, "remote", vec![k[1], k[3]]),
+            (TierJobKind::Promote, Medium::Disk, vec![k[0], k[2]]),
+            (TierJobKind::Promote, Medium::Remote, vec![k[1], k[3]]),
         ]
     );
     let plan = s.schedule(&step(&[], &[], &[])).unwrap();
     // Chunks promoted from the shared tier are written behind to the disk (which lacked them).
     assert_eq!(
         run(&mut s, &plan),
-        [(TierJobKind::Write, "disk", vec![k[1], k[3]])]
+        [(TierJobKind::Write, Medium::Disk, vec![k[1], k[3]])]
     );
     assert_eq!(s.lookup("b", 0).unwrap(), Some(16));
     let st = s.tier_stats();
@@ -172,7 +172,7 @@ fn chunks_on_both_tiers_come_from_the_disk_only() {
     let plan = s.schedule(&step(&[], &[], &[])).unwrap();
     assert_eq!(
         run(&mut s, &plan),
-        [(TierJobKind::Promote, "disk", k.clone())]
+        [(TierJobKind::Promote, Medium::Disk, k.clone())]
     );
     let plan = s.schedule(&step(&[], &[], &[])).unwrap();
     assert!(
@@ -189,7 +189,7 @@ fn a_shared_tier_admitting_on_reuse_gets_chunks_once_they_were_loaded() {
     let mut s = scheduler(&[], &[], TierAdmission { min_hits: 1 });
     assert_eq!(
         compute(&mut s, "a", [1, 2, 3, 4, 5]),
-        [(TierJobKind::Write, "disk", k.clone())],
+        [(TierJobKind::Write, Medium::Disk, k.clone())],
         "the shared tier waits for reuse"
     );
     // "b" reuses the prefix from the CPU pool: once its load completed, the chunks go down.
@@ -205,7 +205,7 @@ fn a_shared_tier_admitting_on_reuse_gets_chunks_once_they_were_loaded() {
     let plan = s.schedule(&step(&[], &["b"], &[])).unwrap();
     assert_eq!(
         run(&mut s, &plan),
-        [(TierJobKind::Write, "remote", k.clone())]
+        [(TierJobKind::Write, Medium::Remote, k.clone())]
     );
     // Another load of the same chunks writes nothing more (admitted once, at the first).
     s.add_request("c", 17, k.clone()).unwrap();

@@ -131,7 +131,10 @@ fn fill(root: &Path) {
     let mut s = fill_with(root, None);
     let ev = s.take_tier_events();
     assert_eq!(ev.len(), 1);
-    assert_eq!((ev[0].1.medium, ev[0].1.keys.clone()), ("disk", keys()));
+    assert_eq!(
+        (ev[0].1.medium, ev[0].1.keys.clone()),
+        (kvoffload::tier::Medium::Disk, keys())
+    );
 }
 
 /// [`fill`] with the scheduler's event queues bounded to `limit` keys, if given.

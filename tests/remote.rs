@@ -252,7 +252,7 @@ fn parallel_batches_keep_every_chunk_apart() {
 mod index {
     use super::*;
     use kvoffload::pool::KeyState;
-    use kvoffload::tier::remote_index::{RemoteIndex, RemoteIndexConfig};
+    use kvoffload::tier::remote::{RemoteIndex, RemoteIndexConfig};
     use kvoffload::tier::TierIndex;
     use std::sync::Arc;
 
@@ -382,7 +382,7 @@ mod index {
         assert_eq!(ev.len(), 1);
         assert_eq!(
             (ev[0].medium, ev[0].keys.clone()),
-            ("remote", ks[..2].to_vec())
+            (kvoffload::tier::Medium::Remote, ks[..2].to_vec())
         );
     }
 

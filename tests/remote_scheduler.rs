@@ -77,7 +77,7 @@ impl Engine {
         for j in &plan.tier_jobs {
             let ok = done.iter().find(|(id, _)| *id == j.id).unwrap().1;
             seen.push((j.kind.name(), ok));
-            assert_eq!(j.medium, "remote");
+            assert_eq!(j.medium, kvoffload::tier::Medium::Remote);
             self.s.complete(j.id, 0, ok).unwrap();
         }
         seen

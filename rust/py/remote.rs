@@ -20,10 +20,10 @@ use crate::ids::Key;
 use crate::py::sync::guarded;
 use crate::tier::io::RemoteGroup;
 use crate::tier::namespace::Namespace;
+use crate::tier::remote::MEDIUM;
 use crate::tier::remote::{
     ChunkNames, ReadItem, ReadOutcome, RemoteClient as Client, RemoteConfig, WriteItem,
 };
-use crate::tier::remote_index::MEDIUM;
 
 /// The chunk buffer of a call, checked: its base address and the bytes of one chunk.
 fn chunk_buffer(buf: &PyBuffer<u8>, n: usize, writable: bool, what: &str) -> PyResult<usize> {

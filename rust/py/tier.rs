@@ -9,9 +9,8 @@ use pyo3::types::PyDict;
 use super::errors::KvOffloadError;
 use crate::ids::{JobId, Key};
 use crate::scheduler::{TierGroupStats, TierJob, TierJobKind};
-use crate::tier::disk::MEDIUM as DISK;
 use crate::tier::io::WorkerJob;
-use crate::tier::Location;
+use crate::tier::{Location, Medium};
 
 /// One tier job as a plan carries it: `(job_id, kind, medium, group, keys, cpu_slots, places,
 /// generations)`.
@@ -43,7 +42,7 @@ pub fn tier_job_tuple(j: TierJob) -> TierJobTuple {
     (
         j.id.0,
         j.kind.name(),
-        j.medium,
+        j.medium.as_str(),
         j.group,
         j.keys.iter().map(|k| k.0).collect(),
         j.cpu_slots,
@@ -63,7 +62,7 @@ pub(crate) use set_counters;
 /// One group's tier counters as a dict.
 pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("medium", s.medium)?;
+    d.set_item("medium", s.medium.as_str())?;
     d.set_item("group", s.group)?;
     let t = &s.tier;
     set_counters!(
@@ -116,7 +115,7 @@ pub fn tier_stats_dict<'py>(py: Python<'py>, s: &TierGroupStats) -> PyResult<Bou
 }
 
 /// Tier jobs as plans carry them, checked, for a worker of `medium`.
-pub fn worker_jobs(jobs: Vec<TierJobArg>, medium_of_worker: &str) -> PyResult<Vec<WorkerJob>> {
+pub fn worker_jobs(jobs: Vec<TierJobArg>, medium_of_worker: Medium) -> PyResult<Vec<WorkerJob>> {
     let mut out = Vec::with_capacity(jobs.len());
     for (id, kind, medium, group, keys, cpu_slots, places, gens) in jobs {
         let kind = match kind.as_str() {
@@ -128,7 +127,7 @@ pub fn worker_jobs(jobs: Vec<TierJobArg>, medium_of_worker: &str) -> PyResult<Ve
                 )))
             }
         };
-        if medium != medium_of_worker {
+        if medium != medium_of_worker.as_str() {
             return Err(KvOffloadError::new_err(format!(
                 "tier job {id}: medium {medium:?} is not {medium_of_worker:?}"
             )));
@@ -161,14 +160,6 @@ pub fn worker_jobs(jobs: Vec<TierJobArg>, medium_of_worker: &str) -> PyResult<Ve
 /// Words (little-endian `u64`) per chunk row of a packed tier-job buffer.
 pub const TIER_ROW_WORDS: usize = 8;
 
-/// The code of a medium in a packed tier-job buffer.
-fn medium_code(medium: &str) -> u64 {
-    match medium {
-        DISK => 0,
-        _ => 1,
-    }
-}
-
 /// A plan's tier jobs packed for a worker: one row of [`TIER_ROW_WORDS`] little-endian `u64`
 /// per chunk, `job id, kind (0 write, 1 promote) | medium (0 disk, 1 remote) << 8, group, key
 /// (low 64 bits), key (high 64 bits), CPU slot, place, generation`; a job's rows are
@@ -180,7 +171,7 @@ pub fn encode_tier_jobs(jobs: &[TierJob]) -> Vec<u8> {
         let kind = match j.kind {
             TierJobKind::Write => 0,
             TierJobKind::Promote => 1,
-        } | (medium_code(j.medium) << 8);
+        } | (j.medium.code() << 8);
         for ((k, &slot), loc) in j.keys.iter().zip(&j.cpu_slots).zip(&j.locations) {
             let row: [u64; TIER_ROW_WORDS] = [
                 j.id.0,
@@ -205,7 +196,7 @@ pub fn encode_tier_jobs(jobs: &[TierJob]) -> Vec<u8> {
 /// has a worker for each, both handed the plan's buffer). A buffer that is not whole rows, an
 /// unknown kind or medium, a value out of range or a job whose rows are not consecutive raises
 /// `KvOffloadError` naming the row.
-pub fn decode_tier_jobs(buf: &[u8], medium: &str) -> PyResult<Vec<WorkerJob>> {
+pub fn decode_tier_jobs(buf: &[u8], medium: Medium) -> PyResult<Vec<WorkerJob>> {
     let row_bytes = TIER_ROW_WORDS * 8;
     if buf.len() % row_bytes != 0 {
         return Err(KvOffloadError::new_err(format!(
@@ -230,7 +221,7 @@ pub fn decode_tier_jobs(buf: &[u8], medium: &str) -> PyResult<Vec<WorkerJob>> {
             }
         };
         match w[1] >> 8 {
-            m if m == medium_code(medium) => {}
+            m if m == medium.code() => {}
             // The other tier's job: that tier's worker runs it.
             0 | 1 => continue,
             m => {
@@ -276,9 +267,10 @@ pub fn decode_tier_jobs(buf: &[u8], medium: &str) -> PyResult<Vec<WorkerJob>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tier::remote_index::MEDIUM as REMOTE;
+    const DISK: Medium = Medium::Disk;
+    const REMOTE: Medium = Medium::Remote;
 
-    fn job(id: u64, kind: TierJobKind, medium: &'static str, keys: &[u128]) -> TierJob {
+    fn job(id: u64, kind: TierJobKind, medium: Medium, keys: &[u128]) -> TierJob {
         TierJob {
             id: JobId(id),
             kind,
@@ -320,7 +312,7 @@ mod tests {
             job(6, TierJobKind::Promote, REMOTE, &[3]),
             job(7, TierJobKind::Write, REMOTE, &[4, 5]),
         ]);
-        let ids = |m: &str| -> Vec<u64> {
+        let ids = |m: Medium| -> Vec<u64> {
             let jobs = decode_tier_jobs(&mixed, m).unwrap();
             jobs.iter().map(|j| j.id.0).collect()
         };

@@ -30,6 +30,7 @@ use crate::tier::disk::{
 };
 use crate::tier::io::{CpuRegion, RemoteGroup, TierGroup, TierWorker as Io};
 use crate::tier::namespace::Namespace;
+use crate::tier::Medium;
 
 /// One region as given: `(buffer, offset, stride, row_bytes)`.
 pub type RegionArg = (usize, usize, usize, usize);
@@ -97,7 +98,7 @@ pub type OpenGroup = (Option<SlabFile>, Option<RemoteGroup>);
 pub struct TierWorker {
     /// `None` once closed.
     inner: RwLock<Option<Io>>,
-    medium: &'static str,
+    medium: Medium,
     /// Keeps every registered buffer alive and unresizable.
     _buffers: Vec<PyBuffer<u8>>,
 }
@@ -113,7 +114,7 @@ impl TierWorker {
     #[allow(clippy::too_many_arguments)]
     pub fn open(
         what: &str,
-        medium: &'static str,
+        medium: Medium,
         buffers: &[Bound<'_, PyAny>],
         groups: Vec<(usize, u32, Vec<RegionArg>)>,
         blocks_per_chunk: u32,
@@ -195,7 +196,7 @@ impl TierWorker {
     /// The tier's medium: `"disk"` or `"remote"`.
     #[getter]
     fn medium(&self) -> PyResult<&'static str> {
-        guarded(|| Ok(self.medium))
+        guarded(|| Ok(self.medium.as_str()))
     }
 
     /// Queues tier jobs as `StepPlan.tier_jobs` carries them; returns at once.

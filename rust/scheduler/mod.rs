@@ -49,8 +49,6 @@ mod reset;
 mod spares;
 mod step;
 mod stores;
-mod tier_attach;
-mod tier_deadline;
 mod tiers;
 
 use rustc_hash::FxHashMap;
@@ -193,7 +191,7 @@ pub struct Scheduler {
     reset_tier_flush: Vec<JobId>,
     /// Counters.
     stats: SchedulerStats,
-    /// Per group, its lower tiers, nearest first (`tiers.rs`); empty when none is attached.
+    /// Per group, its lower tiers, nearest first (`tiers/`); empty when none is attached.
     tiers: Vec<Vec<tiers::GroupTier>>,
     /// Tier jobs created since the previous plan.
     new_tier_jobs: Vec<TierJob>,

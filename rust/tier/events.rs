@@ -5,12 +5,12 @@
 use crate::ids::Key;
 use crate::pool::PoolEventKind;
 
-use super::TierEvent;
+use super::{Medium, TierEvent};
 
 /// A tier's event queue. See the module documentation.
 #[derive(Clone, Debug)]
 pub struct TierEvents {
-    medium: &'static str,
+    medium: Medium,
     events: Vec<TierEvent>,
     keys: usize,
     limit: usize,
@@ -19,7 +19,7 @@ pub struct TierEvents {
 
 impl TierEvents {
     /// An empty queue of events of `medium`, bounded to `limit` keys (0: records nothing).
-    pub fn new(medium: &'static str, limit: usize) -> Self {
+    pub fn new(medium: Medium, limit: usize) -> Self {
         Self {
             medium,
             events: Vec::new(),
@@ -74,14 +74,17 @@ mod tests {
 
     #[test]
     fn a_full_queue_drops_whole_events_and_counts_them() {
-        let mut q = TierEvents::new("disk", 3);
+        let mut q = TierEvents::new(Medium::Disk, 3);
         q.push(PoolEventKind::Stored, vec![Key(1), Key(2)]);
         q.push(PoolEventKind::Stored, vec![Key(3), Key(4)]);
         q.push(PoolEventKind::Removed, vec![Key(1)]);
         assert_eq!((q.dropped(), q.queued_keys()), (1, 3));
         let e = q.take();
         assert_eq!(e.len(), 2);
-        assert_eq!((e[1].kind, e[1].medium), (PoolEventKind::Removed, "disk"));
+        assert_eq!(
+            (e[1].kind, e[1].medium),
+            (PoolEventKind::Removed, Medium::Disk)
+        );
         q.set_limit(0);
         q.push(PoolEventKind::Stored, vec![Key(5)]);
         assert!(q.take().is_empty());

@@ -37,7 +37,6 @@ pub mod health;
 pub mod io;
 pub mod namespace;
 pub mod remote;
-pub mod remote_index;
 
 use crate::error::Result;
 use crate::ids::Key;
@@ -65,11 +64,54 @@ pub struct TierWritePlan {
     pub evicted: Vec<Key>,
 }
 
+/// What a lower tier is: its name in events, stats and the Python API, its code in a packed
+/// tier-job buffer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Medium {
+    /// The persistent disk tier ([`disk`]).
+    #[default]
+    Disk,
+    /// The shared tier on Redis ([`remote`]).
+    Remote,
+}
+
+impl Medium {
+    /// Both, in lookup order (the disk first: local, then the shared tier).
+    pub const ALL: [Medium; 2] = [Medium::Disk, Medium::Remote];
+
+    /// `"disk"` or `"remote"`.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Medium::Disk => "disk",
+            Medium::Remote => "remote",
+        }
+    }
+
+    /// The medium named `name`, if any.
+    #[must_use]
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.as_str() == name)
+    }
+
+    /// Its code in a packed tier-job buffer: 0 disk, 1 remote.
+    #[must_use]
+    pub const fn code(self) -> u64 {
+        self as u64
+    }
+}
+
+impl std::fmt::Display for Medium {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A change visible to caches that index this tier, with the tier's medium.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TierEvent {
-    /// `"disk"`, `"remote"`.
-    pub medium: &'static str,
+    /// The tier's medium.
+    pub medium: Medium,
     /// Stored or removed.
     pub kind: PoolEventKind,
     /// The keys, in the order of the call that changed them.
@@ -127,8 +169,8 @@ pub struct TierStats {
 /// The scheduler-side index of one lower tier for one KV group. No I/O; every call checks its
 /// input before it changes anything (an `Err` means nothing changed).
 pub trait TierIndex: Send + std::fmt::Debug {
-    /// The tier's medium, as events carry it (`"disk"`, `"remote"`).
-    fn medium(&self) -> &'static str;
+    /// The tier's medium.
+    fn medium(&self) -> Medium;
 
     /// The state of `key`: absent, being written (not readable), or ready with its pin count.
     fn state(&self, key: Key) -> KeyState;

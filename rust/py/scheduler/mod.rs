@@ -30,10 +30,11 @@ use self::plan::job_obj;
 pub use self::plan::{CompletedJob, StepPlan, TransferJob};
 use super::convert::{self, Arg};
 use super::engine::engine_hashes_from;
-use super::errors::to_py;
+use super::errors::{to_py, ConfigError};
 use crate::error::Error;
 use crate::py::sync::guarded;
 use crate::scheduler::{Scheduler as Core, StepInput};
+use crate::tier::Medium;
 
 /// [`Scheduler::tail_under_lock`]'s answer: the lock, the held hash count, the tail's start.
 type Tail<'a> = (MutexGuard<'a, Core>, Option<usize>, usize, Vec<crate::Key>);
@@ -625,6 +626,11 @@ impl Scheduler {
     /// tiers it set.
     fn set_tier_admission(&self, medium: &str, min_hits: u32) -> PyResult<usize> {
         guarded(|| {
+            let medium = Medium::parse(medium).ok_or_else(|| {
+                ConfigError::new_err(format!(
+                    "set_tier_admission: medium {medium:?} is neither \"disk\" nor \"remote\""
+                ))
+            })?;
             Ok(self
                 .lock()?
                 .set_tier_admission(medium, crate::scheduler::TierAdmission { min_hits }))

@@ -66,7 +66,7 @@ pub(super) fn take_events(core: &mut Core) -> Vec<(&'static str, u32, Vec<u128>,
             name(e.kind),
             g,
             e.keys.iter().map(|k| k.0).collect(),
-            e.medium,
+            e.medium.as_str(),
         )
     }));
     out

@@ -149,7 +149,7 @@ impl DiskIndex {
 }
 
 impl TierIndex for DiskIndex {
-    fn medium(&self) -> &'static str {
+    fn medium(&self) -> crate::tier::Medium {
         MEDIUM
     }
 

@@ -64,11 +64,12 @@ pub use slab::{IoSnapshot, IoStats, ReadError, SlabFile, WriteItem};
 pub use tier::{DiskOptions, DiskTier};
 
 use super::namespace::Namespace;
+use super::Medium;
 use crate::error::{Error, Result};
 use crate::pool::MAX_CAPACITY;
 
 /// The medium of the disk tier's events.
-pub const MEDIUM: &str = "disk";
+pub const MEDIUM: Medium = Medium::Disk;
 /// Alignment unit of the slab file: header blocks, data offsets and slot sizes are multiples.
 pub const BLOCK: u64 = 4096;
 /// Name of the slab file inside a namespace directory.

@@ -60,11 +60,13 @@
 mod bulk;
 mod client;
 mod cluster;
+mod index;
 mod pack;
 mod send;
 mod slots;
 
 pub use cluster::RemoteClient;
+pub use index::{RemoteIndex, RemoteIndexConfig, MEDIUM};
 pub use slots::{key_slot, slot_of, ClusterUrl, SLOTS};
 
 use std::time::Duration;

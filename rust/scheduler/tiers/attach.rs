@@ -3,7 +3,7 @@
 //! its deadline and probation: [`DiskWatch`]) and the shared (Redis) tier (one
 //! [`RemoteIndex`] per group over one client, keyed by the namespaces the workers write
 //! under: every rank's, with the optional tenant salt). Nearest first: local tiers before the
-//! shared one. What the attached tiers do is `tiers.rs`.
+//! shared one. What the attached tiers do is `mod.rs`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,12 +14,11 @@ use crate::tier::affinity::CpuSet;
 use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
 use crate::tier::health::Health;
 use crate::tier::namespace::Namespace;
-use crate::tier::remote::RemoteClient;
-use crate::tier::remote_index::{RemoteIndex, RemoteIndexConfig, MEDIUM as REMOTE};
-use crate::tier::TierIndex;
+use crate::tier::remote::{RemoteClient, RemoteIndex, RemoteIndexConfig};
+use crate::tier::{Medium, TierIndex};
 
-use super::tiers::{DiskWatch, GroupTier, TierAdmission};
-use super::Scheduler;
+use super::{DiskWatch, GroupTier, TierAdmission};
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Attaches a lower tier to KV group `group` (before the first request is added), written
@@ -59,13 +58,13 @@ impl Scheduler {
         let tiers = &mut self.tiers[g];
         tiers.push(GroupTier::new(index, group, admission));
         // Nearest first: the shared tier after the local ones.
-        tiers.sort_by_key(|t| t.index.medium() == REMOTE);
+        tiers.sort_by_key(|t| t.index.medium() == Medium::Remote);
         Ok(())
     }
 
     /// Sets the admission filter of every group's tier of `medium`; returns how many tiers
     /// it set (0: no such tier).
-    pub fn set_tier_admission(&mut self, medium: &str, admission: TierAdmission) -> usize {
+    pub fn set_tier_admission(&mut self, medium: Medium, admission: TierAdmission) -> usize {
         let mut n = 0;
         for t in self.tiers.iter_mut().flatten() {
             if t.index.medium() == medium {
@@ -77,7 +76,7 @@ impl Scheduler {
     }
 
     /// `Err` naming `what` once a request or a job exists (tiers attach before them).
-    pub(super) fn check_no_requests(&self, what: &str) -> Result<()> {
+    pub(in crate::scheduler) fn check_no_requests(&self, what: &str) -> Result<()> {
         if !self.index.is_empty() || !self.tracker.jobs().is_empty() {
             return Err(Error::Config(format!(
                 "{what}: attach tiers before the first request"
@@ -117,7 +116,7 @@ impl Scheduler {
         }
         let mut indexes = Vec::with_capacity(self.cfg.groups.len());
         for g in 0..self.cfg.groups.len() {
-            let chunk = self.tier_chunk_bytes(g, "disk")?;
+            let chunk = self.tier_chunk_bytes(g, Medium::Disk)?;
             let layout = SlabLayout::new(chunk, disk_bytes)?;
             let scans = (0..self.cfg.num_workers)
                 .map(|rank| scan_namespace(root, &self.tier_namespace(g, rank, model), layout))
@@ -128,11 +127,11 @@ impl Scheduler {
         for (g, ts) in self.tiers.iter_mut().enumerate() {
             let chunk = self.cfg.groups[g].bytes_per_chunk;
             for t in ts {
-                if t.index.medium() == crate::tier::disk::MEDIUM {
+                if t.index.medium() == Medium::Disk {
                     t.deadline = Some(watch.deadline);
                     t.health = Some(health.clone());
                     t.pacer = (watch.write_bytes_per_s > 0)
-                        .then(|| super::tiers::Pacer::new(watch.write_bytes_per_s, chunk));
+                        .then(|| super::Pacer::new(watch.write_bytes_per_s, chunk));
                 }
             }
         }
@@ -140,7 +139,7 @@ impl Scheduler {
     }
 
     /// Bytes of a chunk of group `g` (a lower tier of `medium` needs them).
-    pub(super) fn tier_chunk_bytes(&self, g: usize, medium: &str) -> Result<u64> {
+    pub(in crate::scheduler) fn tier_chunk_bytes(&self, g: usize, medium: Medium) -> Result<u64> {
         match self.cfg.groups[g].bytes_per_chunk {
             0 => Err(Error::Config(format!(
                 "{medium} tier: group {g} has bytes_per_chunk=0; a lower tier needs the size of \
@@ -151,7 +150,12 @@ impl Scheduler {
     }
 
     /// The engine namespace of group `g`'s chunks on worker `rank` ([`engine_namespace`]).
-    pub(super) fn tier_namespace(&self, g: usize, rank: u32, model: &str) -> Namespace {
+    pub(in crate::scheduler) fn tier_namespace(
+        &self,
+        g: usize,
+        rank: u32,
+        model: &str,
+    ) -> Namespace {
         let (cfg, gc) = (&self.cfg, &self.cfg.groups[g]);
         engine_namespace(
             model,
@@ -165,7 +169,7 @@ impl Scheduler {
     }
 
     /// Attaches one index per group (group `i` gets `indexes[i]`), all or nothing.
-    pub(super) fn attach_all<T: TierIndex + 'static>(
+    pub(in crate::scheduler) fn attach_all<T: TierIndex + 'static>(
         &mut self,
         what: &str,
         indexes: Vec<T>,
@@ -204,7 +208,7 @@ impl Scheduler {
     ) -> Result<()> {
         let mut indexes = Vec::with_capacity(self.cfg.groups.len());
         for g in 0..self.cfg.groups.len() {
-            self.tier_chunk_bytes(g, "remote")?;
+            self.tier_chunk_bytes(g, Medium::Remote)?;
             let namespaces = (0..self.cfg.num_workers)
                 .map(|rank| {
                     self.tier_namespace(g, rank, model)

@@ -22,16 +22,16 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 
-use super::affinity::{pin_and_report, CpuSet};
-use super::events::TierEvents;
-use super::remote::RemoteClient;
-use super::{Location, TierEvent, TierIndex, TierStats, TierWritePlan};
+use super::RemoteClient;
 use crate::error::{Error, Result};
 use crate::ids::Key;
 use crate::pool::{KeyState, PoolEventKind};
+use crate::tier::affinity::{pin_and_report, CpuSet};
+use crate::tier::events::TierEvents;
+use crate::tier::{Location, Medium, TierEvent, TierIndex, TierStats, TierWritePlan};
 
 /// The medium events and stats of this tier carry.
-pub const MEDIUM: &str = "remote";
+pub const MEDIUM: Medium = Medium::Remote;
 /// Most keys one existence check asks about.
 pub const MAX_CHECK: usize = 4096;
 
@@ -211,7 +211,7 @@ impl RemoteIndex {
 }
 
 impl TierIndex for RemoteIndex {
-    fn medium(&self) -> &'static str {
+    fn medium(&self) -> Medium {
         MEDIUM
     }
 

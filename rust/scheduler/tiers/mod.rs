@@ -31,8 +31,8 @@
 //! How a promotion chooses its chunks and bounds the CPU room it holds (beyond DESIGN.md §9):
 //! `docs/design-notes.md`.
 //!
-//! Files: this one the tier jobs (write-behind, promotion, completion); `tier_attach.rs`
-//! attaching tiers; `tier_deadline.rs` the disk tier's promotion deadline and probation.
+//! Files: this one the tier jobs (write-behind, promotion, completion); `attach.rs`
+//! attaching tiers; `deadline.rs` the disk tier's promotion deadline and probation.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -42,7 +42,10 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::ids::{JobId, Key, OwnerId, SlotId};
 use crate::pool::KeyState;
 use crate::tier::health::Health;
-use crate::tier::{Location, TierEvent, TierIndex, TierStats};
+use crate::tier::{Location, Medium, TierEvent, TierIndex, TierStats};
+
+mod attach;
+mod deadline;
 
 use super::lookup::prefix_counts;
 use super::requests::Request;
@@ -80,8 +83,8 @@ pub struct TierJob {
     pub id: JobId,
     /// Write-behind or promotion.
     pub kind: TierJobKind,
-    /// The tier's medium (`"disk"`).
-    pub medium: &'static str,
+    /// The tier's medium.
+    pub medium: Medium,
     /// KV group.
     pub group: u32,
     /// Chunk keys.
@@ -97,8 +100,8 @@ pub struct TierJob {
 pub struct TierGroupStats {
     /// KV group.
     pub group: u32,
-    /// The tier's medium (`"disk"`, `"remote"`).
-    pub medium: &'static str,
+    /// The tier's medium.
+    pub medium: Medium,
     /// The tier's own counters.
     pub tier: TierStats,
     /// Write-behind jobs created.

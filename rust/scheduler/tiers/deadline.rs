@@ -13,7 +13,7 @@
 //!   [`TierGroupStats::dropped_writes`]) and lookups skip the tier (counted in
 //!   [`TierGroupStats::skipped_lookups`]); the first job after it is the trial.
 //!
-//! [`DiskWatch::deadline`]: super::tiers::DiskWatch::deadline
+//! [`DiskWatch::deadline`]: super::DiskWatch::deadline
 //! [`Pool::hold`]: crate::pool::Pool::hold
 //! [`Health`]: crate::tier::health::Health
 //! [`TierGroupStats::dropped_writes`]: super::TierGroupStats::dropped_writes
@@ -23,17 +23,17 @@ use std::time::Instant;
 
 use crate::ids::{JobId, Key, SlotId};
 
-use super::tiers::GroupTier;
-use super::Scheduler;
+use super::GroupTier;
+use crate::scheduler::Scheduler;
 
 impl GroupTier {
     /// Whether the tier takes a job now (not on probation, or this is the trial).
-    pub(super) fn admit(&mut self, now: Instant) -> bool {
+    pub(in crate::scheduler) fn admit(&mut self, now: Instant) -> bool {
         self.health.as_mut().is_none_or(|h| h.admit(now))
     }
 
     /// Records the outcome of one of the tier's jobs in its health.
-    pub(super) fn record(&mut self, ok: bool) {
+    pub(in crate::scheduler) fn record(&mut self, ok: bool) {
         if let Some(h) = self.health.as_mut() {
             h.record(ok, Instant::now());
         }
@@ -42,7 +42,7 @@ impl GroupTier {
 
 impl Scheduler {
     /// Expires every promotion past its deadline (see the module documentation).
-    pub(super) fn expire_tier_jobs(&mut self) {
+    pub(in crate::scheduler) fn expire_tier_jobs(&mut self) {
         if !self.tiers.iter().flatten().any(|t| !t.deadlines.is_empty()) {
             return;
         }
@@ -94,7 +94,11 @@ impl Scheduler {
 impl GroupTier {
     /// Ends the hold of expired promotion `job` of `keys`, if it expired: returns the CPU
     /// slots it held.
-    pub(super) fn end_hold(&mut self, job: JobId, keys: &[Key]) -> Option<Vec<SlotId>> {
+    pub(in crate::scheduler) fn end_hold(
+        &mut self,
+        job: JobId,
+        keys: &[Key],
+    ) -> Option<Vec<SlotId>> {
         let slots = self.held.remove(&job)?;
         self.stats.held_slots -= slots.len() as u64;
         for k in keys {
@@ -106,7 +110,7 @@ impl GroupTier {
     /// Applies the report of promotion `job` of `keys` if it expired (its counters already
     /// ended by the caller): publishes nothing and returns the CPU slots it held, for the caller
     /// to free. `None`: the job did not expire (only promotions expire).
-    pub(super) fn complete_late(
+    pub(in crate::scheduler) fn complete_late(
         &mut self,
         job: JobId,
         keys: &[Key],
