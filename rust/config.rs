@@ -5,7 +5,8 @@
 //! narrowed) and get either a [`SchedulerConfig`] or an [`Error::Config`] naming the field and
 //! the value, in one style: `<field> must be in <min>..=<max>, got <value>`. Every rejection
 //! says what to change: block sizes that do not divide the hash granularity, a sliding window
-//! smaller than a chunk, a zero capacity.
+//! smaller than a chunk, a zero capacity. The lower tiers' options are checked with them
+//! (`tiers`), so that no caller checks any option itself.
 //!
 //! Sizes are capped ([`MAX_GPU_BLOCKS`], [`MAX_CPU_SLOTS`], ...) so that a configuration
 //! that passes never asks for more bookkeeping memory than a host can serve: the process
@@ -17,6 +18,12 @@ use crate::error::{Error, Result};
 use crate::ids::BlockId;
 use crate::policy::PolicyKind;
 use crate::pool::PoolConfig;
+
+mod tiers;
+pub use tiers::{
+    write_rate, DiskTier, RemoteTier, TierArgs, TierConfig, MAX_DISK_WRITE_MBPS, REMOTE_RETRY,
+    REMOTE_TTL,
+};
 
 /// Largest `num_gpu_blocks` (2^24). The fence and the position index keep 48 bytes per GPU
 /// block: 800 MiB at the cap, for 268M tokens of 16-token blocks on one engine.
@@ -164,9 +171,36 @@ pub struct SchedulerArgs {
     pub tier_write_share: f64,
     /// Testing only: a deliberately broken fence.
     pub debug_skip_deferred_arming: bool,
+    /// The lower tiers' options.
+    pub tiers: TierArgs,
 }
 
 impl SchedulerArgs {
+    /// `groups` and `num_gpu_blocks` with every other option at the default a Rust caller (or
+    /// a Python caller of the core that omits it) gets: one block per chunk, hashes per first
+    /// group's block, block 0 the null block, LRU, one worker, every limit off, no lower tier.
+    /// The CPU capacity has no default.
+    pub fn new(groups: Vec<GroupArgs>, num_gpu_blocks: i128) -> Self {
+        Self {
+            groups,
+            blocks_per_chunk: 1,
+            hash_block_size: None,
+            num_gpu_blocks,
+            null_block: Some(0),
+            cpu_chunks: None,
+            cpu_bytes: None,
+            policy: "lru".into(),
+            num_workers: 1,
+            max_loading_requests: 0,
+            offload_prompt_only: false,
+            max_offload_tokens: None,
+            store_threshold: 0,
+            tier_write_share: DEFAULT_TIER_WRITE_SHARE,
+            debug_skip_deferred_arming: false,
+            tiers: TierArgs::default(),
+        }
+    }
+
     /// Checks every value and combination; the CPU capacity in bytes becomes slots per group.
     pub fn resolve(&self) -> Result<SchedulerConfig> {
         if self.groups.is_empty() {
@@ -289,6 +323,7 @@ impl SchedulerArgs {
             store_threshold: check_u32("store_threshold", self.store_threshold, 0, u32::MAX)?,
             tier_write_slots: tier_write_slots(self.tier_write_share, cpu_chunks)?,
             debug_skip_deferred_arming: self.debug_skip_deferred_arming,
+            tiers: self.tiers.resolve()?,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -340,6 +375,8 @@ pub struct SchedulerConfig {
     /// Testing only: never arm deferred pairs (a deliberately broken fence, so that the
     /// integrity oracle can show it fails).
     pub debug_skip_deferred_arming: bool,
+    /// The lower tiers [`crate::scheduler::Scheduler::open`] attaches (none by default).
+    pub tiers: TierConfig,
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -371,6 +408,7 @@ impl SchedulerConfig {
             store_threshold: 0,
             tier_write_slots: tier_write_slots(DEFAULT_TIER_WRITE_SHARE, cpu_chunks).unwrap_or(1),
             debug_skip_deferred_arming: false,
+            tiers: TierConfig::default(),
         }
     }
 
@@ -488,26 +526,15 @@ mod tests {
     use super::*;
 
     fn args() -> SchedulerArgs {
+        let group = GroupArgs {
+            block_size: 16,
+            sliding_window: None,
+            bytes_per_block: 1024,
+        };
         SchedulerArgs {
-            groups: vec![GroupArgs {
-                block_size: 16,
-                sliding_window: None,
-                bytes_per_block: 1024,
-            }],
             blocks_per_chunk: 2,
-            hash_block_size: None,
-            num_gpu_blocks: 64,
-            null_block: Some(0),
             cpu_chunks: Some(8),
-            cpu_bytes: None,
-            policy: "lru".into(),
-            num_workers: 1,
-            max_loading_requests: 0,
-            offload_prompt_only: false,
-            max_offload_tokens: None,
-            store_threshold: 0,
-            tier_write_share: DEFAULT_TIER_WRITE_SHARE,
-            debug_skip_deferred_arming: false,
+            ..SchedulerArgs::new(vec![group], 64)
         }
     }
 

@@ -252,10 +252,8 @@ def test_the_shared_tier_lookup_threads_are_pinned_too() -> None:
 
 
 @pytest.mark.parametrize("bad", [[NOT_ALLOWED], [-1], [], [LAST, LAST]])
-def test_attach_remote_refuses_a_bad_set_nothing_attached(bad: list[int]) -> None:
-    sched = Scheduler(**_remote(None)._core_kwargs())  # the same shape, no tier yet
+def test_a_bad_set_starts_no_lookup_thread(bad: list[int]) -> None:
     before = set(_lookup_threads())
     with pytest.raises(ConfigError, match="io_cpus"):
-        sched.attach_remote("redis://127.0.0.1:1", io_cpus=bad)
+        Scheduler(**_remote(bad)._core_kwargs())
     assert set(_lookup_threads()) <= before
-    assert sched.tier_stats() == []

@@ -253,7 +253,22 @@ class Scheduler:
         store_threshold: int = 0,
         null_block: int | None = 0,
         debug_skip_deferred_arming: bool = False,
+        disk_path: str | os.PathLike[str] | None = None,
+        disk_bytes: int | None = None,
+        disk_model: str = "",
+        disk_deadline_ms: float = 5000.0,
+        disk_probation_after: int = 3,
+        disk_probation_ms: float = 5000.0,
+        disk_write_mbps: float = 0.0,
+        remote_url: str | None = None,
+        remote_model: str = "",
+        cache_salt: str = "",
+        remote_deadline_ms: float = 1000.0,
+        remote_tls_ca: str | os.PathLike[str] | None = None,
+        disk_min_hits: int = 0,
+        remote_min_hits: int = 0,
         tier_write_share: float = 0.125,
+        io_cpus: Iterable[int] | None = None,
     ) -> Scheduler: ...
     @staticmethod
     def check_config(
@@ -272,7 +287,22 @@ class Scheduler:
         store_threshold: int = 0,
         null_block: int | None = 0,
         debug_skip_deferred_arming: bool = False,
+        disk_path: str | os.PathLike[str] | None = None,
+        disk_bytes: int | None = None,
+        disk_model: str = "",
+        disk_deadline_ms: float = 5000.0,
+        disk_probation_after: int = 3,
+        disk_probation_ms: float = 5000.0,
+        disk_write_mbps: float = 0.0,
+        remote_url: str | None = None,
+        remote_model: str = "",
+        cache_salt: str = "",
+        remote_deadline_ms: float = 1000.0,
+        remote_tls_ca: str | os.PathLike[str] | None = None,
+        disk_min_hits: int = 0,
+        remote_min_hits: int = 0,
         tier_write_share: float = 0.125,
+        io_cpus: Iterable[int] | None = None,
     ) -> tuple[int, list[int]]: ...
     def add_request(
         self, request_id: str, prompt_len: int, block_hashes: Iterable[int | bytes]
@@ -351,28 +381,6 @@ class Scheduler:
     @property
     def loading_requests(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...
-    def attach_remote(
-        self,
-        url: str,
-        model: str = "",
-        cache_salt: str = "",
-        deadline_ms: float = 1000.0,
-        ttl_s: float = 60.0,
-        retry_s: float = 1.0,
-        io_cpus: Iterable[int] | None = None,
-        tls_ca: str | os.PathLike[str] | None = None,
-    ) -> None: ...
-    def attach_disk(
-        self,
-        path: str | os.PathLike[str],
-        disk_bytes: int,
-        model: str = "",
-        deadline_ms: float | None = None,
-        probation_after: int | None = None,
-        probation_ms: float | None = None,
-        write_mbps: float | None = None,
-    ) -> None: ...
-    def set_tier_admission(self, medium: str, min_hits: int) -> int: ...
     def tier_stats(self) -> list[dict[str, Any]]: ...
 
 @final

@@ -22,9 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from typing import Any, TypeVar
 
+from kvoffload.scheduler import OPTION_DEFAULTS
+
 __all__ = ["build_parser", "main"]
 
 _N = TypeVar("_N", int, float)
+
+_OPTION = OPTION_DEFAULTS
+"""The defaults of the options that set a scheduler option: that option's."""
 
 
 def _number(
@@ -49,6 +54,12 @@ _positive = _number(int, lambda v: v > 0, "a positive integer")
 _non_negative = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: v > 0 and math.isfinite(v), "a finite positive number")
 _non_negative_float = _number(float, lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0")
+
+
+def _option_help(name: str, what: str) -> str:
+    """The help of the option that sets ``OffloadConfig.<name>`` (its documentation says more),
+    with that field's default, which is the option's; the core checks the value."""
+    return f"{what} (OffloadConfig.{name}; default: {_OPTION[name]})"
 
 
 def _cpu_ids(text: str) -> tuple[int, ...]:
@@ -118,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=f"{what} (default: {default})",
         )
-    s.add_argument("--policy", choices=["lru", "arc"], default="lru", help="CPU eviction policy")
+    s.add_argument(
+        "--policy",
+        choices=["lru", "arc"],
+        default=_OPTION["policy"],
+        help=_option_help("policy", "CPU eviction policy"),
+    )
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="KV tensors' device")
     s.add_argument("--seed", type=_non_negative, default=0, help="workload seed (default: 0)")
     s.add_argument(
@@ -191,28 +207,35 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--disk-deadline-ms",
         dest="disk_deadline_ms",
-        type=_positive_float,
-        default=5000.0,
+        type=float,
+        default=_OPTION["disk_deadline_ms"],
         metavar="MS",
-        help="with --disk: a promotion from disk later than this expires and its requests "
-        "recompute (default: 5000)",
+        help=_option_help(
+            "disk_deadline_ms",
+            "with --disk: a promotion from disk later than this expires and its requests recompute",
+        ),
     )
     s.add_argument(
         "--disk-probation-after",
         dest="disk_probation_after",
-        type=_positive,
-        default=3,
+        type=int,
+        default=_OPTION["disk_probation_after"],
         metavar="N",
-        help="with --disk: this many failed or expired disk jobs in a row put the disk tier on "
-        "probation (no writes, lookups skip it; default: 3)",
+        help=_option_help(
+            "disk_probation_after",
+            "with --disk: this many failed or expired disk jobs in a row put the disk tier on "
+            "probation (no writes, lookups skip it)",
+        ),
     )
     s.add_argument(
         "--disk-probation-ms",
         dest="disk_probation_ms",
-        type=_positive_float,
-        default=5000.0,
+        type=float,
+        default=_OPTION["disk_probation_ms"],
         metavar="MS",
-        help="with --disk: how long a probation lasts before a trial job (default: 5000)",
+        help=_option_help(
+            "disk_probation_ms", "with --disk: how long a probation lasts before a trial job"
+        ),
     )
     s.add_argument(
         "--restart",
@@ -255,11 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--tier-write-share",
         dest="tier_write_share",
-        type=_positive_float,
-        default=0.125,
+        type=float,
+        default=_OPTION["tier_write_share"],
         metavar="SHARE",
-        help="at most this share of each group's CPU slots is pinned by write-behind to the "
-        "lower tiers; past it a write is skipped (default: 0.125)",
+        help=_option_help(
+            "tier_write_share",
+            "at most this share of each group's CPU slots is pinned by write-behind to the "
+            "lower tiers; past it a write is skipped",
+        ),
     )
     s.add_argument(
         "--tier-delay-ms-per-chunk",

@@ -23,14 +23,16 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from types import MappingProxyType
 from typing import Any, Literal
 
 from kvoffload._core import CompletedJob, Scheduler, StepPlan, TransferJob, check_io_cpus
 from kvoffload.errors import ConfigError, StepInputError
 
 __all__ = [
+    "OPTION_DEFAULTS",
     "CompletedJob",
     "KvGroup",
     "OffloadConfig",
@@ -62,7 +64,9 @@ class KvGroup:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Configuration of the offloading scheduler. Invalid values raise :class:`ConfigError`.
+    """Configuration of the offloading scheduler: the one list of its options, their defaults
+    and their meaning. The core takes them by these names (:meth:`to_core`) and checks every
+    value; invalid ones raise :class:`ConfigError`.
 
     Attributes:
         groups: The engine's KV groups, in order.
@@ -161,30 +165,15 @@ class OffloadConfig:
     io_cpus: Sequence[int] | None = None
 
     def _core_kwargs(self) -> dict[str, Any]:
-        """The core's constructor arguments, values as given (the core checks them)."""
-        groups: Any = self.groups
-        if isinstance(groups, (list, tuple)):
-            groups = [
+        """The core's keyword arguments: every field, by its name, values as given (the core
+        checks them)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(self.groups, (list, tuple)):
+            kwargs["groups"] = [
                 (g.block_size, g.sliding_window, g.bytes_per_block) if isinstance(g, KvGroup) else g
-                for g in groups
+                for g in self.groups
             ]
-        return {
-            "groups": groups,
-            "num_gpu_blocks": self.num_gpu_blocks,
-            "blocks_per_chunk": self.blocks_per_chunk,
-            "hash_block_size": self.hash_block_size,
-            "cpu_chunks": self.cpu_chunks,
-            "cpu_bytes": self.cpu_bytes,
-            "policy": self.policy,
-            "num_workers": self.num_workers,
-            "max_loading_requests": self.max_loading_requests,
-            "offload_prompt_only": self.offload_prompt_only,
-            "max_offload_tokens": self.max_offload_tokens,
-            "store_threshold": self.store_threshold,
-            "null_block": self.null_block,
-            "debug_skip_deferred_arming": self.debug_skip_deferred_arming,
-            "tier_write_share": self.tier_write_share,
-        }
+        return kwargs
 
     def bytes_per_chunk(self, group: int) -> int:
         """Bytes of one chunk of ``group`` on one worker (0 if unknown); validates the config."""
@@ -206,58 +195,17 @@ class OffloadConfig:
         return check_io_cpus(self.io_cpus)
 
     def to_core(self) -> Scheduler:
-        """Builds the Rust core, which validates every value (:class:`ConfigError` naming the
-        field and the value), and attaches the disk tier if ``disk_path`` is set and the shared
-        tier if ``remote_url`` is (both may be)."""
-        for name in ("disk_min_hits", "remote_min_hits"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 32:
-                raise ConfigError(f"{name} must be an integer in 0..2**32-1, got {v!r}")
-        self.checked_io_cpus()
-        if self.remote_url is not None:
-            for name in ("remote_url", "remote_model", "cache_salt"):
-                value = getattr(self, name)
-                if not isinstance(value, str):
-                    raise ConfigError(f"{name} must be a string, got {value!r}")
-            d = self.remote_deadline_ms
-            if isinstance(d, bool) or not isinstance(d, (int, float)):
-                raise ConfigError(f"remote_deadline_ms must be a number, got {d!r}")
-        disk_bytes = 0
-        if self.disk_path is None:
-            if self.disk_bytes is not None:
-                raise ConfigError(f"disk_bytes={self.disk_bytes!r} needs disk_path")
-        else:
-            if not isinstance(self.disk_path, (str, os.PathLike)):
-                raise ConfigError(f"disk_path must be a path, got {self.disk_path!r}")
-            b = self.disk_bytes
-            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
-                raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
-            disk_bytes = b
-            if not isinstance(self.disk_model, str):
-                raise ConfigError(f"disk_model must be a string, got {self.disk_model!r}")
-        core = Scheduler(**self._core_kwargs())
-        if self.disk_path is not None:
-            core.attach_disk(
-                os.fspath(self.disk_path),
-                disk_bytes,
-                self.disk_model,
-                deadline_ms=self.disk_deadline_ms,
-                probation_after=self.disk_probation_after,
-                probation_ms=self.disk_probation_ms,
-                write_mbps=self.disk_write_mbps,
-            )
-            core.set_tier_admission("disk", self.disk_min_hits)
-        if self.remote_url is not None:
-            core.attach_remote(
-                self.remote_url,
-                model=self.remote_model,
-                cache_salt=self.cache_salt,
-                deadline_ms=float(self.remote_deadline_ms),
-                io_cpus=self.io_cpus,
-                tls_ca=self.remote_tls_ca,
-            )
-            core.set_tier_admission("remote", self.remote_min_hits)
-        return core
+        """Builds the Rust core, which validates every value, the tiers' too
+        (:class:`ConfigError` naming the field and the value), and attaches the disk tier if
+        ``disk_path`` is set and the shared tier if ``remote_url`` is (both may be)."""
+        return Scheduler(**self._core_kwargs())
+
+
+OPTION_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {f.name: f.default for f in fields(OffloadConfig) if f.default is not MISSING}
+)
+"""Each :class:`OffloadConfig` option's default, by field name (the required ones left out):
+where the simulator's and the CLI's defaults for these options come from."""
 
 
 @dataclass

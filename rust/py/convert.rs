@@ -6,6 +6,7 @@
 //! sequences (hash lists, block objects) are read in `super::engine`.
 
 use std::fmt::Display;
+use std::path::PathBuf;
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -425,23 +426,81 @@ pub fn config_opt_int(arg: &Arg<'_>, field: &str, default: Option<i128>) -> PyRe
     }
 }
 
-/// A configuration number (an `int` or a `float`, not a `bool`) with a default when omitted;
-/// its range is checked by [`crate::config`].
-pub fn config_float_or(arg: &Arg<'_>, field: &str, default: f64) -> PyResult<f64> {
+/// A configuration number (an `int` or a `float`, not a `bool`) with a default when omitted,
+/// else a `ConfigError`: `<field> must be <expected>, got <value>`; its range is checked by
+/// [`crate::config`].
+pub fn config_float_as(arg: &Arg<'_>, field: &str, expected: &str, default: f64) -> PyResult<f64> {
     match arg {
         Arg::Omitted => Ok(default),
         Arg::Given(v)
             if !is_bool(v) && (v.is_instance_of::<PyFloat>() || v.is_instance_of::<PyInt>()) =>
         {
             v.extract::<f64>()
-                .map_err(|_| config_err(crate::config::type_error(field, "a number", describe(v))))
+                .map_err(|_| config_err(crate::config::type_error(field, expected, describe(v))))
         }
         Arg::Given(v) => Err(config_err(crate::config::type_error(
             field,
-            "a number",
+            expected,
             describe(v),
         ))),
     }
+}
+
+/// An optional configuration string: omitted gives `default`, `None` gives `None`.
+pub fn config_opt_str(
+    arg: &Arg<'_>,
+    field: &str,
+    default: Option<String>,
+) -> PyResult<Option<String>> {
+    match arg {
+        Arg::Omitted => Ok(default),
+        Arg::Given(v) if v.is_none() => Ok(None),
+        Arg::Given(_) => config_str(arg, field, "a string", "").map(Some),
+    }
+}
+
+/// An optional configuration path (a `str` or an `os.PathLike`): omitted gives `default`,
+/// `None` gives `None`.
+pub fn config_opt_path(
+    arg: &Arg<'_>,
+    field: &str,
+    default: Option<PathBuf>,
+) -> PyResult<Option<PathBuf>> {
+    match arg {
+        Arg::Omitted => Ok(default),
+        Arg::Given(v) if v.is_none() => Ok(None),
+        Arg::Given(v) if v.is_instance_of::<PyBytes>() => Err(config_err(
+            crate::config::type_error(field, "a path", describe(v)),
+        )),
+        Arg::Given(v) => v.extract::<PathBuf>().map(Some).map_err(|_| {
+            config_err(crate::config::type_error(field, "a path", describe(v)))
+        }),
+    }
+}
+
+/// CPU ids (`io_cpus`): a collection of integers, not a string; the core checks the ids.
+pub fn cpu_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let expected = "a collection of CPU ids (integers)";
+    let not_ids = || config_err(crate::config::type_error("io_cpus", expected, describe(obj)));
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(not_ids());
+    }
+    let mut ids = Vec::new();
+    for item in obj.try_iter().map_err(|_| not_ids())? {
+        let item = item?;
+        if is_bool(&item) {
+            return Err(not_ids());
+        }
+        match int_value(&item).and_then(Result::ok).map(i64::try_from) {
+            Some(Ok(id)) => ids.push(id),
+            _ => {
+                return Err(config_err(Error::Config(format!(
+                    "io_cpus: {item:?} is not a CPU id (an integer)"
+                ))))
+            }
+        }
+    }
+    Ok(ids)
 }
 
 /// A configuration flag: a `bool` (numpy bools included), nothing else.

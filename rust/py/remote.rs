@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::convert::keys as extract_keys;
-use super::errors::{to_py, ConfigError, KvOffloadError};
+use super::errors::{to_py, KvOffloadError};
 use super::tier_worker::{io_cpus_arg, RegionArg, TierWorker};
 use crate::ids::Key;
 use crate::py::sync::guarded;
@@ -44,42 +44,6 @@ fn chunk_buffer(buf: &PyBuffer<u8>, n: usize, writable: bool, what: &str) -> PyR
 
 fn duration(field: &str, ms: f64) -> PyResult<std::time::Duration> {
     crate::config::deadline_ms(field, ms).map_err(to_py)
-}
-
-/// A count of `field` given as any Python object: an integer in `0..=u32::MAX` (the core
-/// checks its lower bound), else [`ConfigError`] naming the field and the value (never a
-/// `TypeError` or an `OverflowError`).
-pub fn count_arg(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<u32> {
-    let n = if obj.is_instance_of::<pyo3::types::PyInt>()
-        && !obj.is_instance_of::<pyo3::types::PyBool>()
-    {
-        obj.extract::<u32>().ok()
-    } else {
-        None
-    };
-    n.ok_or_else(|| {
-        ConfigError::new_err(format!(
-            "{field} must be an integer in 1..=4294967295, got {}",
-            super::convert::describe(obj)
-        ))
-    })
-}
-
-/// A deadline of `field` in milliseconds given as any Python object: a real number in
-/// (0, 3600000], else [`ConfigError`] naming the field (never a `TypeError`).
-pub fn ms_arg(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<std::time::Duration> {
-    let ms = if obj.is_instance_of::<pyo3::types::PyBool>() {
-        None
-    } else {
-        obj.extract::<f64>().ok()
-    };
-    match ms {
-        Some(ms) => duration(field, ms),
-        None => Err(ConfigError::new_err(format!(
-            "{field} must be a number of milliseconds in (0, 3600000], got {}",
-            super::convert::describe(obj)
-        ))),
-    }
 }
 
 /// The namespace digest of chunks with this meaning (model, KV layout, rank, group and tenant

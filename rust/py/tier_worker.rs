@@ -56,29 +56,7 @@ pub fn io_cpus_arg(io_cpus: Option<&Bound<'_, PyAny>>) -> PyResult<Option<CpuSet
     let Some(obj) = io_cpus.filter(|o| !o.is_none()) else {
         return Ok(None);
     };
-    let not_ids = || {
-        ConfigError::new_err(format!(
-            "invalid configuration: io_cpus must be a collection of CPU ids (integers), got \
-             {obj:?}"
-        ))
-    };
-    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>()
-    {
-        return Err(not_ids());
-    }
-    let mut ids = Vec::new();
-    for item in obj.try_iter().map_err(|_| not_ids())? {
-        let item = item?;
-        if item.is_instance_of::<pyo3::types::PyBool>() {
-            return Err(not_ids());
-        }
-        let id: i64 = item.extract().map_err(|_| {
-            ConfigError::new_err(format!(
-                "invalid configuration: io_cpus: {item:?} is not a CPU id (an integer)"
-            ))
-        })?;
-        ids.push(id);
-    }
+    let ids = super::convert::cpu_ids(obj)?;
     Ok(Some(CpuSet::new(&ids).map_err(to_py)?))
 }
 

@@ -3,7 +3,9 @@
 The values the scheduler takes are mapped to its :class:`~kvoffload.scheduler.OffloadConfig`
 in one place (:meth:`SimConfig.offload_config`) and checked by the core through it; the
 simulator checks only its own values (sizes of the simulated tensors, workload shape, fault
-rates, choices). Every bad value raises :class:`~kvoffload.errors.ConfigError`.
+rates, choices). Every bad value raises :class:`~kvoffload.errors.ConfigError`. The values
+named as an ``OffloadConfig`` field default to that field's default
+(:data:`~kvoffload.scheduler.OPTION_DEFAULTS`) and mean what its documentation says.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Literal, get_args
 import torch
 
 from kvoffload.errors import ConfigError
+from kvoffload.scheduler import OPTION_DEFAULTS as _OPTION
 from kvoffload.scheduler import KvGroup, OffloadConfig
 from kvoffload.sim.workloads import WORKLOADS
 
@@ -72,22 +75,17 @@ class SimConfig:
             ``seed``): the run must stay exact, the requests recompute.
         store_fault_rate: Share of store jobs failed on purpose (never published).
         max_steps: Give up after this many steps.
-        disk_path: Directory of a disk tier below the CPU pool (None: no disk tier). A run on a
-            directory an earlier run filled starts with its chunks on disk.
-        disk_bytes: Bytes of the disk tier per KV group (with ``disk_path``).
-        disk_deadline_ms: Longest time a promotion from the disk tier may take; later, its
-            requests recompute.
-        disk_probation_after: Failed or expired disk jobs in a row that put the disk tier on
-            probation.
-        disk_probation_ms: How long a probation of the disk tier lasts before a trial.
-        remote_deadline_ms: Longest wait for one operation of the shared tier (the scheduler's
-            existence checks and the worker's reads and writes).
-        remote_url: A shared tier (Redis) below the CPU pool at this URL (None: none); with
-            ``disk_path`` too, both tiers (lookups promote from the disk first). A run
-            against a server an earlier run (another engine) filled finds its chunks there.
-        remote_tls_ca: For a ``rediss://`` URL: the CA file (the scheduler's).
-        io_cpus: CPU ids the lower tiers' I/O threads are pinned to (None: not pinned; the
-            scheduler's ``io_cpus``).
+        disk_path: The scheduler's (no disk tier by default). A run on a directory an earlier
+            run filled starts with its chunks on disk.
+        disk_bytes: The scheduler's (with ``disk_path``).
+        disk_deadline_ms: The scheduler's.
+        disk_probation_after: The scheduler's.
+        disk_probation_ms: The scheduler's.
+        remote_deadline_ms: The scheduler's; the worker's reads and writes too.
+        remote_url: The scheduler's; with ``disk_path`` too, both tiers. A run against a
+            server an earlier run (another engine) filled finds its chunks there.
+        remote_tls_ca: The scheduler's.
+        io_cpus: The scheduler's; the worker's I/O threads too.
         tier_delay_ms_per_chunk: Simulated speed of every lower tier: each tier runs its jobs
             one after another, a job of ``n`` chunks taking ``n`` times this many milliseconds
             of simulated time (:data:`SIM_STEP_MS` per engine step); a job's completion is
@@ -105,8 +103,8 @@ class SimConfig:
     block_size: int = 16
     num_gpu_blocks: int = 1024
     cpu_chunks: int = 8192
-    blocks_per_chunk: int = 1
-    policy: str = "lru"
+    blocks_per_chunk: int = _OPTION["blocks_per_chunk"]
+    policy: str = _OPTION["policy"]
     sliding_window: int | None = None
     num_layers: int = 2
     token_bytes: int = 16
@@ -119,22 +117,22 @@ class SimConfig:
     async_scheduling: bool = False
     completion: Completion = "step"
     copy_delay_s: float = 0.0
-    max_loading_requests: int = 0
+    max_loading_requests: int = _OPTION["max_loading_requests"]
     load_fault_rate: float = 0.0
     store_fault_rate: float = 0.0
     max_steps: int = 1_000_000
-    disk_path: str | None = None
-    disk_bytes: int = 0
-    disk_deadline_ms: float = 5000.0
-    disk_probation_after: int = 3
-    disk_probation_ms: float = 5000.0
-    remote_url: str | None = None
-    remote_deadline_ms: float = 1000.0
-    remote_tls_ca: str | None = None
-    io_cpus: tuple[int, ...] | None = None
+    disk_path: str | None = _OPTION["disk_path"]
+    disk_bytes: int | None = _OPTION["disk_bytes"]
+    disk_deadline_ms: float = _OPTION["disk_deadline_ms"]
+    disk_probation_after: int = _OPTION["disk_probation_after"]
+    disk_probation_ms: float = _OPTION["disk_probation_ms"]
+    remote_url: str | None = _OPTION["remote_url"]
+    remote_deadline_ms: float = _OPTION["remote_deadline_ms"]
+    remote_tls_ca: str | None = _OPTION["remote_tls_ca"]
+    io_cpus: tuple[int, ...] | None = _OPTION["io_cpus"]
     tier_delay_ms_per_chunk: float = 0.0
     tier_stall: bool = False
-    tier_write_share: float = 0.125
+    tier_write_share: float = _OPTION["tier_write_share"]
 
     @property
     def windows(self) -> list[int | None]:
@@ -198,21 +196,11 @@ class SimConfig:
             v = getattr(self, name)
             if v not in choices:
                 raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {v!r}")
-        if self.disk_path is not None:
-            b = self.disk_bytes
-            if not isinstance(self.disk_path, str):
-                raise ConfigError(f"disk_path must be a string, got {self.disk_path!r}")
-            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
-                raise ConfigError(f"disk_bytes must be a positive integer, got {b!r}")
         if not isinstance(self.tier_stall, bool):
             raise ConfigError(f"tier_stall must be a bool, got {self.tier_stall!r}")
-        if self.remote_url is not None and not isinstance(self.remote_url, str):
-            raise ConfigError(f"remote_url must be a string, got {self.remote_url!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' was asked for, but CUDA is not available here")
-        cfg = self.offload_config()
-        cfg.resolved_cpu_chunks()  # the core checks the scheduler's values
-        cfg.checked_io_cpus()  # and io_cpus, as the tier workers will
+        self.offload_config().resolved_cpu_chunks()  # the core checks the scheduler's values
 
 
 _POSITIVE = (
@@ -230,7 +218,6 @@ _BOUNDED = (
     ("copy_delay_s", 0.0, 60.0, True),
     ("load_fault_rate", 0.0, 1.0, True),
     ("store_fault_rate", 0.0, 1.0, True),
-    ("remote_deadline_ms", 0.0, 3.6e6, False),
     ("tier_delay_ms_per_chunk", 0.0, 3.6e6, True),
 )
 """The simulator's own numbers: (name, low, high, low included)."""

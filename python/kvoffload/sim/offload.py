@@ -101,7 +101,7 @@ class Offload:
             self.tiers["disk"] = open_disk_worker(
                 self.xfer,
                 cfg.disk_path,
-                cfg.disk_bytes,
+                cfg.disk_bytes or 0,  # given with disk_path: validate checked it
                 block_sizes,
                 model=MODEL,
                 io_cpus=cfg.io_cpus,

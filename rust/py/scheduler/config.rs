@@ -1,5 +1,8 @@
 //! The constructor's signature, spelled once: [`resolve`] converts `Scheduler(*args, **kwargs)`
-//! and hands the values to [`SchedulerArgs::resolve`], the one place that checks them.
+//! (the scheduler's options and its lower tiers', named as `OffloadConfig`'s fields) and hands
+//! the values to [`SchedulerArgs::resolve`], the one place that checks them. It only converts
+//! Python objects into Rust values: a value of the wrong type is a `ConfigError` naming the
+//! field; every range and combination is the core's.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -8,7 +11,7 @@ use super::super::convert;
 use super::super::convert::Arg;
 use super::super::errors::to_py;
 use super::input::fields;
-use crate::config::{GroupArgs, SchedulerArgs, SchedulerConfig};
+use crate::config::{GroupArgs, SchedulerArgs, SchedulerConfig, TierArgs};
 
 /// The resolved configuration, handed from [`resolve_config`] to its two callers.
 #[pyclass(frozen)]
@@ -29,7 +32,8 @@ pub(super) fn resolve(
         .clone())
 }
 
-/// The constructor's arguments, converted and resolved (see [`resolve`]).
+/// The constructor's arguments, converted and resolved (see [`resolve`]). Omitted ones keep
+/// [`SchedulerArgs::new`]'s defaults.
 #[pyfunction]
 #[pyo3(name = "Scheduler", signature = (
     groups, *, num_gpu_blocks, blocks_per_chunk = Arg::Omitted,
@@ -37,7 +41,13 @@ pub(super) fn resolve(
     policy = Arg::Omitted, num_workers = Arg::Omitted, max_loading_requests = Arg::Omitted,
     offload_prompt_only = Arg::Omitted, max_offload_tokens = Arg::Omitted,
     store_threshold = Arg::Omitted, null_block = Arg::Omitted,
-    debug_skip_deferred_arming = Arg::Omitted, tier_write_share = Arg::Omitted
+    debug_skip_deferred_arming = Arg::Omitted, disk_path = Arg::Omitted,
+    disk_bytes = Arg::Omitted, disk_model = Arg::Omitted, disk_deadline_ms = Arg::Omitted,
+    disk_probation_after = Arg::Omitted, disk_probation_ms = Arg::Omitted,
+    disk_write_mbps = Arg::Omitted, remote_url = Arg::Omitted, remote_model = Arg::Omitted,
+    cache_salt = Arg::Omitted, remote_deadline_ms = Arg::Omitted, remote_tls_ca = Arg::Omitted,
+    disk_min_hits = Arg::Omitted, remote_min_hits = Arg::Omitted,
+    tier_write_share = Arg::Omitted, io_cpus = Arg::Omitted
 ))]
 #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
 fn resolve_config(
@@ -55,7 +65,22 @@ fn resolve_config(
     store_threshold: Arg<'_>,
     null_block: Arg<'_>,
     debug_skip_deferred_arming: Arg<'_>,
+    disk_path: Arg<'_>,
+    disk_bytes: Arg<'_>,
+    disk_model: Arg<'_>,
+    disk_deadline_ms: Arg<'_>,
+    disk_probation_after: Arg<'_>,
+    disk_probation_ms: Arg<'_>,
+    disk_write_mbps: Arg<'_>,
+    remote_url: Arg<'_>,
+    remote_model: Arg<'_>,
+    cache_salt: Arg<'_>,
+    remote_deadline_ms: Arg<'_>,
+    remote_tls_ca: Arg<'_>,
+    disk_min_hits: Arg<'_>,
+    remote_min_hits: Arg<'_>,
     tier_write_share: Arg<'_>,
+    io_cpus: Arg<'_>,
 ) -> PyResult<ResolvedConfig> {
     let config_err = |what: &str, obj: &Bound<'_, PyAny>, expected: &str| {
         to_py(crate::config::type_error(
@@ -92,42 +117,115 @@ fn resolve_config(
         })
     })
     .collect::<PyResult<Vec<_>>>()?;
+    let d = SchedulerArgs::new(groups, convert::config_int(num_gpu_blocks, "num_gpu_blocks")?);
+    let t = &d.tiers;
+    let ms = "a number of milliseconds";
+    let tiers = TierArgs {
+        disk_path: convert::config_opt_path(&disk_path, "disk_path", t.disk_path.clone())?,
+        disk_bytes: convert::config_opt_int(&disk_bytes, "disk_bytes", t.disk_bytes)?,
+        disk_model: convert::config_str(&disk_model, "disk_model", "a string", &t.disk_model)?,
+        disk_deadline_ms: convert::config_float_as(
+            &disk_deadline_ms,
+            "disk_deadline_ms",
+            ms,
+            t.disk_deadline_ms,
+        )?,
+        disk_probation_after: convert::config_int_or(
+            &disk_probation_after,
+            "disk_probation_after",
+            t.disk_probation_after,
+        )?,
+        disk_probation_ms: convert::config_float_as(
+            &disk_probation_ms,
+            "disk_probation_ms",
+            ms,
+            t.disk_probation_ms,
+        )?,
+        disk_write_mbps: convert::config_float_as(
+            &disk_write_mbps,
+            "disk_write_mbps",
+            "a number of MB/s",
+            t.disk_write_mbps,
+        )?,
+        disk_min_hits: convert::config_int_or(&disk_min_hits, "disk_min_hits", t.disk_min_hits)?,
+        remote_url: convert::config_opt_str(&remote_url, "remote_url", t.remote_url.clone())?,
+        remote_model: convert::config_str(
+            &remote_model,
+            "remote_model",
+            "a string",
+            &t.remote_model,
+        )?,
+        cache_salt: convert::config_str(&cache_salt, "cache_salt", "a string", &t.cache_salt)?,
+        remote_deadline_ms: convert::config_float_as(
+            &remote_deadline_ms,
+            "remote_deadline_ms",
+            ms,
+            t.remote_deadline_ms,
+        )?,
+        remote_tls_ca: convert::config_opt_path(
+            &remote_tls_ca,
+            "remote_tls_ca",
+            t.remote_tls_ca.clone(),
+        )?,
+        remote_min_hits: convert::config_int_or(
+            &remote_min_hits,
+            "remote_min_hits",
+            t.remote_min_hits,
+        )?,
+        io_cpus: match &io_cpus {
+            Arg::Given(v) if !v.is_none() => Some(convert::cpu_ids(v)?),
+            _ => t.io_cpus.clone(),
+        },
+    };
     let args = SchedulerArgs {
-        groups,
-        blocks_per_chunk: convert::config_int_or(&blocks_per_chunk, "blocks_per_chunk", 1)?,
-        hash_block_size: convert::config_opt_int(&hash_block_size, "hash_block_size", None)?,
-        num_gpu_blocks: convert::config_int(num_gpu_blocks, "num_gpu_blocks")?,
-        null_block: convert::config_opt_int(&null_block, "null_block", Some(0))?,
-        cpu_chunks: convert::config_opt_int(&cpu_chunks, "cpu_chunks", None)?,
-        cpu_bytes: convert::config_opt_int(&cpu_bytes, "cpu_bytes", None)?,
-        policy: convert::config_str(&policy, "policy", "\"lru\" or \"arc\"", "lru")?,
-        num_workers: convert::config_int_or(&num_workers, "num_workers", 1)?,
+        blocks_per_chunk: convert::config_int_or(
+            &blocks_per_chunk,
+            "blocks_per_chunk",
+            d.blocks_per_chunk,
+        )?,
+        hash_block_size: convert::config_opt_int(
+            &hash_block_size,
+            "hash_block_size",
+            d.hash_block_size,
+        )?,
+        null_block: convert::config_opt_int(&null_block, "null_block", d.null_block)?,
+        cpu_chunks: convert::config_opt_int(&cpu_chunks, "cpu_chunks", d.cpu_chunks)?,
+        cpu_bytes: convert::config_opt_int(&cpu_bytes, "cpu_bytes", d.cpu_bytes)?,
+        policy: convert::config_str(&policy, "policy", "\"lru\" or \"arc\"", &d.policy)?,
+        num_workers: convert::config_int_or(&num_workers, "num_workers", d.num_workers)?,
         max_loading_requests: convert::config_int_or(
             &max_loading_requests,
             "max_loading_requests",
-            0,
+            d.max_loading_requests,
         )?,
         offload_prompt_only: convert::config_bool(
             &offload_prompt_only,
             "offload_prompt_only",
-            false,
+            d.offload_prompt_only,
         )?,
         max_offload_tokens: convert::config_opt_int(
             &max_offload_tokens,
             "max_offload_tokens",
-            None,
+            d.max_offload_tokens,
         )?,
-        store_threshold: convert::config_int_or(&store_threshold, "store_threshold", 0)?,
-        tier_write_share: convert::config_float_or(
+        store_threshold: convert::config_int_or(
+            &store_threshold,
+            "store_threshold",
+            d.store_threshold,
+        )?,
+        tier_write_share: convert::config_float_as(
             &tier_write_share,
             "tier_write_share",
-            crate::config::DEFAULT_TIER_WRITE_SHARE,
+            "a number",
+            d.tier_write_share,
         )?,
         debug_skip_deferred_arming: convert::config_bool(
             &debug_skip_deferred_arming,
             "debug_skip_deferred_arming",
-            false,
+            d.debug_skip_deferred_arming,
         )?,
+        tiers,
+        ..d
     };
     Ok(ResolvedConfig(args.resolve().map_err(to_py)?))
 }

@@ -30,11 +30,10 @@ use self::plan::job_obj;
 pub use self::plan::{CompletedJob, StepPlan, TransferJob};
 use super::convert::{self, Arg};
 use super::engine::engine_hashes_from;
-use super::errors::{to_py, ConfigError};
+use super::errors::to_py;
 use crate::error::Error;
 use crate::py::sync::guarded;
 use crate::scheduler::{Scheduler as Core, StepInput};
-use crate::tier::Medium;
 
 /// [`Scheduler::tail_under_lock`]'s answer: the lock, the held hash count, the tail's start.
 type Tail<'a> = (MutexGuard<'a, Core>, Option<usize>, usize, Vec<crate::Key>);
@@ -119,25 +118,38 @@ impl Scheduler {
 
 #[pymethods]
 impl Scheduler {
-    /// Builds the core. `groups` holds `(block_size, sliding_window, bytes_per_block)` per KV
-    /// group; give exactly one of `cpu_chunks` (slots per group) and `cpu_bytes` (all groups).
+    /// Builds the core and attaches the lower tiers the options name (GIL released: the disk
+    /// tier's index is rebuilt from its directory, the shared tier's client connects). The
+    /// options are `OffloadConfig`'s fields: `groups` holds `(block_size, sliding_window,
+    /// bytes_per_block)` per KV group; give exactly one of `cpu_chunks` (slots per group) and
+    /// `cpu_bytes` (all groups).
     #[new]
     #[pyo3(
         signature = (*args, **kwargs),
         text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
             cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
             offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
-            debug_skip_deferred_arming=False, tier_write_share=0.125)"
+            debug_skip_deferred_arming=False, disk_path=None, disk_bytes=None, disk_model='', \
+            disk_deadline_ms=5000.0, disk_probation_after=3, disk_probation_ms=5000.0, \
+            disk_write_mbps=0.0, remote_url=None, remote_model='', cache_salt='', \
+            remote_deadline_ms=1000.0, remote_tls_ca=None, disk_min_hits=0, remote_min_hits=0, \
+            tier_write_share=0.125, io_cpus=None)"
     )]
-    fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let cfg = resolve(args, kwargs)?;
         Ok(Self {
-            inner: Mutex::new(Core::new(resolve(args, kwargs)?).map_err(to_py)?),
+            inner: Mutex::new(py.detach(|| Core::open(cfg)).map_err(to_py)?),
             locks: AtomicU64::new(0),
             ids: Mutex::default(),
         })
     }
 
-    /// Checks a configuration without building anything (same arguments as the constructor).
+    /// Checks a configuration without building or opening anything (same arguments as the
+    /// constructor).
     /// Returns `(cpu_chunks, bytes_per_chunk of each group)` as the core resolves them.
     #[staticmethod]
     #[pyo3(
@@ -145,7 +157,11 @@ impl Scheduler {
         text_signature = "(groups, *, num_gpu_blocks, blocks_per_chunk=1, hash_block_size=None, \
             cpu_chunks=None, cpu_bytes=None, policy='lru', num_workers=1, max_loading_requests=0, \
             offload_prompt_only=False, max_offload_tokens=None, store_threshold=0, null_block=0, \
-            debug_skip_deferred_arming=False, tier_write_share=0.125)"
+            debug_skip_deferred_arming=False, disk_path=None, disk_bytes=None, disk_model='', \
+            disk_deadline_ms=5000.0, disk_probation_after=3, disk_probation_ms=5000.0, \
+            disk_write_mbps=0.0, remote_url=None, remote_model='', cache_salt='', \
+            remote_deadline_ms=1000.0, remote_tls_ca=None, disk_min_hits=0, remote_min_hits=0, \
+            tier_write_share=0.125, io_cpus=None)"
     )]
     fn check_config(
         args: &Bound<'_, PyTuple>,
@@ -513,128 +529,6 @@ impl Scheduler {
     /// `"removed"` and medium `"cpu"` or a tier's (`"disk"`).
     fn take_events(&self) -> PyResult<EventRows> {
         guarded(|| Ok(stats::take_events(&mut *self.lock()?)))
-    }
-
-    /// Attaches a disk tier under `path` to every group (`disk_bytes` per group and worker),
-    /// rebuilding its index from the headers every worker wrote there; `model` names the
-    /// weights and dtype (part of the namespace). A promotion not done within `deadline_ms`
-    /// expires (its requests recompute); `probation_after` failed or expired jobs in a row put
-    /// the tier on probation for `probation_ms` (writes dropped, lookups skip it) until a
-    /// trial succeeds. `write_mbps` (MB/s, 0: no limit) paces write-behind: chunks past the rate
-    /// are skipped (`skipped_writes`). `None` keeps a default (5000 ms, 3 jobs, 5000 ms, no
-    /// limit). Call it before the first request.
-    #[pyo3(signature = (path, disk_bytes, model = "", deadline_ms = None, probation_after = None, probation_ms = None, write_mbps = None))]
-    #[allow(clippy::needless_pass_by_value, clippy::too_many_arguments)] // pyo3 hands arguments over by value
-    fn attach_disk(
-        &self,
-        py: Python<'_>,
-        path: std::path::PathBuf,
-        disk_bytes: u64,
-        model: &str,
-        deadline_ms: Option<&Bound<'_, PyAny>>,
-        probation_after: Option<&Bound<'_, PyAny>>,
-        probation_ms: Option<&Bound<'_, PyAny>>,
-        write_mbps: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        guarded(|| {
-            let mut watch = crate::scheduler::DiskWatch::default();
-            if let Some(v) = write_mbps {
-                let mbps = if v.is_instance_of::<pyo3::types::PyBool>() {
-                    None
-                } else {
-                    v.extract::<f64>().ok()
-                };
-                match mbps {
-                    Some(m) if m.is_finite() && (0.0..=1e6).contains(&m) => {
-                        watch.write_bytes_per_s = (m * 1e6) as u64;
-                    }
-                    _ => {
-                        return Err(super::errors::ConfigError::new_err(format!(
-                            "disk_write_mbps must be a number of MB/s in [0, 1e6] (0: no \
-                             limit), got {}",
-                            convert::describe(v)
-                        )))
-                    }
-                }
-            }
-            if let Some(d) = deadline_ms {
-                watch.deadline = super::remote::ms_arg("disk_deadline_ms", d)?;
-            }
-            if let Some(n) = probation_after {
-                watch.probation_after = super::remote::count_arg("disk_probation_after", n)?;
-            }
-            if let Some(d) = probation_ms {
-                watch.probation = super::remote::ms_arg("disk_probation_ms", d)?;
-            }
-            let model = model.to_string();
-            let mut guard = self.lock()?;
-            let core: &mut Core = &mut guard;
-            py.detach(|| core.attach_disk_with(&path, disk_bytes, &model, watch))
-                .map_err(to_py)
-        })
-    }
-
-    /// Attaches the shared (Redis) tier at `url` to every group: chunks stored in the CPU pool
-    /// are written behind, lookups that miss the CPU pool ask the server (batched, within
-    /// `deadline_ms`) and promote what it holds. `model` and `cache_salt` are part of the
-    /// namespace: other models or tenants never share chunks. The lookup threads run on
-    /// `io_cpus` when given (as the tier workers' I/O threads). Call it before the first request.
-    #[pyo3(signature = (url, model = "", cache_salt = "", deadline_ms = 1000.0, ttl_s = 60.0, retry_s = 1.0, io_cpus = None, tls_ca = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn attach_remote(
-        &self,
-        url: &str,
-        model: &str,
-        cache_salt: &str,
-        deadline_ms: f64,
-        ttl_s: f64,
-        retry_s: f64,
-        io_cpus: Option<&Bound<'_, PyAny>>,
-        tls_ca: Option<std::path::PathBuf>,
-    ) -> PyResult<()> {
-        guarded(|| {
-            let cpus = super::tier_worker::io_cpus_arg(io_cpus)?;
-            let client = super::remote::client(url, deadline_ms, tls_ca)?;
-            let secs = |field: &str, v: f64| {
-                if v.is_finite() && v > 0.0 && v <= 1e6 {
-                    Ok(std::time::Duration::from_secs_f64(v))
-                } else {
-                    Err(super::errors::ConfigError::new_err(format!(
-                        "{field} must be a number of seconds in (0, 1e6], got {v}"
-                    )))
-                }
-            };
-            let (ttl, retry) = (
-                secs("remote_ttl_s", ttl_s)?,
-                secs("remote_retry_s", retry_s)?,
-            );
-            self.lock()?
-                .attach_remote(
-                    &std::sync::Arc::new(client),
-                    model,
-                    cache_salt,
-                    ttl,
-                    retry,
-                    cpus.as_ref(),
-                )
-                .map_err(to_py)
-        })
-    }
-
-    /// Every group's tier of `medium` (`"disk"`, `"remote"`) writes a chunk behind once it was
-    /// loaded from the CPU pool `min_hits` times (0: as soon as it is stored). Returns how many
-    /// tiers it set.
-    fn set_tier_admission(&self, medium: &str, min_hits: u32) -> PyResult<usize> {
-        guarded(|| {
-            let medium = Medium::parse(medium).ok_or_else(|| {
-                ConfigError::new_err(format!(
-                    "set_tier_admission: medium {medium:?} is neither \"disk\" nor \"remote\""
-                ))
-            })?;
-            Ok(self
-                .lock()?
-                .set_tier_admission(medium, crate::scheduler::TierAdmission { min_hits }))
-        })
     }
 
     /// Per group and lower tier: its counters (hits, bytes, promotions, quarantined, queue

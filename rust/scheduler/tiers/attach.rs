@@ -1,4 +1,5 @@
-//! Attaching lower tiers (DESIGN.md §9) before the first request: any [`TierIndex`] per
+//! Attaching lower tiers (DESIGN.md §9) before the first request, those a configuration names
+//! ([`Scheduler::open`]) or any [`TierIndex`] per
 //! group, the disk tier (one [`DiskIndex`] per group, rebuilt from every rank's headers, with
 //! its deadline and probation: [`DiskWatch`]) and the shared (Redis) tier (one
 //! [`RemoteIndex`] per group over one client, keyed by the namespaces the workers write
@@ -9,6 +10,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::{SchedulerConfig, REMOTE_RETRY, REMOTE_TTL};
 use crate::error::{Error, Result};
 use crate::tier::affinity::CpuSet;
 use crate::tier::disk::{engine_namespace, scan_namespace, DiskIndex, SlabLayout};
@@ -21,6 +23,31 @@ use super::{DiskWatch, GroupTier, TierAdmission};
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
+    /// A scheduler for `cfg` with the lower tiers `cfg.tiers` names attached, each with its
+    /// admission filter: the disk tier, then the shared tier (its client connects once now, its
+    /// lookup threads on `cfg.tiers.io_cpus`). All or nothing.
+    pub fn open(cfg: SchedulerConfig) -> Result<Self> {
+        let tiers = cfg.tiers.clone();
+        let mut s = Self::new(cfg)?;
+        if let Some(d) = &tiers.disk {
+            s.attach_disk_with(&d.path, d.bytes, &d.model, d.watch)?;
+            s.set_tier_admission(Medium::Disk, d.admission);
+        }
+        if let Some(r) = &tiers.remote {
+            let client = Arc::new(RemoteClient::new(r.client.clone())?);
+            s.attach_remote(
+                &client,
+                &r.model,
+                &r.cache_salt,
+                REMOTE_TTL,
+                REMOTE_RETRY,
+                tiers.io_cpus.as_ref(),
+            )?;
+            s.set_tier_admission(Medium::Remote, r.admission);
+        }
+        Ok(s)
+    }
+
     /// Attaches a lower tier to KV group `group` (before the first request is added), written
     /// behind to as `admission` says. A group may have one tier per medium; lookups promote
     /// from the nearest tier holding a chunk (local tiers before the shared one). Chunks become

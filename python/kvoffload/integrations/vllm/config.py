@@ -164,6 +164,5 @@ def build_offload_config(
         null_block=0,
         **kwargs,
     )
-    cfg.resolved_cpu_chunks()  # the core validates every value now, naming the field
-    cfg.checked_io_cpus()  # and io_cpus, as the workers will when they open their tiers
+    cfg.resolved_cpu_chunks()  # the core validates every value now (io_cpus too), naming the field
     return cfg, exact
