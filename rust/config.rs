@@ -126,6 +126,41 @@ pub fn deadline_ms(field: &str, ms: f64) -> Result<std::time::Duration> {
     }
 }
 
+/// Checks the layout a tier worker (`what`) is opened with: `blocks_per_chunk >= 1`,
+/// `0 <= rank < world_size`, and as many element types (`dtypes`, when given) as groups.
+pub fn worker_layout(
+    what: &str,
+    blocks_per_chunk: u32,
+    rank: u32,
+    world_size: u32,
+    dtypes: Option<usize>,
+    groups: usize,
+) -> Result<()> {
+    if let Some(d) = dtypes.filter(|&d| d != groups) {
+        return Err(Error::Config(format!(
+            "{what}: dtypes has {d} entries, the pool has {groups} groups"
+        )));
+    }
+    if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
+        return Err(Error::Config(format!(
+            "{what}: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
+             world_size={world_size}: need blocks_per_chunk >= 1 and 0 <= rank < world_size"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the timeout of a wait for tier jobs, in seconds (finite, `>= 0`; capped at 1e9 s).
+pub fn wait_timeout(secs: f64) -> Result<std::time::Duration> {
+    if secs.is_finite() && secs >= 0.0 {
+        Ok(std::time::Duration::from_secs_f64(secs.min(1e9)))
+    } else {
+        Err(Error::Config(format!(
+            "wait: timeout={secs} must be a finite number of seconds >= 0"
+        )))
+    }
+}
+
 /// One KV group as the caller gave it (see [`GroupConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupArgs {

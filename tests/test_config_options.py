@@ -58,6 +58,11 @@ def test_the_core_signature_lists_the_fields_with_their_defaults(obj: object) ->
     assert _runtime_signature(obj) == FIELDS
 
 
+def test_the_cores_own_defaults_are_the_fields() -> None:
+    """What a direct caller of the core gets for an omitted keyword."""
+    assert Scheduler.defaults() == OPTION_DEFAULTS
+
+
 def test_the_core_reads_every_field() -> None:
     """Each keyword reaches the core's checks (a value of no possible type names it) and the
     fields as given are a configuration it accepts; an unknown keyword is refused."""

@@ -215,7 +215,10 @@ mod tests {
 
     #[test]
     fn no_tier_by_default_and_the_given_ones_resolved() {
-        assert_eq!(TierArgs::default().resolve().unwrap(), TierConfig::default());
+        assert_eq!(
+            TierArgs::default().resolve().unwrap(),
+            TierConfig::default()
+        );
         let a = TierArgs {
             disk_path: Some("/d".into()),
             disk_bytes: Some(1 << 20),
@@ -227,7 +230,10 @@ mod tests {
         };
         let t = a.resolve().unwrap();
         let disk = t.disk.unwrap();
-        assert_eq!((disk.bytes, disk.watch.write_bytes_per_s), (1 << 20, 2_500_000));
+        assert_eq!(
+            (disk.bytes, disk.watch.write_bytes_per_s),
+            (1 << 20, 2_500_000)
+        );
         assert_eq!(disk.admission.min_hits, 1);
         let remote = t.remote.unwrap();
         assert_eq!(remote.client.deadline, Duration::from_millis(250));
@@ -236,16 +242,23 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_field_even_without_the_tier() {
-        let bad: [(fn(&mut TierArgs), &str); 9] = [
+        type Change = fn(&mut TierArgs);
+        let bad: [(Change, &str); 9] = [
             (|a| a.disk_deadline_ms = 0.0, "disk_deadline_ms"),
-            (|a| a.disk_probation_after = 0, "disk_probation_after must be in 1..="),
+            (
+                |a| a.disk_probation_after = 0,
+                "disk_probation_after must be in 1..=",
+            ),
             (|a| a.disk_probation_ms = f64::NAN, "disk_probation_ms"),
             (|a| a.disk_write_mbps = -1.0, "disk_write_mbps"),
             (|a| a.disk_min_hits = -1, "disk_min_hits must be in 0..="),
             (|a| a.remote_min_hits = 1 << 32, "remote_min_hits"),
             (|a| a.remote_deadline_ms = 4e6, "remote_deadline_ms"),
             (|a| a.disk_bytes = Some(1), "disk_bytes=1 needs disk_path"),
-            (|a| a.remote_tls_ca = Some("/ca".into()), "remote_tls_ca=/ca needs remote_url"),
+            (
+                |a| a.remote_tls_ca = Some("/ca".into()),
+                "remote_tls_ca=/ca needs remote_url",
+            ),
         ];
         for (change, expected) in bad {
             let mut a = TierArgs::default();
@@ -256,7 +269,10 @@ mod tests {
             disk_path: Some("/d".into()),
             ..TierArgs::default()
         };
-        assert_eq!(message(&a), "disk_bytes must be a positive integer, got None");
+        assert_eq!(
+            message(&a),
+            "disk_bytes must be a positive integer, got None"
+        );
         a.disk_bytes = Some(0);
         assert_eq!(message(&a), "disk_bytes must be a positive integer, got 0");
     }

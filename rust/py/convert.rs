@@ -472,16 +472,23 @@ pub fn config_opt_path(
         Arg::Given(v) if v.is_instance_of::<PyBytes>() => Err(config_err(
             crate::config::type_error(field, "a path", describe(v)),
         )),
-        Arg::Given(v) => v.extract::<PathBuf>().map(Some).map_err(|_| {
-            config_err(crate::config::type_error(field, "a path", describe(v)))
-        }),
+        Arg::Given(v) => v
+            .extract::<PathBuf>()
+            .map(Some)
+            .map_err(|_| config_err(crate::config::type_error(field, "a path", describe(v)))),
     }
 }
 
 /// CPU ids (`io_cpus`): a collection of integers, not a string; the core checks the ids.
 pub fn cpu_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let expected = "a collection of CPU ids (integers)";
-    let not_ids = || config_err(crate::config::type_error("io_cpus", expected, describe(obj)));
+    let not_ids = || {
+        config_err(crate::config::type_error(
+            "io_cpus",
+            expected,
+            describe(obj),
+        ))
+    };
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(not_ids());
     }

@@ -12,14 +12,13 @@
 
 use std::path::PathBuf;
 use std::sync::RwLock;
-use std::time::Duration;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::copy::register;
-use super::errors::{to_py, ConfigError, KvOffloadError};
+use super::errors::{to_py, KvOffloadError};
 use super::tier::{decode_tier_jobs, set_counters, worker_jobs, TierJobArg};
 use crate::copy::RowSpace;
 use crate::ids::JobId;
@@ -51,7 +50,7 @@ pub fn cpu_regions(regions: Vec<RegionArg>) -> Vec<CpuRegion> {
 }
 
 /// `io_cpus` as given (`None`, or an iterable of CPU ids) as a checked [`CpuSet`]: a
-/// [`ConfigError`] naming the offending value otherwise (checked before anything opens).
+/// `ConfigError` naming the offending value otherwise (checked before anything opens).
 pub fn io_cpus_arg(io_cpus: Option<&Bound<'_, PyAny>>) -> PyResult<Option<CpuSet>> {
     let Some(obj) = io_cpus.filter(|o| !o.is_none()) else {
         return Ok(None);
@@ -61,7 +60,7 @@ pub fn io_cpus_arg(io_cpus: Option<&Bound<'_, PyAny>>) -> PyResult<Option<CpuSet
 }
 
 /// Checks `io_cpus` as the tier workers do when they open (`None`: no pinning); returns the
-/// CPU ids, or raises [`ConfigError`] naming the offending id.
+/// CPU ids, or raises `ConfigError` naming the offending id.
 #[pyfunction]
 pub fn check_io_cpus(io_cpus: &Bound<'_, PyAny>) -> PyResult<Option<Vec<usize>>> {
     Ok(io_cpus_arg(Some(io_cpus))?.map(|s| s.ids().to_vec()))
@@ -104,19 +103,15 @@ impl TierWorker {
         dtypes: Option<&[String]>,
         mut open: impl FnMut(Namespace, Namespace, u64) -> PyResult<OpenGroup>,
     ) -> PyResult<Self> {
-        if let Some(d) = dtypes.filter(|d| d.len() != groups.len()) {
-            return Err(ConfigError::new_err(format!(
-                "{what}: dtypes has {} entries, the pool has {} groups",
-                d.len(),
-                groups.len()
-            )));
-        }
-        if blocks_per_chunk == 0 || world_size == 0 || rank >= world_size {
-            return Err(ConfigError::new_err(format!(
-                "{what}: blocks_per_chunk={blocks_per_chunk}, rank={rank}, \
-                 world_size={world_size}: need blocks_per_chunk >= 1 and 0 <= rank < world_size"
-            )));
-        }
+        crate::config::worker_layout(
+            what,
+            blocks_per_chunk,
+            rank,
+            world_size,
+            dtypes.map(<[String]>::len),
+            groups.len(),
+        )
+        .map_err(to_py)?;
         let (held, spans) = register(buffers)?;
         let mut tgroups = Vec::with_capacity(groups.len());
         for (g, (cpu_rows, block_size, regions)) in groups.into_iter().enumerate() {
@@ -212,13 +207,8 @@ impl TierWorker {
     #[pyo3(signature = (job_ids, timeout = 60.0))]
     fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: f64) -> PyResult<Vec<(u64, bool)>> {
         guarded(|| {
-            if !timeout.is_finite() || timeout < 0.0 {
-                return Err(ConfigError::new_err(format!(
-                    "wait: timeout={timeout} must be a finite number of seconds >= 0"
-                )));
-            }
+            let d = crate::config::wait_timeout(timeout).map_err(to_py)?;
             let ids: Vec<JobId> = job_ids.into_iter().map(JobId).collect();
-            let d = Duration::from_secs_f64(timeout.min(1e9));
             Ok(results(py.detach(|| {
                 self.with(|w| w.map(|w| w.wait(&ids, d)).unwrap_or_default())
             })))

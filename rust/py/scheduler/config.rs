@@ -4,6 +4,8 @@
 //! Python objects into Rust values: a value of the wrong type is a `ConfigError` naming the
 //! field; every range and combination is the core's.
 
+use std::path::PathBuf;
+
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -117,7 +119,10 @@ fn resolve_config(
         })
     })
     .collect::<PyResult<Vec<_>>>()?;
-    let d = SchedulerArgs::new(groups, convert::config_int(num_gpu_blocks, "num_gpu_blocks")?);
+    let d = SchedulerArgs::new(
+        groups,
+        convert::config_int(num_gpu_blocks, "num_gpu_blocks")?,
+    );
     let t = &d.tiers;
     let ms = "a number of milliseconds";
     let tiers = TierArgs {
@@ -228,4 +233,42 @@ fn resolve_config(
         ..d
     };
     Ok(ResolvedConfig(args.resolve().map_err(to_py)?))
+}
+
+/// What each omitted keyword of the constructor takes ([`SchedulerArgs::new`]), by name: the
+/// required ones (`groups`, `num_gpu_blocks`) left out.
+pub(super) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = SchedulerArgs::new(Vec::new(), 0);
+    let t = &d.tiers;
+    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    let out = PyDict::new(py);
+    out.set_item("blocks_per_chunk", d.blocks_per_chunk)?;
+    out.set_item("hash_block_size", d.hash_block_size)?;
+    out.set_item("cpu_chunks", d.cpu_chunks)?;
+    out.set_item("cpu_bytes", d.cpu_bytes)?;
+    out.set_item("policy", &d.policy)?;
+    out.set_item("num_workers", d.num_workers)?;
+    out.set_item("max_loading_requests", d.max_loading_requests)?;
+    out.set_item("offload_prompt_only", d.offload_prompt_only)?;
+    out.set_item("max_offload_tokens", d.max_offload_tokens)?;
+    out.set_item("store_threshold", d.store_threshold)?;
+    out.set_item("null_block", d.null_block)?;
+    out.set_item("debug_skip_deferred_arming", d.debug_skip_deferred_arming)?;
+    out.set_item("disk_path", path(&t.disk_path))?;
+    out.set_item("disk_bytes", t.disk_bytes)?;
+    out.set_item("disk_model", &t.disk_model)?;
+    out.set_item("disk_deadline_ms", t.disk_deadline_ms)?;
+    out.set_item("disk_probation_after", t.disk_probation_after)?;
+    out.set_item("disk_probation_ms", t.disk_probation_ms)?;
+    out.set_item("disk_write_mbps", t.disk_write_mbps)?;
+    out.set_item("remote_url", &t.remote_url)?;
+    out.set_item("remote_model", &t.remote_model)?;
+    out.set_item("cache_salt", &t.cache_salt)?;
+    out.set_item("remote_deadline_ms", t.remote_deadline_ms)?;
+    out.set_item("remote_tls_ca", path(&t.remote_tls_ca))?;
+    out.set_item("disk_min_hits", t.disk_min_hits)?;
+    out.set_item("remote_min_hits", t.remote_min_hits)?;
+    out.set_item("tier_write_share", d.tier_write_share)?;
+    out.set_item("io_cpus", &t.io_cpus)?;
+    Ok(out)
 }

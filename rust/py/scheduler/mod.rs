@@ -172,6 +172,13 @@ impl Scheduler {
         Ok((cfg.cpu_chunks, bytes))
     }
 
+    /// What each keyword of the constructor takes when omitted, by name (the required ones
+    /// left out).
+    #[staticmethod]
+    fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+        self::config::defaults(py)
+    }
+
     /// Registers a request: its prompt length and the chained hashes (int or bytes) of its
     /// complete hash blocks.
     fn add_request(
