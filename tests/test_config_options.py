@@ -101,3 +101,17 @@ def test_the_clis_defaults_are_the_fields() -> None:
     cli = {n: v for n, v in given.items() if n in OPTION_DEFAULTS and n not in UNSIZED}
     assert {"policy", "disk_probation_after", "tier_write_share", "remote_url"} <= set(cli)
     assert cli == {n: OPTION_DEFAULTS[n] for n in cli}
+
+
+def test_check_config_checks_the_tiers_options_without_opening_them(tmp_path: Path) -> None:
+    """What the simulator and the vLLM adapter check up front: the tiers' values, the form of
+    the shared tier's URL too, with nothing created or connected."""
+    kwargs = BASE._core_kwargs()
+    never = tmp_path / "never"
+    Scheduler.check_config(**{**kwargs, "disk_path": never, "disk_bytes": 1 << 20})
+    Scheduler.check_config(**{**kwargs, "remote_url": "redis://127.0.0.1:1"})
+    assert not never.exists()
+    with pytest.raises(ConfigError, match="remote_url"):
+        Scheduler.check_config(**{**kwargs, "remote_url": "http://127.0.0.1:1"})
+    with pytest.raises(ConfigError, match="disk_write_mbps"):
+        Scheduler.check_config(**{**kwargs, "disk_write_mbps": -1.0})

@@ -2,9 +2,9 @@
 //! checked with the scheduler's own in [`super::SchedulerArgs::resolve`], so that every option
 //! is checked in one place whoever builds a scheduler: a bad value is an [`Error::Config`]
 //! naming the field and the value, even for a tier that is not configured, and nothing is
-//! opened until every value passed. What can only be checked by opening (the disk
-//! directory, the server's certificate) is checked when [`crate::scheduler::Scheduler::open`]
-//! attaches the tiers.
+//! opened until every value passed (the form of `remote_url` too, without connecting). What
+//! can only be checked by opening (the disk directory, the server's certificate) is checked
+//! when [`crate::scheduler::Scheduler::open`] attaches the tiers.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -160,17 +160,21 @@ impl TierArgs {
                 admission: disk_admission,
             }),
         };
-        let remote = self.remote_url.as_ref().map(|url| {
-            let mut client = RemoteConfig::new(url);
-            client.deadline = remote_deadline;
-            client.tls_ca.clone_from(&self.remote_tls_ca);
-            RemoteTier {
-                client,
-                model: self.remote_model.clone(),
-                cache_salt: self.cache_salt.clone(),
-                admission: remote_admission,
+        let remote = match &self.remote_url {
+            None => None,
+            Some(url) => {
+                RemoteConfig::check_url(url)?;
+                let mut client = RemoteConfig::new(url);
+                client.deadline = remote_deadline;
+                client.tls_ca.clone_from(&self.remote_tls_ca);
+                Some(RemoteTier {
+                    client,
+                    model: self.remote_model.clone(),
+                    cache_salt: self.cache_salt.clone(),
+                    admission: remote_admission,
+                })
             }
-        });
+        };
         if let (None, Some(ca)) = (&remote, &self.remote_tls_ca) {
             return Err(Error::Config(format!(
                 "remote_tls_ca={} needs remote_url",
@@ -243,7 +247,7 @@ mod tests {
     #[test]
     fn bad_values_name_the_field_even_without_the_tier() {
         type Change = fn(&mut TierArgs);
-        let bad: [(Change, &str); 9] = [
+        let bad: [(Change, &str); 11] = [
             (|a| a.disk_deadline_ms = 0.0, "disk_deadline_ms"),
             (
                 |a| a.disk_probation_after = 0,
@@ -258,6 +262,11 @@ mod tests {
             (
                 |a| a.remote_tls_ca = Some("/ca".into()),
                 "remote_tls_ca=/ca needs remote_url",
+            ),
+            (|a| a.remote_url = Some("http://h:1".into()), "remote_url"),
+            (
+                |a| a.remote_url = Some("redis+cluster://h".into()),
+                "seed \"h\" has no port",
             ),
         ];
         for (change, expected) in bad {

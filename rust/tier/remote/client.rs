@@ -52,6 +52,26 @@ impl std::fmt::Debug for Node {
     }
 }
 
+/// Parses a single server's `url` (`redis://`, `rediss://` or `unix://`) without connecting:
+/// the crate's client of the address and credentials, and whether it is over TLS (which is
+/// ours). A malformed URL is an [`Error::Config`] naming it (password redacted).
+pub(super) fn parse_url(url: &str) -> Result<(redis::Client, bool)> {
+    let shown = redact(url);
+    if !["redis://", "rediss://", "unix://"]
+        .iter()
+        .any(|s| url.starts_with(s))
+    {
+        return Err(Error::Config(format!(
+            "remote_url: {shown:?} is not a redis:// or rediss:// URL"
+        )));
+    }
+    let over_tls = url.starts_with("rediss://");
+    let plain = url.replacen("rediss://", "redis://", 1);
+    let client = redis::Client::open(plain.as_str())
+        .map_err(|e| Error::Config(format!("remote_url: {shown:?}: {e}")))?;
+    Ok((client, over_tls))
+}
+
 impl Node {
     /// A client for `cfg.url`. Connects lazily: a server that is down now only makes the first
     /// operations fail. Refuses a URL that is not a Redis URL and out-of-range settings.
@@ -59,20 +79,7 @@ impl Node {
     pub(super) fn new(cfg: RemoteConfig, tagged: bool, asking: bool) -> Result<Self> {
         let bad = |field: &str, why: String| Error::Config(format!("{field}: {why}"));
         let shown = redact(&cfg.url);
-        if !["redis://", "rediss://", "unix://"]
-            .iter()
-            .any(|s| cfg.url.starts_with(s))
-        {
-            return Err(bad(
-                "remote_url",
-                format!("{shown:?} is not a redis:// or rediss:// URL"),
-            ));
-        }
-        // The crate parses the address and credentials; TLS is ours.
-        let over_tls = cfg.url.starts_with("rediss://");
-        let plain = cfg.url.replacen("rediss://", "redis://", 1);
-        let client = redis::Client::open(plain.as_str())
-            .map_err(|e| bad("remote_url", format!("{shown:?}: {e}")))?;
+        let (client, over_tls) = parse_url(&cfg.url)?;
         let tls = match (over_tls, &cfg.tls_ca) {
             (false, None) => None,
             (false, Some(ca)) => {

@@ -112,6 +112,15 @@ pub struct RemoteConfig {
 }
 
 impl RemoteConfig {
+    /// Checks the form of a `url` (a server's or a cluster's) without connecting: a
+    /// [`crate::Error::Config`] naming it (password redacted) when the client would refuse it.
+    pub fn check_url(url: &str) -> crate::Result<()> {
+        match ClusterUrl::parse(url)? {
+            Some(_) => Ok(()),
+            None => client::parse_url(url).map(|_| ()),
+        }
+    }
+
     /// Defaults for `url`: 1 s deadline, one connection per core (at most 4: more only add
     /// contention with the server on small machines; measured 3.1 GB/s writes with 2 on 2
     /// cores against 1.9 with 8), 64 MiB parts, probation after 3 failures for 2 s.
