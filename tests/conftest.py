@@ -12,7 +12,7 @@ import pytest
 from kvoffload import JobTracker
 
 # Fixtures of the shared (Redis) tier: a real server, a delay proxy.
-pytest_plugins = ("tests.remote_support",)
+pytest_plugins = ("tests.support.remote",)
 
 NUM_BLOCKS = 16
 NUM_WORKERS = 2

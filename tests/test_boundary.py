@@ -208,24 +208,15 @@ TIER_EXIT_SCRIPT = textwrap.dedent(
     """
     import sys, tempfile
     from pathlib import Path
-    from tests.test_disk import BLOCK, _config, _engine
-    from kvoffload.scheduler import OffloadScheduler, StepInput
+    from tests.support.disk import BLOCK, cpu_engine, store_and_finish, tier_config
+    from kvoffload.scheduler import OffloadScheduler
     from kvoffload.transfer.disk import open_disk_worker
 
     path = Path(tempfile.mkdtemp())
-    sched = OffloadScheduler(_config(path, tier_write_share=1.0))
-    kv, worker = _engine(1)
+    sched = OffloadScheduler(tier_config(path, tier_write_share=1.0))
+    kv, worker = cpu_engine(1)
     disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
-    sched.add_request("a", prompt_len=3 * BLOCK, block_hashes=[1, 2, 3])
-    sched.lookup("a", num_computed_tokens=0)
-    sched.allocate("a", [[1, 2, 3, 4]], num_computed_tokens=0, num_load_tokens=0)
-    plan = sched.schedule(StepInput(scheduled=[("a", 3 * BLOCK)], written=[1, 2, 3, 4]))
-    for job in plan.stores:
-        worker.submit_store(job.job_id, job.transfers)
-    worker.wait([j.job_id for j in plan.stores])
-    for r in worker.poll():
-        sched.complete(r.job_id, ok=r.ok)
-    plan = sched.schedule(StepInput(finished=["a"], written=[]))
+    plan = store_and_finish(sched, worker, [1, 2, 3], 3 * BLOCK)
     assert plan.tier_jobs
     disk.submit(plan.tier_jobs)
     # Exits here, the disk tier's writes in flight on its Rust I/O threads.

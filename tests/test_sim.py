@@ -15,19 +15,10 @@ import numpy as np
 import pytest
 
 from kvoffload.errors import ConfigError
-from kvoffload.sim import BlockPool, SimConfig, SimError, Simulator, make_workload, simulate
+from kvoffload.sim import BlockPool, SimError, Simulator, make_workload, simulate
 from kvoffload.sim.oracle import Stream, chained_hashes
+from tests.support.sim import PRESSURE
 
-PRESSURE = SimConfig(
-    num_requests=40,
-    scale=0.5,
-    num_gpu_blocks=96,
-    cpu_chunks=2048,
-    arrival_gap=0.5,
-    completion="poll",
-    copy_delay_s=0.002,
-    sliding_window=None,
-)
 WORKLOADS = ["chat", "sysprompt", "docs", "mixed"]
 
 
