@@ -10,8 +10,8 @@ use kvoffload::tier::remote::{
 };
 use kvoffload::Key;
 
-mod tier_support;
-use tier_support::Server;
+mod support;
+use support::tier::Server;
 
 fn config(url: &str) -> RemoteConfig {
     let mut c = RemoteConfig::new(url);

@@ -10,9 +10,8 @@ use std::time::{Duration, Instant};
 use kvoffload::tier::remote::{ReadItem, ReadOutcome, RemoteClient, RemoteConfig, WriteItem};
 use kvoffload::Key;
 
-mod cluster_support;
-mod tier_support;
-use cluster_support::{cli, Cluster};
+mod support;
+use support::cluster::{cli, Cluster};
 
 const NS: u128 = 0x5eed;
 
@@ -193,7 +192,7 @@ fn engines_share_chunks_spread_over_every_master_and_a_stopped_master_costs_only
     assert_eq!(read(&c, &keys), vec![ReadOutcome::Hit; keys.len()]);
 
     // URLs: a non-cluster seed among cluster seeds, a wrong password, a bad URL.
-    let plain = tier_support::Server::start();
+    let plain = support::tier::Server::start();
     let mixed = format!("{},127.0.0.1:{}", cluster.url(), plain.port);
     let e = RemoteClient::new(config(&mixed, 1000))
         .unwrap_err()

@@ -13,8 +13,8 @@ use kvoffload::tier::io::{RemoteGroup, WorkerJob};
 use kvoffload::tier::remote::{RemoteClient, RemoteConfig};
 use kvoffload::{BlockId, Key};
 
-mod tier_support;
-use tier_support::{config, namespace, oracle, step, CpuTier, Server};
+mod support;
+use support::tier::{config, namespace, oracle, step, CpuTier, Server};
 
 fn keys() -> Vec<Key> {
     (1..=4).map(|i| Key(0xAB00 + i)).collect()

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use kvoffload::tier::remote::{ReadItem, ReadOutcome, RemoteClient, RemoteConfig, WriteItem};
 use kvoffload::Key;
 
-mod cluster_support;
-use cluster_support::certificates;
+mod support;
+use support::cluster::certificates;
 
 struct TlsServer {
     port: u16,

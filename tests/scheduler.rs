@@ -2,8 +2,8 @@
 //! assertions are on). The full behaviour is covered from Python (scenario tests and the
 //! differential test against the model); these check the same paths compile and hold in Rust.
 
-mod step_support;
-use step_support::{bl, step};
+mod support;
+use support::step::{bl, step};
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::jobs::JobKind;
