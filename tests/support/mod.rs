@@ -3,5 +3,6 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod remote;
 pub mod step;
 pub mod tier;
