@@ -2,9 +2,9 @@
 job before the plan that carries it is applied, and the interpreter exits cleanly with copies in
 flight.
 
-Each test names the defect it guards against; every one of them failed before the fix (a
-``PanicException`` with the step half applied, a load planned after its failure was reported, an
-``ok=None`` report publishing a store, a SIGABRT at exit in most runs).
+Each test names the defect it rules out: a ``PanicException`` with the step half applied, a load
+planned after its failure was reported, an ``ok=None`` report publishing a store, a SIGABRT at
+exit.
 """
 
 from __future__ import annotations
