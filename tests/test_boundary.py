@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload._core import CpuPool, JobTracker, Scheduler
+from kvoffload._core import Scheduler, _CpuPool, _JobTracker
 from kvoffload.errors import (
     CompletionError,
     InternalError,
@@ -121,12 +121,12 @@ def test_ok_must_be_a_bool(bad: object) -> None:
     assert snapshot(s) == before
     s.add_request("b", 2 * BS + 1, [100, 101])
     assert s.lookup("b", 0) is None  # still being stored: nothing was published
-    tracker = JobTracker(8)
+    tracker = _JobTracker(8)
     job = tracker.create_store(0, [1])
     with pytest.raises(CompletionError, match="ok must be a bool"):
         tracker.complete(job, 0, bad)  # type: ignore[arg-type]
     assert tracker.pending_jobs() == [job]
-    pool = CpuPool(4)
+    pool = _CpuPool(4)
     pool.prepare_store([1])
     with pytest.raises(CompletionError, match="ok must be a bool"):
         pool.complete_store([1], bad)  # type: ignore[arg-type]

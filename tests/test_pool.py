@@ -1,6 +1,6 @@
-"""Tests of ``kvoffload.CpuPool``: the reference scenario, the ARC rules, key conversion and bad
-input (a specific exception from ``kvoffload.errors``, a message naming the bad value, and the
-pool left exactly as it was)."""
+"""Tests of ``kvoffload._core._CpuPool``: the reference scenario, the ARC rules, key
+conversion and bad input (a specific exception from ``kvoffload.errors``, a message naming the
+bad value, and the pool left exactly as it was)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvoffload
-from kvoffload import CpuPool, StorePlan
+from kvoffload._core import _CpuPool, _StorePlan
 from kvoffload.errors import (
     ConfigError,
     InvalidKeyError,
@@ -25,7 +25,7 @@ from kvoffload.errors import (
 UNIVERSE = range(12)
 
 
-def snapshot(pool: CpuPool) -> tuple[Any, ...]:
+def snapshot(pool: _CpuPool) -> tuple[Any, ...]:
     """Everything observable about a pool, read without side effects."""
     return (
         pool.stats(),
@@ -36,7 +36,7 @@ def snapshot(pool: CpuPool) -> tuple[Any, ...]:
     )
 
 
-def fill(pool: CpuPool, keys: Iterable[int | bytes]) -> StorePlan:
+def fill(pool: _CpuPool, keys: Iterable[int | bytes]) -> _StorePlan:
     """Stores and completes `keys` (which must fit)."""
     plan = pool.prepare_store(keys)
     assert plan is not None
@@ -44,16 +44,18 @@ def fill(pool: CpuPool, keys: Iterable[int | bytes]) -> StorePlan:
     return plan
 
 
-def test_exports() -> None:
-    assert kvoffload.CpuPool is CpuPool
-    assert "CpuPool" in kvoffload.__all__
+def test_the_pool_and_tracker_are_private_and_their_errors_public() -> None:
+    for name in ("CpuPool", "StorePlan", "JobTracker"):
+        assert not hasattr(kvoffload, name), name
+        assert name not in kvoffload.__all__
+        assert getattr(kvoffload._core, f"_{name}").__name__ == f"_{name}"
     for name in ("UnknownKeyError", "KeyStateError", "InvalidKeyError"):
         assert name in kvoffload.errors.__all__
         assert issubclass(getattr(kvoffload.errors, name), KvOffloadError)
 
 
 def test_reference_scenario_lru() -> None:
-    pool = CpuPool(4)
+    pool = _CpuPool(4)
 
     plan = pool.prepare_store([1, 2])
     assert plan is not None
@@ -121,7 +123,7 @@ def test_reference_scenario_lru() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_same_call_keys_pins_and_stores_are_never_evicted(policy: str) -> None:
-    pool = CpuPool(3, policy)
+    pool = _CpuPool(3, policy)
     fill(pool, [1, 2])
     pool.prepare_store([3])
     assert pool.prepare_store([1, 2, 4]) is None  # 1 and 2 are in the call, 3 is storing
@@ -135,7 +137,7 @@ def test_same_call_keys_pins_and_stores_are_never_evicted(policy: str) -> None:
 
 
 def test_lookup_reports_states_and_counts_hits() -> None:
-    pool = CpuPool(8)
+    pool = _CpuPool(8)
     fill(pool, [1, 2, 4])
     pool.prepare_store([3])
     assert pool.lookup([1, 2, 3, 4, 5]) == (2, ["ready", "ready", "storing", "ready", "absent"])
@@ -145,7 +147,7 @@ def test_lookup_reports_states_and_counts_hits() -> None:
 
 
 def test_contiguous_slots_and_stats() -> None:
-    pool = CpuPool(64)
+    pool = _CpuPool(64)
     first = fill(pool, list(range(16)))
     second = fill(pool, list(range(100, 116)))
     assert first.slots == list(range(16))
@@ -157,14 +159,14 @@ def test_contiguous_slots_and_stats() -> None:
 
 
 def test_touch_makes_the_prefix_most_recent() -> None:
-    pool = CpuPool(4)
+    pool = _CpuPool(4)
     fill(pool, [1, 2, 3, 4])
     pool.touch([1, 2, 3])
     assert pool.order() == {"lru": [4, 3, 2, 1]}
 
 
 def test_arc_rules() -> None:
-    pool = CpuPool(4, policy="ARC")
+    pool = _CpuPool(4, policy="ARC")
     assert pool.policy == "arc"
     fill(pool, [1, 2])
     pool.prepare_store([3])
@@ -192,7 +194,7 @@ def test_arc_rules() -> None:
 
 
 def test_arc_b2_hit_lowers_the_target_and_ghosts_stay_bounded() -> None:
-    pool = CpuPool(2, policy="arc")
+    pool = _CpuPool(2, policy="arc")
     fill(pool, [1, 2])
     pool.touch([1, 2])  # T2 = [2, 1]
     fill(pool, [3])  # evicts 2 from T2 -> B2
@@ -212,7 +214,7 @@ def test_arc_b2_hit_lowers_the_target_and_ghosts_stay_bounded() -> None:
 
 
 def test_admission_filter() -> None:
-    pool = CpuPool(4, store_threshold=2)
+    pool = _CpuPool(4, store_threshold=2)
     plan = pool.prepare_store([1, 2])
     assert plan is not None
     assert (plan.keys, plan.filtered) == ([], [1, 2])
@@ -225,7 +227,7 @@ def test_admission_filter() -> None:
 
 
 def test_reset_empties_everything() -> None:
-    pool = CpuPool(4, "arc")
+    pool = _CpuPool(4, "arc")
     fill(pool, [1, 2, 3])
     pool.prepare_store([4])
     pool.prepare_load([2])
@@ -243,7 +245,7 @@ def test_reset_empties_everything() -> None:
 
 
 def test_keys_as_bytes_and_numpy() -> None:
-    pool = CpuPool(8)
+    pool = _CpuPool(8)
     big = 2**128 - 1
     plan = pool.prepare_store([b"\x01\x00", np.uint64(7), big, b"\xff" * 16])
     assert plan is not None
@@ -260,7 +262,7 @@ def test_keys_as_bytes_and_numpy() -> None:
 
 @given(st.integers(min_value=0, max_value=2**128 - 1))
 def test_int_and_big_endian_bytes_are_one_key(k: int) -> None:
-    pool = CpuPool(1)
+    pool = _CpuPool(1)
     fill(pool, [k])
     assert pool.state(k.to_bytes(16, "big")) == "ready"
     assert pool.take_events() == [("stored", [k], "cpu")]
@@ -270,9 +272,9 @@ def test_int_and_big_endian_bytes_are_one_key(k: int) -> None:
 # Bad input: specific exception, message naming the value, state unchanged.
 
 
-def busy_pool() -> CpuPool:
+def busy_pool() -> _CpuPool:
     """A pool with ready (1, 2), pinned (2) and storing (3) keys."""
-    pool = CpuPool(4, "arc", store_threshold=0)
+    pool = _CpuPool(4, "arc", store_threshold=0)
     fill(pool, [1, 2])
     pool.prepare_store([3])
     pool.prepare_load([2])
@@ -330,21 +332,21 @@ def test_bad_input_raises_and_changes_nothing(call: Any, exc: type[Exception], n
 )
 def test_bad_config_raises_config_error(kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError) as info:
-        CpuPool(**kwargs)
+        _CpuPool(**kwargs)
     assert needle in str(info.value)
     assert isinstance(info.value, KvOffloadError)
 
 
 def test_repr_and_store_plan() -> None:
-    pool = CpuPool(2)
+    pool = _CpuPool(2)
     plan = pool.prepare_store([5])
     assert plan is not None
-    assert repr(plan) == "StorePlan(keys=[5], slots=[0], evicted=[], filtered=[])"
-    assert repr(pool) == "CpuPool(capacity=2, policy='lru', used=1, storing=1, pinned=0)"
+    assert repr(plan) == "_StorePlan(keys=[5], slots=[0], evicted=[], filtered=[])"
+    assert repr(pool) == "_CpuPool(capacity=2, policy='lru', used=1, storing=1, pinned=0)"
 
 
 def test_discard_drops_only_ready_unpinned_keys():
-    pool = CpuPool(4)
+    pool = _CpuPool(4)
     plan = pool.prepare_store([1, 2, 3])
     assert plan is not None
     pool.complete_store([1, 2])  # 3 stays storing

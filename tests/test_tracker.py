@@ -1,4 +1,4 @@
-"""``kvoffload.JobTracker`` end to end: the job table and the fence from Python.
+"""``kvoffload._core._JobTracker`` end to end: the job table and the fence from Python.
 
 Covers the README example, multi-worker completion (each worker rank reports a job once), the
 eager / deferred lifecycle classes (release, reacquire, forget), reset and late reports, the
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import kvoffload
-from kvoffload import JobTracker, KvOffloadError
+from kvoffload import KvOffloadError
+from kvoffload._core import _JobTracker
 from kvoffload.errors import (
     CompletionError,
     ConfigError,
@@ -39,7 +40,7 @@ from tests.conftest import NUM_BLOCKS, Busy, observe
 
 
 def test_readme_example() -> None:
-    t = JobTracker(num_blocks=1024, num_workers=1)
+    t = _JobTracker(num_blocks=1024, num_workers=1)
     job = t.create_store(owner=7, deferred=[10, 11])
     assert t.check(written=[10]) == []
     t.release(7)
@@ -52,7 +53,7 @@ def test_readme_example() -> None:
 
 
 def test_a_job_completes_after_every_worker_rank_reported() -> None:
-    t = JobTracker(num_blocks=8, num_workers=3)
+    t = _JobTracker(num_blocks=8, num_workers=3)
     job = t.create_store(0, eager=[1])
     assert t.remaining(job) == 3
     assert t.complete(job, 0) == "pending"
@@ -79,7 +80,7 @@ def test_a_job_completes_after_every_worker_rank_reported() -> None:
 
 
 def test_the_worker_rank_defaults_to_0() -> None:
-    t = JobTracker(num_blocks=8, num_workers=2)
+    t = _JobTracker(num_blocks=8, num_workers=2)
     job = t.create_store(0, eager=[1])
     assert t.complete(job) == "pending"
     with pytest.raises(DuplicateReportError, match=rf"job {job}: worker 0 already reported"):
@@ -89,7 +90,7 @@ def test_the_worker_rank_defaults_to_0() -> None:
 
 
 def test_one_failed_report_fails_the_job() -> None:
-    t = JobTracker(num_blocks=8, num_workers=2)
+    t = _JobTracker(num_blocks=8, num_workers=2)
     job = t.create_load(5, [2, 3])
     assert t.complete(job, 1, ok=False) == "pending"
     assert t.complete(job, 0, ok=True) == "failed"
@@ -99,7 +100,7 @@ def test_one_failed_report_fails_the_job() -> None:
 
 
 def test_release_arms_pending_and_future_jobs_reacquire_stops_arming_new_ones() -> None:
-    t = JobTracker(num_blocks=32)
+    t = _JobTracker(num_blocks=32)
     old = t.create_store(1, eager=[20], deferred=[1, 2])
     assert t.armed_pairs == 1, "only the eager pair"
     assert t.jobs_on(1) == []
@@ -128,7 +129,7 @@ def test_release_arms_pending_and_future_jobs_reacquire_stops_arming_new_ones() 
 
 
 def test_forget_keeps_armed_pairs_until_completion() -> None:
-    t = JobTracker(num_blocks=8)
+    t = _JobTracker(num_blocks=8)
     job = t.create_store(2, deferred=[5])
     t.release(2)
     t.forget(2)
@@ -139,7 +140,7 @@ def test_forget_keeps_armed_pairs_until_completion() -> None:
 
 
 def test_check_is_sorted_unique_and_only_on_written_blocks() -> None:
-    t = JobTracker(num_blocks=16)
+    t = _JobTracker(num_blocks=16)
     a = t.create_store(1, eager=[5, 6, 7])
     b = t.create_store(2, eager=[6])
     t.create_store(3, eager=[9])
@@ -152,7 +153,7 @@ def test_check_is_sorted_unique_and_only_on_written_blocks() -> None:
 
 
 def test_block_lists_may_be_any_iterable_of_integers() -> None:
-    t = JobTracker(num_blocks=16)
+    t = _JobTracker(num_blocks=16)
     t.release(9)
     j1 = t.create_store(np.int64(9), eager=(1, 2), deferred=range(3, 5))
     j2 = t.create_store(9, deferred=np.array([5, 6], dtype=np.uint32))
@@ -162,7 +163,7 @@ def test_block_lists_may_be_any_iterable_of_integers() -> None:
 
 
 def test_reset_flushes_everything_and_later_reports_are_late() -> None:
-    t = JobTracker(num_blocks=16, num_workers=2)
+    t = _JobTracker(num_blocks=16, num_workers=2)
     a = t.create_store(1, eager=[1])
     b = t.create_load(2, [2])
     c = t.create_store(3, deferred=[3])
@@ -196,7 +197,7 @@ def test_reset_flushes_everything_and_later_reports_are_late() -> None:
 
 
 def test_stats_count_everything() -> None:
-    t = JobTracker(num_blocks=8, num_workers=1)
+    t = _JobTracker(num_blocks=8, num_workers=1)
     assert t.stats() == {
         "stores_created": 0,
         "loads_created": 0,
@@ -235,11 +236,11 @@ def test_stats_count_everything() -> None:
         "owners": 2,
         "released_owners": 2,
     }
-    assert repr(t) == "JobTracker(num_blocks=8, num_workers=1, pending=2, armed_pairs=2)"
+    assert repr(t) == "_JobTracker(num_blocks=8, num_workers=1, pending=2, armed_pairs=2)"
 
 
 def test_owner_ids_cover_the_whole_64_bit_range() -> None:
-    t = JobTracker(num_blocks=4)
+    t = _JobTracker(num_blocks=4)
     big = 2**64 - 1
     job = t.create_store(big, deferred=[1])
     t.release(big)
@@ -286,7 +287,7 @@ def test_errors_share_a_base_class_and_are_exported() -> None:
 )
 def test_bad_config(args: tuple[Any, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        JobTracker(*args)
+        _JobTracker(*args)
 
 
 def test_unknown_job(busy: Busy, unchanged: Any) -> None:
@@ -329,7 +330,7 @@ def test_duplicate_rank(busy: Busy, unchanged: Any) -> None:
 
 
 def test_duplicate_rank_among_many_workers() -> None:
-    t = JobTracker(num_blocks=8, num_workers=4)
+    t = _JobTracker(num_blocks=8, num_workers=4)
     job = t.create_store(1, eager=[1, 2])
     for rank in (3, 1):
         assert t.complete(job, rank) == "pending"
@@ -542,7 +543,7 @@ def test_a_rejected_call_among_valid_ones_leaves_the_tracker_as_before(busy: Bus
 def test_complete_with_wrong_types_names_the_value(job, worker, exc, match):
     import kvoffload.errors as errors
 
-    t = JobTracker(num_blocks=8)
+    t = _JobTracker(num_blocks=8)
     j = t.create_store(owner=1, deferred=[1])
     before = (t.stats(), t.pending_jobs())
     with pytest.raises(getattr(errors, exc), match=match):
