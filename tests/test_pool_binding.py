@@ -1,6 +1,16 @@
-"""Tests of ``kvoffload._core._CpuPool``: the reference scenario, the ARC rules, key
-conversion and bad input (a specific exception from ``kvoffload.errors``, a message naming the
-bad value, and the pool left exactly as it was)."""
+"""The CPU pool's Python binding (``kvoffload._core._CpuPool``, private: only tests and tools
+drive it directly) gets what only the binding can get wrong right.
+
+Keys convert from ints, ``bytes`` (big-endian, folded past 16 bytes) and numpy integers, and come
+back as ints; states, plans, events and the policy come back as strings, lists and tuples; every
+bad input raises a specific ``kvoffload.errors`` exception with a message naming the bad value,
+the pool left exactly as it was. ``discard``, which ``tests/pool.rs`` does not cover, drops only
+ready, unpinned keys.
+
+The pool's rules (the reference scenario of DESIGN.md §5, LRU and ARC eviction, pins, the
+admission filter, reset) are ``tests/pool.rs``'s, with its property test against a naive model
+of each policy.
+"""
 
 from __future__ import annotations
 
@@ -54,88 +64,6 @@ def test_the_pool_and_tracker_are_private_and_their_errors_public() -> None:
         assert issubclass(getattr(kvoffload.errors, name), KvOffloadError)
 
 
-def test_reference_scenario_lru() -> None:
-    pool = _CpuPool(4)
-
-    plan = pool.prepare_store([1, 2])
-    assert plan is not None
-    assert plan.keys == [1, 2]
-    assert len(set(plan.slots)) == 2
-    assert plan.evicted == []
-    assert pool.lookup([1]) == (0, ["storing"])
-    pool.complete_store([1, 2])
-    assert pool.lookup([1, 2]) == (2, ["ready", "ready"])
-
-    plan = pool.prepare_store([2, 3, 4, 5])
-    assert plan is not None
-    assert (plan.keys, plan.evicted) == ([3, 4, 5], [1])
-
-    before = snapshot(pool)
-    assert pool.prepare_store([1, 6]) is None  # only 2 is evictable
-    after = snapshot(pool)
-    assert after[0].pop("no_room") == before[0].pop("no_room") + 1
-    assert after == before
-
-    pool.complete_store([3, 4, 5])
-    assert pool.prepare_load([2, 3]) == [pool.slot(2), pool.slot(3)]
-    before = snapshot(pool)
-    assert pool.prepare_store([6, 7, 8]) is None  # only 4 and 5 are evictable
-    after = snapshot(pool)
-    after[0].pop("no_room")
-    before[0].pop("no_room")
-    assert after == before
-
-    pool.complete_load([2, 3])
-    plan = pool.prepare_store([6, 7, 8])
-    assert plan is not None
-    assert plan.evicted == [2, 3, 4]
-    pool.complete_store([6, 7, 8])
-
-    pool.touch([5, 6, 7])
-    plan = pool.prepare_store([9])
-    assert plan is not None
-    assert plan.evicted == [8]
-    slot9 = plan.slots[0]
-
-    pool.complete_store([7, 9], ok=False)
-    assert pool.state(7) == "ready"
-    assert pool.state(9) == "absent"
-    assert pool.slot(9) is None
-    assert pool.stats()["free"] == 1
-    plan = pool.prepare_store([10])
-    assert plan is not None
-    assert plan.slots == [slot9]
-
-    assert pool.take_events() == [
-        ("stored", [1, 2], "cpu"),
-        ("removed", [1], "cpu"),
-        ("stored", [3, 4, 5], "cpu"),
-        ("removed", [2, 3, 4], "cpu"),
-        ("stored", [6, 7, 8], "cpu"),
-        ("removed", [8], "cpu"),
-    ]
-    assert pool.take_events() == []
-    stats = pool.stats()
-    assert stats["evictions"] == 5
-    assert stats["failed_stores"] == 1
-    assert stats["no_room"] == 2
-
-
-@pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_same_call_keys_pins_and_stores_are_never_evicted(policy: str) -> None:
-    pool = _CpuPool(3, policy)
-    fill(pool, [1, 2])
-    pool.prepare_store([3])
-    assert pool.prepare_store([1, 2, 4]) is None  # 1 and 2 are in the call, 3 is storing
-    pool.prepare_load([1])
-    assert pool.pins(1) == 1
-    plan = pool.prepare_store([4])
-    assert plan is not None
-    assert plan.evicted == [2]
-    assert pool.prepare_store([5]) is None
-    assert len(pool) == 3
-
-
 def test_lookup_reports_states_and_counts_hits() -> None:
     pool = _CpuPool(8)
     fill(pool, [1, 2, 4])
@@ -144,104 +72,6 @@ def test_lookup_reports_states_and_counts_hits() -> None:
     assert pool.lookup(iter([5])) == (0, ["absent"])
     stats = pool.stats()
     assert (stats["hits"], stats["misses"]) == (2, 4)
-
-
-def test_contiguous_slots_and_stats() -> None:
-    pool = _CpuPool(64)
-    first = fill(pool, list(range(16)))
-    second = fill(pool, list(range(100, 116)))
-    assert first.slots == list(range(16))
-    assert second.slots == list(range(16, 32))
-    stats = pool.stats()
-    assert stats["allocations"] == 2
-    assert stats["allocated_slots"] == 32
-    assert stats["allocated_runs"] == stats["contiguous_allocations"] == 2
-
-
-def test_touch_makes_the_prefix_most_recent() -> None:
-    pool = _CpuPool(4)
-    fill(pool, [1, 2, 3, 4])
-    pool.touch([1, 2, 3])
-    assert pool.order() == {"lru": [4, 3, 2, 1]}
-
-
-def test_arc_rules() -> None:
-    pool = _CpuPool(4, policy="ARC")
-    assert pool.policy == "arc"
-    fill(pool, [1, 2])
-    pool.prepare_store([3])
-    pool.touch([1, 3])  # ready 1 is promoted, storing 3 stays in T1
-    assert pool.order()["t1"] == [2, 3]
-    assert pool.order()["t2"] == [1]
-    pool.complete_store([3])
-    fill(pool, [4])
-    # T1 = [2, 3, 4], T2 = [1], target 0: the victim is T1's least recent, remembered in B1.
-    plan = pool.prepare_store([5])
-    assert plan is not None
-    assert plan.evicted == [2]
-    assert pool.order()["b1"] == [2]
-    pool.complete_store([5], ok=False)  # a failed store leaves the victim in its ghost list
-    assert pool.order()["b1"] == [2]
-    assert pool.stats()["target"] == 0
-    pool.touch([2])  # B1 hit raises the target
-    assert pool.stats()["target"] == 1
-    # A ghost stored again enters T2.
-    fill(pool, [2])
-    assert pool.order()["t2"] == [1, 2]
-    assert pool.order()["b1"] == []
-    stats = pool.stats()
-    assert stats["ghosts"] == 0
-
-
-def test_arc_b2_hit_lowers_the_target_and_ghosts_stay_bounded() -> None:
-    pool = _CpuPool(2, policy="arc")
-    fill(pool, [1, 2])
-    pool.touch([1, 2])  # T2 = [2, 1]
-    fill(pool, [3])  # evicts 2 from T2 -> B2
-    assert pool.order()["b2"] == [2]
-    fill(pool, [4])  # |T1| = 1 > 0: evicts 3 -> B1
-    pool.touch([3])
-    assert pool.stats()["target"] == 1
-    pool.touch([2])
-    assert pool.stats()["target"] == 0
-    for k in range(10, 60):
-        fill(pool, [k])
-        pool.touch([k])
-        order = pool.order()
-        assert len(order["b1"]) <= 2
-        assert len(order["b2"]) <= 2
-        assert sum(len(v) for v in order.values()) <= 4
-
-
-def test_admission_filter() -> None:
-    pool = _CpuPool(4, store_threshold=2)
-    plan = pool.prepare_store([1, 2])
-    assert plan is not None
-    assert (plan.keys, plan.filtered) == ([], [1, 2])
-    pool.lookup([1])
-    pool.lookup([1, 2])
-    plan = pool.prepare_store([1, 2])
-    assert plan is not None
-    assert (plan.keys, plan.filtered) == ([1], [2])
-    assert pool.stats()["filtered"] == 3
-
-
-def test_reset_empties_everything() -> None:
-    pool = _CpuPool(4, "arc")
-    fill(pool, [1, 2, 3])
-    pool.prepare_store([4])
-    pool.prepare_load([2])
-    pool.take_events()
-    pool.reset()
-    events = pool.take_events()
-    assert len(events) == 1
-    kind, keys, medium = events[0]
-    assert (kind, sorted(keys), medium) == ("removed", [1, 2, 3], "cpu")
-    assert len(pool) == 0
-    assert all(pool.state(k) == "absent" for k in UNIVERSE)
-    stats = pool.stats()
-    assert (stats["used"], stats["free"], stats["pinned"], stats["resets"]) == (0, 4, 0, 1)
-    assert fill(pool, [5, 6, 7, 8]).slots == [0, 1, 2, 3]
 
 
 def test_keys_as_bytes_and_numpy() -> None:
@@ -343,6 +173,7 @@ def test_repr_and_store_plan() -> None:
     assert plan is not None
     assert repr(plan) == "_StorePlan(keys=[5], slots=[0], evicted=[], filtered=[])"
     assert repr(pool) == "_CpuPool(capacity=2, policy='lru', used=1, storing=1, pinned=0)"
+    assert _CpuPool(2, policy="ARC").policy == "arc"
 
 
 def test_discard_drops_only_ready_unpinned_keys():
