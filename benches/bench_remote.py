@@ -60,7 +60,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benches.remote_ceiling import Cost, RawWriter, measure, thread_cpu
-from tests.remote_support import RedisCluster, redis_server
+from tests.support.remote import RedisCluster, redis_server
 
 from kvoffload._core import RemoteClient
 
@@ -202,7 +202,7 @@ def pace(blocks: int = 20, block_steps: int = 250, delay_s: float = 0.5) -> dict
     processes held the CPU), and the ratios slow / healthy. Lookups never wait for the server
     (the check runs on a Rust thread; the request is told "ask later"), so the ratios should be
     about 1."""
-    from tests.remote_support import ProxyProcess
+    from tests.support.remote import ProxyProcess
 
     from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 
@@ -254,12 +254,12 @@ def pace(blocks: int = 20, block_steps: int = 250, delay_s: float = 0.5) -> dict
 
 def faults(requests: int = 200, phase_steps: int = 200) -> dict[str, dict[str, float]]:
     """The scheduler's time per engine step (µs, p50 / p99) in each phase of
-    :class:`tests.remote_engine.FaultRun` (a simulated engine whose server is killed,
+    :class:`tests.support.remote_engine.FaultRun` (a simulated engine whose server is killed,
     restarted, flushed, slowed past the deadline, healed), and in the same phases of the same
     run without faults; runs alternate, best of ``ROUNDS // 2 + 1`` per phase. Goal: p99
     within +5% of the run without faults."""
-    from tests.remote_engine import FAULTS, FaultRun
-    from tests.remote_support import ProxyProcess, RedisServer
+    from tests.support.remote import ProxyProcess, RedisServer
+    from tests.support.remote_engine import FAULTS, FaultRun
 
     def phases(inject: bool) -> dict[str, list[float]]:
         server = RedisServer()

@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from kvoffload import JobTracker
+from kvoffload._core import _JobTracker
 
 # Fixtures of the shared (Redis) tier: a real server, a delay proxy.
-pytest_plugins = ("tests.remote_support",)
+pytest_plugins = ("tests.support.remote",)
 
 NUM_BLOCKS = 16
 NUM_WORKERS = 2
 OWNERS = range(8)
 
 
-def observe(t: JobTracker, num_blocks: int = NUM_BLOCKS) -> dict[str, Any]:
+def observe(t: _JobTracker, num_blocks: int = NUM_BLOCKS) -> dict[str, Any]:
     """Everything a caller can see of a tracker."""
     pending = t.pending_jobs()
     return {
@@ -38,7 +38,7 @@ def observe(t: JobTracker, num_blocks: int = NUM_BLOCKS) -> dict[str, Any]:
 class Busy:
     """A tracker holding one job in each interesting state, and those jobs' ids."""
 
-    t: JobTracker
+    t: _JobTracker
     running_store: int  # owner 1, deferred blocks 1, 2 (not armed)
     eager_store: int  # owner 1, eager block 3 (armed), one of two reports in
     released_store: int  # owner 2, deferred block 4 (armed by the release)
@@ -49,7 +49,7 @@ class Busy:
 @pytest.fixture
 def busy() -> Busy:
     """A 16-block, 2-worker tracker with a mix of pending, armed and finished jobs."""
-    t = JobTracker(num_blocks=NUM_BLOCKS, num_workers=NUM_WORKERS)
+    t = _JobTracker(num_blocks=NUM_BLOCKS, num_workers=NUM_WORKERS)
     running_store = t.create_store(1, deferred=[1, 2])
     eager_store = t.create_store(1, eager=[3])
     assert t.complete(eager_store, 0) == "pending"
@@ -64,11 +64,11 @@ def busy() -> Busy:
 
 
 @pytest.fixture
-def unchanged() -> Callable[[JobTracker], contextlib.AbstractContextManager[None]]:
+def unchanged() -> Callable[[_JobTracker], contextlib.AbstractContextManager[None]]:
     """``with unchanged(t): ...`` asserts that nothing observable of ``t`` changed."""
 
     @contextlib.contextmanager
-    def check(t: JobTracker) -> Iterator[None]:
+    def check(t: _JobTracker) -> Iterator[None]:
         before = observe(t)
         yield
         assert observe(t) == before, "a rejected call changed the tracker"

@@ -20,6 +20,9 @@ use kvoffload::tier::namespace::Namespace;
 use kvoffload::tier::{Location, TierIndex};
 use kvoffload::Key;
 
+mod support;
+use support::serial;
+
 /// A deterministic generator (splitmix64).
 struct Rng(u64);
 
@@ -100,6 +103,7 @@ fn slab_path(root: &Path, ns: &Namespace) -> PathBuf {
 
 #[test]
 fn round_trip_restart_and_generations() {
+    let _serial = serial();
     let root = tmp("restart");
     let (len, n) = (10_000usize, 24u64);
     let o = opts(&root, len as u64, 32);
@@ -138,6 +142,7 @@ fn round_trip_restart_and_generations() {
 
 #[test]
 fn bound_holds_under_a_workload_ten_times_the_tier() {
+    let _serial = serial();
     let root = tmp("bound");
     let (len, slots) = (64 << 10, 16u64);
     let o = opts(&root, len as u64, slots);
@@ -167,6 +172,7 @@ fn bound_holds_under_a_workload_ten_times_the_tier() {
 
 #[test]
 fn ranks_must_agree_on_a_slot_before_it_is_readable() {
+    let _serial = serial();
     let root = tmp("ranks");
     let len = 4096u64;
     let layout = SlabLayout::new(len, 8 * (BLOCK + len)).unwrap();
@@ -241,6 +247,7 @@ enum Damage {
 
 #[test]
 fn a_thousand_injected_corruptions_are_a_thousand_misses() {
+    let _serial = serial();
     let (len, slots) = (4096 + 100, 110u64);
     let slot_bytes = BLOCK + (len as u64).div_ceil(BLOCK) * BLOCK;
     let mut rng = Rng(2024);
@@ -358,6 +365,7 @@ const CRASH_SLOTS: u64 = 48;
 #[test]
 #[ignore = "child process of crash_safety_under_sigkill"]
 fn crash_child() {
+    let _serial = serial();
     let Some(dir) = std::env::var_os(CRASH_DIR) else {
         return;
     };
@@ -392,6 +400,7 @@ fn crash_child() {
 
 #[test]
 fn crash_safety_under_sigkill() {
+    let _serial = serial();
     let root = tmp("crash");
     let exe = std::env::current_exe().unwrap();
     let mut rng = Rng(77);
@@ -491,6 +500,7 @@ fn aligned_in(v: &mut Vec<u8>, len: usize) -> &mut [u8] {
 
 #[test]
 fn the_o_direct_path_round_trips_rewrites_and_catches_corruption() {
+    let _serial = serial();
     let root = tmp("direct");
     let len = 3 * BLOCK as usize;
     let o = opts(&root, len as u64, 8);
@@ -563,6 +573,7 @@ fn the_o_direct_path_round_trips_rewrites_and_catches_corruption() {
 #[test]
 fn batches_check_their_checksums_beside_the_io() {
     use kvoffload::tier::disk::{ChunkRead, ReadError, BESIDE_MIN_BYTES};
+    let _serial = serial();
     let root = tmp("beside");
     let len = 256 << 10;
     let n = 6u32;

@@ -20,8 +20,8 @@ use kvoffload::tier::fault::ReadFault;
 use kvoffload::tier::io::WorkerJob;
 use kvoffload::{BlockId, JobId, Key};
 
-mod tier_support;
-use tier_support::{config, namespace, oracle, step, CpuTier, CHUNK};
+mod support;
+use support::tier::{config, namespace, oracle, step, CpuTier, CHUNK};
 
 const DISK_BYTES: u64 = 64 * (BLOCK + 2 * BLOCK);
 

@@ -19,17 +19,10 @@ use kvoffload::tier::disk::{
 use kvoffload::tier::namespace::Namespace;
 use kvoffload::Key;
 
-const LEN: usize = 8192;
+mod support;
+use support::serial;
 
-/// The tests of this binary one at a time: one of them spawns a process, and a lock file's
-/// descriptor lives in the forked child until its `exec` (close-on-exec), so a test that
-/// drops a tier and reopens it at that moment would find the directory still locked.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+const LEN: usize = 8192;
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kvo-owner-{}-{name}", std::process::id()));

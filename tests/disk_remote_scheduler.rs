@@ -12,8 +12,8 @@ use kvoffload::tier::disk::{DiskIndex, SlabLayout, BLOCK};
 use kvoffload::tier::{Location, Medium, TierEvent, TierIndex, TierStats, TierWritePlan};
 use kvoffload::{BlockId, Key};
 
-mod tier_support;
-use tier_support::{config, step, CHUNK};
+mod support;
+use support::tier::{config, step, CHUNK};
 
 /// A disk index holding `held` (published).
 fn disk(held: &[Key]) -> DiskIndex {

@@ -13,8 +13,8 @@ use kvoffload::tier::disk::{DiskIndex, SlabFile, SlabLayout, WriteItem, BLOCK, S
 use kvoffload::tier::namespace::Namespace;
 use kvoffload::{BlockId, Key};
 
-mod tier_support;
-use tier_support::{config, oracle, step, CHUNK, CPU_CHUNKS};
+mod support;
+use support::tier::{config, oracle, step, CHUNK, CPU_CHUNKS};
 
 fn ns() -> Namespace {
     Namespace {

@@ -3,8 +3,8 @@
 //! a list that leaves a gap. Every refusal names the request and changes nothing (hashes,
 //! status, counters), and a later good call behaves as if the bad one never came.
 
-mod step_support;
-use step_support::{bl, step};
+mod support;
+use support::step::{bl, step};
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::scheduler::{Scheduler, Status};

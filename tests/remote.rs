@@ -5,13 +5,12 @@ use std::net::TcpListener;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use kvoffload::tier::remote::{
-    parts, value_key, ReadItem, ReadOutcome, RemoteClient, RemoteConfig, WriteItem,
-};
+use kvoffload::tier::remote::{parts, value_key, ReadOutcome, RemoteClient, RemoteConfig};
 use kvoffload::Key;
 
-mod tier_support;
-use tier_support::Server;
+mod support;
+use support::remote::{self, Cut};
+use support::tier::Server;
 
 fn config(url: &str) -> RemoteConfig {
     let mut c = RemoteConfig::new(url);
@@ -21,47 +20,22 @@ fn config(url: &str) -> RemoteConfig {
     c
 }
 
-/// Deterministic chunk data for `key`, as two pieces (two regions).
-fn chunk(key: u64, len: usize) -> (Vec<u8>, Vec<u8>) {
-    let bytes: Vec<u8> = (0..len)
+/// Deterministic chunk data for `key`.
+fn chunk(key: u64, len: usize) -> Vec<u8> {
+    (0..len)
         .map(|i| (key.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8)
-        .collect();
-    let (a, b) = bytes.split_at(len / 3);
-    (a.to_vec(), b.to_vec())
+        .collect()
 }
 
+/// Writes chunks of `len` bytes, as two pieces (two regions).
 fn write(c: &RemoteClient, ns: u128, keys: &[u64], len: usize) -> Vec<bool> {
-    let data: Vec<(Vec<u8>, Vec<u8>)> = keys.iter().map(|&k| chunk(k, len)).collect();
-    let items: Vec<WriteItem<'_>> = keys
-        .iter()
-        .zip(&data)
-        .map(|(&k, (a, b))| WriteItem {
-            key: Key(u128::from(k)),
-            group: 0,
-            data: vec![a, b],
-        })
-        .collect();
-    c.write(ns, &items)
+    let data: Vec<Vec<u8>> = keys.iter().map(|&k| chunk(k, len)).collect();
+    remote::write(c, ns, keys, &data, Cut::Third)
 }
 
-/// Reads `keys`; returns outcomes and the bytes read.
+/// Reads `keys` into two pieces each; returns outcomes and the bytes read.
 fn read(c: &RemoteClient, ns: u128, keys: &[u64], len: usize) -> (Vec<ReadOutcome>, Vec<Vec<u8>>) {
-    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; len]).collect();
-    let mut items: Vec<ReadItem<'_>> = keys
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&k, buf)| {
-            let (a, b) = buf.split_at_mut(len / 3);
-            ReadItem {
-                key: Key(u128::from(k)),
-                group: 0,
-                dst: vec![a, b],
-            }
-        })
-        .collect();
-    let out = c.read(ns, &mut items);
-    drop(items);
-    (out, bufs)
+    remote::read(c, ns, keys, |_| len, Cut::Third)
 }
 
 #[test]
@@ -74,8 +48,7 @@ fn chunks_round_trip_byte_exact_single_and_multi_part() {
         let (out, bufs) = read(&c, 7, &keys, len);
         assert_eq!(out, vec![ReadOutcome::Hit; 5], "len {len}");
         for (k, buf) in keys.iter().zip(&bufs) {
-            let (a, b) = chunk(*k, len);
-            assert_eq!(*buf, [a, b].concat(), "key {k} len {len}");
+            assert_eq!(*buf, chunk(*k, len), "key {k} len {len}");
         }
         let (n, _) = parts(len, 4096);
         let mut con = server.con();
@@ -168,8 +141,7 @@ fn flipped_bytes_and_lost_parts_are_never_served() {
             ReadOutcome::Hit
         ]
     );
-    let (a, b) = chunk(4, len);
-    assert_eq!(bufs[3], [a, b].concat());
+    assert_eq!(bufs[3], chunk(4, len));
     let s = c.stats();
     assert_eq!(
         (s.checksum_mismatches, s.read_misses, s.read_hits),
@@ -243,8 +215,7 @@ fn parallel_batches_keep_every_chunk_apart() {
     let (out, bufs) = read(&c, 9, &keys, 1 << 20);
     assert!(out.iter().all(|&o| o == ReadOutcome::Hit));
     for (k, buf) in keys.iter().zip(&bufs) {
-        let (a, b) = chunk(*k, 1 << 20);
-        assert!(*buf == [a, b].concat(), "key {k}");
+        assert!(*buf == chunk(*k, 1 << 20), "key {k}");
     }
     assert!(c.stats().round_trips >= 2 * 5, "{:?}", c.stats());
 }

@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use kvoffload::tier::remote::{ReadItem, ReadOutcome, RemoteClient, RemoteConfig, WriteItem};
+use kvoffload::tier::remote::{ReadOutcome, RemoteClient, RemoteConfig, WriteItem};
 use kvoffload::Key;
 
-mod cluster_support;
-mod tier_support;
-use cluster_support::{cli, Cluster};
+mod support;
+use support::cluster::{cli, Cluster};
+use support::remote::{self, key, Cut};
 
 const NS: u128 = 0x5eed;
 
@@ -34,32 +34,12 @@ fn chunk(key: u64) -> Vec<u8> {
 
 fn write(c: &RemoteClient, keys: &[u64]) -> Vec<bool> {
     let data: Vec<Vec<u8>> = keys.iter().map(|&k| chunk(k)).collect();
-    let items: Vec<WriteItem<'_>> = keys
-        .iter()
-        .zip(&data)
-        .map(|(&k, d)| WriteItem {
-            key: Key(u128::from(k)),
-            group: 0,
-            data: vec![&d[..d.len() / 3], &d[d.len() / 3..]],
-        })
-        .collect();
-    c.write(NS, &items)
+    remote::write(c, NS, keys, &data, Cut::Third)
 }
 
 /// Reads `keys`; every hit is checked against the oracle here (a wrong byte fails the test).
 fn read(c: &RemoteClient, keys: &[u64]) -> Vec<ReadOutcome> {
-    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|&k| vec![0u8; chunk(k).len()]).collect();
-    let mut items: Vec<ReadItem<'_>> = keys
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&k, b)| ReadItem {
-            key: Key(u128::from(k)),
-            group: 0,
-            dst: vec![b],
-        })
-        .collect();
-    let out = c.read(NS, &mut items);
-    drop(items);
+    let (out, bufs) = remote::read(c, NS, keys, |k| chunk(k).len(), Cut::Whole);
     for ((&k, o), b) in keys.iter().zip(&out).zip(&bufs) {
         assert_ne!(*o, ReadOutcome::Corrupt, "key {k}");
         if *o == ReadOutcome::Hit {
@@ -106,7 +86,7 @@ fn engines_share_chunks_spread_over_every_master_and_a_stopped_master_costs_only
     let keys: Vec<u64> = (0..300).collect();
     assert_eq!(write(&a, &keys), vec![true; keys.len()]);
     // Engine B finds and reads engine A's chunks, byte-exact.
-    let ids: Vec<Key> = keys.iter().map(|&k| Key(u128::from(k))).collect();
+    let ids: Vec<Key> = keys.iter().map(|&k| key(k)).collect();
     let mut ask = ids.clone();
     ask.push(Key(1 << 100));
     let found = b.exists(NS, &ask).unwrap();
@@ -134,7 +114,7 @@ fn engines_share_chunks_spread_over_every_master_and_a_stopped_master_costs_only
         let items: Vec<WriteItem<'_>> = batch
             .iter()
             .map(|&k| WriteItem {
-                key: Key(u128::from(k)),
+                key: key(k),
                 group: 0,
                 data: vec![&small],
             })
@@ -161,12 +141,7 @@ fn engines_share_chunks_spread_over_every_master_and_a_stopped_master_costs_only
     let stopped = masters[1];
     let on_stopped: Vec<bool> = keys
         .iter()
-        .map(|&k| {
-            slot_master(
-                &ranges,
-                kvoffload::tier::remote::key_slot(NS, Key(u128::from(k))),
-            ) == stopped
-        })
+        .map(|&k| slot_master(&ranges, kvoffload::tier::remote::key_slot(NS, key(k))) == stopped)
         .collect();
     let c = RemoteClient::new(config(&cluster.url(), 300)).unwrap();
     cluster.signal(stopped, libc::SIGSTOP);
@@ -193,7 +168,7 @@ fn engines_share_chunks_spread_over_every_master_and_a_stopped_master_costs_only
     assert_eq!(read(&c, &keys), vec![ReadOutcome::Hit; keys.len()]);
 
     // URLs: a non-cluster seed among cluster seeds, a wrong password, a bad URL.
-    let plain = tier_support::Server::start();
+    let plain = support::tier::Server::start();
     let mixed = format!("{},127.0.0.1:{}", cluster.url(), plain.port);
     let e = RemoteClient::new(config(&mixed, 1000))
         .unwrap_err()
@@ -244,12 +219,7 @@ fn a_killed_master_fails_its_slots_by_the_deadline_then_its_promoted_replica_ser
     let ranges = slot_ranges(victim);
     let on_victim: Vec<bool> = keys
         .iter()
-        .map(|&k| {
-            slot_master(
-                &ranges,
-                kvoffload::tier::remote::key_slot(NS, Key(u128::from(k))),
-            ) == victim
-        })
+        .map(|&k| slot_master(&ranges, kvoffload::tier::remote::key_slot(NS, key(k))) == victim)
         .collect();
     let sizes = (cli(victim, &["dbsize"]), cli(replica, &["dbsize"]));
     cluster.kill(victim);

@@ -16,8 +16,10 @@ use std::thread::{self, sleep};
 use std::time::{Duration, Instant};
 
 use kvoffload::tier::header::HEADER_LEN;
-use kvoffload::tier::remote::{ReadItem, ReadOutcome, RemoteClient, RemoteConfig, WriteItem};
-use kvoffload::Key;
+use kvoffload::tier::remote::{ReadOutcome, RemoteClient, RemoteConfig};
+
+mod support;
+use support::remote::{key, read, write, Cut};
 
 /// The client's deadline.
 const DEADLINE: Duration = Duration::from_millis(300);
@@ -126,28 +128,11 @@ enum Op {
 fn ends_in_time(how: Behaviour, op: Op) {
     let (port, _) = server(how);
     let c = client(port);
-    let key = Key(42);
     let t = Instant::now();
     let failed = match op {
-        Op::Write => {
-            let data = vec![1u8; LEN];
-            let item = WriteItem {
-                key,
-                group: 0,
-                data: vec![&data[..]],
-            };
-            c.write(7, &[item]) == vec![false]
-        }
-        Op::Exists => c.exists(7, &[key]).is_none(),
-        Op::Read => {
-            let mut dst = vec![0u8; LEN];
-            let mut items = [ReadItem {
-                key,
-                group: 0,
-                dst: vec![&mut dst[..]],
-            }];
-            c.read(7, &mut items) == vec![ReadOutcome::Failed]
-        }
+        Op::Write => write(&c, 7, &[42], &[vec![1u8; LEN]], Cut::Whole) == vec![false],
+        Op::Exists => c.exists(7, &[key(42)]).is_none(),
+        Op::Read => read(&c, 7, &[42], |_| LEN, Cut::Whole).0 == vec![ReadOutcome::Failed],
     };
     let took = t.elapsed();
     assert!(
@@ -183,15 +168,10 @@ fn a_silent_server_cannot_keep_an_operation_past_its_deadline() {
 fn a_value_longer_than_a_chunk_fails_the_read_and_drops_the_connection() {
     let (port, accepted) = server(Behaviour::Oversized);
     let c = client(port);
-    let mut dst = vec![0u8; LEN];
     for round in 1..=2 {
         let t = Instant::now();
-        let mut items = [ReadItem {
-            key: Key(42),
-            group: 0,
-            dst: vec![&mut dst[..]],
-        }];
-        assert_eq!(c.read(7, &mut items), vec![ReadOutcome::Failed]);
+        let (out, _) = read(&c, 7, &[42], |_| LEN, Cut::Whole);
+        assert_eq!(out, vec![ReadOutcome::Failed]);
         assert!(t.elapsed() <= DEADLINE + SLACK, "took {:?}", t.elapsed());
         // Each read needed a new connection: the one that carried the long value is gone.
         assert_eq!(accepted.load(SeqCst), round);

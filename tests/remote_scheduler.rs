@@ -13,8 +13,8 @@ use kvoffload::tier::io::{RemoteGroup, WorkerJob};
 use kvoffload::tier::remote::{RemoteClient, RemoteConfig};
 use kvoffload::{BlockId, Key};
 
-mod tier_support;
-use tier_support::{config, namespace, oracle, step, CpuTier, Server};
+mod support;
+use support::tier::{config, namespace, oracle, step, CpuTier, Server};
 
 fn keys() -> Vec<Key> {
     (1..=4).map(|i| Key(0xAB00 + i)).collect()
@@ -185,7 +185,7 @@ fn a_dead_server_means_recompute() {
     assert_eq!(st.tier.writes, 0);
     // One failed existence check (its keys are absent until the retry time: no re-asking)
     // and one failed write; a third failure would put the client on probation
-    // (tests/remote.rs, tests/test_remote_faults.py).
+    // (tests/remote.rs, tests/test_remote_engine_faults.py).
     assert_eq!((st.tier.checks, st.tier.expired_checks), (1, 1));
     assert!(b.client.stats().errors >= 2);
 }

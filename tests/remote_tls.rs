@@ -10,11 +10,11 @@ use std::process::{Child, Command, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use kvoffload::tier::remote::{ReadItem, ReadOutcome, RemoteClient, RemoteConfig, WriteItem};
-use kvoffload::Key;
+use kvoffload::tier::remote::{ReadOutcome, RemoteClient, RemoteConfig};
 
-mod cluster_support;
-use cluster_support::certificates;
+mod support;
+use support::cluster::certificates;
+use support::remote::{read, write, Cut};
 
 struct TlsServer {
     port: u16,
@@ -94,28 +94,12 @@ fn chunks_round_trip_over_tls_and_bad_certificates_or_passwords_fail_at_startup(
     let c = RemoteClient::new(server.config(&url, "ca.crt")).unwrap();
     let keys: Vec<u64> = (1..=20).collect();
     let data: Vec<Vec<u8>> = keys.iter().map(|&k| chunk(k)).collect();
-    let items: Vec<WriteItem<'_>> = keys
-        .iter()
-        .zip(&data)
-        .map(|(&k, d)| WriteItem {
-            key: Key(u128::from(k)),
-            group: 0,
-            data: vec![d],
-        })
-        .collect();
-    assert_eq!(c.write(9, &items), vec![true; keys.len()]);
-    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0; 10_000]).collect();
-    let mut reads: Vec<ReadItem<'_>> = keys
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&k, b)| ReadItem {
-            key: Key(u128::from(k)),
-            group: 0,
-            dst: vec![b],
-        })
-        .collect();
-    assert_eq!(c.read(9, &mut reads), vec![ReadOutcome::Hit; keys.len()]);
-    drop(reads);
+    assert_eq!(
+        write(&c, 9, &keys, &data, Cut::Whole),
+        vec![true; keys.len()]
+    );
+    let (out, bufs) = read(&c, 9, &keys, |_| 10_000, Cut::Whole);
+    assert_eq!(out, vec![ReadOutcome::Hit; keys.len()]);
     assert_eq!(bufs, data);
 
     let err = |cfg: RemoteConfig| RemoteClient::new(cfg).unwrap_err().to_string();

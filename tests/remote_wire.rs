@@ -15,8 +15,10 @@ const LEAD_WAIT: Duration = Duration::from_secs(30);
 /// After the last command no lead can come: how long the server looks for stray bytes then.
 const LAST_WAIT: Duration = Duration::from_secs(2);
 
-use kvoffload::tier::remote::{value_key, RemoteClient, RemoteConfig, WriteItem};
-use kvoffload::Key;
+use kvoffload::tier::remote::{value_key, RemoteClient, RemoteConfig};
+
+mod support;
+use support::remote::{self, key, Cut};
 
 /// Length of a complete command at the start of `buf`, if one is there.
 fn command_len(buf: &[u8]) -> Option<usize> {
@@ -155,8 +157,8 @@ fn client(port: u16) -> RemoteClient {
 const LEN: usize = 600 << 10;
 
 /// The framing of a `SET` of chunk `key` up to its value's length line.
-fn lead(ns: u128, key: u64) -> Vec<u8> {
-    let name = value_key(ns, Key(u128::from(key)), 0);
+fn lead(ns: u128, k: u64) -> Vec<u8> {
+    let name = value_key(ns, key(k), 0);
     let mut out = format!("*3\r\n$3\r\nSET\r\n${}\r\n", name.len()).into_bytes();
     out.extend_from_slice(&name);
     out.extend_from_slice(format!("\r\n${}\r\n", LEN + 72).as_bytes());
@@ -165,16 +167,7 @@ fn lead(ns: u128, key: u64) -> Vec<u8> {
 
 fn write(c: &RemoteClient, ns: u128, keys: &[u64]) -> Vec<bool> {
     let data: Vec<Vec<u8>> = keys.iter().map(|&k| vec![k as u8; LEN]).collect();
-    let items: Vec<WriteItem<'_>> = keys
-        .iter()
-        .zip(&data)
-        .map(|(&k, d)| WriteItem {
-            key: Key(u128::from(k)),
-            group: 0,
-            data: vec![&d[..LEN / 2], &d[LEN / 2..]],
-        })
-        .collect();
-    c.write(ns, &items)
+    remote::write(c, ns, keys, &data, Cut::Half)
 }
 
 #[test]

@@ -2,8 +2,8 @@
 //! assertions are on). The full behaviour is covered from Python (scenario tests and the
 //! differential test against the model); these check the same paths compile and hold in Rust.
 
-mod step_support;
-use step_support::{bl, step};
+mod support;
+use support::step::{bl, step};
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::jobs::JobKind;
@@ -392,9 +392,10 @@ fn run_stored(s: &mut Scheduler, id: &str, hashes: Vec<Key>, first: u32) {
     assert!(s.complete(plan.stores[0].id, 0, true).unwrap().is_some());
 }
 
-/// The pressure bug: chunks are stored in order, so a long conversation's first chunks are the
-/// pool's oldest. When a request is done its chunks are refreshed, the earliest most recent,
-/// so pressure evicts a request that finished earlier, then suffixes, never the prefix first.
+/// Pressure keeps prefixes: chunks are stored in order, so a long conversation's first chunks
+/// are the pool's oldest. When a request is done its chunks are refreshed, the earliest most
+/// recent, so pressure evicts a request that finished earlier, then suffixes, never the prefix
+/// first.
 #[test]
 fn a_finished_prefix_outlives_colder_chunks_under_pressure() {
     for policy in [PolicyKind::Lru, PolicyKind::Arc] {

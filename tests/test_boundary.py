@@ -2,9 +2,9 @@
 job before the plan that carries it is applied, and the interpreter exits cleanly with copies in
 flight.
 
-Each test names the defect it guards against; every one of them failed before the fix (a
-``PanicException`` with the step half applied, a load planned after its failure was reported, an
-``ok=None`` report publishing a store, a SIGABRT at exit in most runs).
+Each test names the defect it rules out: a ``PanicException`` with the step half applied, a load
+planned after its failure was reported, an ``ok=None`` report publishing a store, a SIGABRT at
+exit.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload._core import CpuPool, JobTracker, Scheduler
+from kvoffload._core import Scheduler, _CpuPool, _JobTracker
 from kvoffload.errors import (
     CompletionError,
     InternalError,
@@ -121,12 +121,12 @@ def test_ok_must_be_a_bool(bad: object) -> None:
     assert snapshot(s) == before
     s.add_request("b", 2 * BS + 1, [100, 101])
     assert s.lookup("b", 0) is None  # still being stored: nothing was published
-    tracker = JobTracker(8)
+    tracker = _JobTracker(8)
     job = tracker.create_store(0, [1])
     with pytest.raises(CompletionError, match="ok must be a bool"):
         tracker.complete(job, 0, bad)  # type: ignore[arg-type]
     assert tracker.pending_jobs() == [job]
-    pool = CpuPool(4)
+    pool = _CpuPool(4)
     pool.prepare_store([1])
     with pytest.raises(CompletionError, match="ok must be a bool"):
         pool.complete_store([1], bad)  # type: ignore[arg-type]
@@ -208,24 +208,15 @@ TIER_EXIT_SCRIPT = textwrap.dedent(
     """
     import sys, tempfile
     from pathlib import Path
-    from tests.test_disk import BLOCK, _config, _engine
-    from kvoffload.scheduler import OffloadScheduler, StepInput
+    from tests.support.disk import BLOCK, cpu_engine, store_and_finish, tier_config
+    from kvoffload.scheduler import OffloadScheduler
     from kvoffload.transfer.disk import open_disk_worker
 
     path = Path(tempfile.mkdtemp())
-    sched = OffloadScheduler(_config(path, tier_write_share=1.0))
-    kv, worker = _engine(1)
+    sched = OffloadScheduler(tier_config(path, tier_write_share=1.0))
+    kv, worker = cpu_engine(1)
     disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
-    sched.add_request("a", prompt_len=3 * BLOCK, block_hashes=[1, 2, 3])
-    sched.lookup("a", num_computed_tokens=0)
-    sched.allocate("a", [[1, 2, 3, 4]], num_computed_tokens=0, num_load_tokens=0)
-    plan = sched.schedule(StepInput(scheduled=[("a", 3 * BLOCK)], written=[1, 2, 3, 4]))
-    for job in plan.stores:
-        worker.submit_store(job.job_id, job.transfers)
-    worker.wait([j.job_id for j in plan.stores])
-    for r in worker.poll():
-        sched.complete(r.job_id, ok=r.ok)
-    plan = sched.schedule(StepInput(finished=["a"], written=[]))
+    plan = store_and_finish(sched, worker, [1, 2, 3], 3 * BLOCK)
     assert plan.tier_jobs
     disk.submit(plan.tier_jobs)
     # Exits here, the disk tier's writes in flight on its Rust I/O threads.

@@ -14,7 +14,7 @@ import pytest
 from kvoffload.cli import main
 from kvoffload.sim import SimResult, simulate
 from kvoffload.sim.plot import PlotUnavailableError, check_plot_path, make_figure, write_plot
-from tests.test_sim import PRESSURE
+from tests.support.sim import PRESSURE
 
 SMALL = ["simulate", "--requests", "12", "--scale", "0.3", "--gpu-blocks", "96", "--quiet"]
 FIGURES = {

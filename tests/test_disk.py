@@ -23,31 +23,13 @@ from kvoffload.errors import (
     TierIOError,
     TierPathError,
 )
-from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
+from kvoffload.scheduler import OffloadScheduler, StepInput
 from kvoffload.sim import SimConfig, simulate
 from kvoffload.transfer import TransferEngine
 from kvoffload.transfer.disk import open_disk_worker, pool_registration
-from tests.remote_engine import BLOCK, HASHES, PROMPT, load
-from tests.remote_support import RedisServer
-
-
-def _config(path: Path | None, **kw: object) -> OffloadConfig:
-    return OffloadConfig(
-        groups=(KvGroup(block_size=BLOCK, bytes_per_block=2 * 16 * 4 * 64 * 4),),
-        num_gpu_blocks=32,
-        cpu_chunks=8,
-        disk_path=path,
-        disk_bytes=None if path is None else 1 << 20,
-        disk_model="toy",
-        # 8 CPU slots: write-behind may pin them all here (tests/test_tier_speed.py: the bound).
-        **{"tier_write_share": 1.0, **kw},  # type: ignore[arg-type]
-    )
-
-
-def _engine(seed: int) -> tuple[list[dict[str, torch.Tensor]], TransferEngine]:
-    g = torch.Generator().manual_seed(seed)
-    kv = [{f"layer{i}": torch.randn(32, BLOCK, 4, 64, generator=g) for i in range(2)}]
-    return kv, TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
+from tests.support.disk import BLOCK, HASHES, PROMPT, cpu_engine, store_and_finish, tier_config
+from tests.support.remote import RedisServer
+from tests.support.remote_engine import load
 
 
 def _drain(sched: OffloadScheduler, plan: object, worker: TransferEngine, disk: DiskWorker) -> None:
@@ -62,20 +44,11 @@ def _drain(sched: OffloadScheduler, plan: object, worker: TransferEngine, disk: 
 
 def _fill(path: Path, hashes: list[int] = HASHES) -> torch.Tensor:
     """First engine: request "a" computes 3 blocks, they are stored and written to disk."""
-    sched = OffloadScheduler(_config(path))
-    kv, worker = _engine(1)
+    sched = OffloadScheduler(tier_config(path))
+    kv, worker = cpu_engine(1)
     disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
     before = sched.stats()["tiers"][0]["writes"]  # type: ignore[index]
-    sched.add_request("a", prompt_len=PROMPT, block_hashes=hashes)
-    assert sched.lookup("a", num_computed_tokens=0) == 0
-    sched.allocate("a", [[1, 2, 3, 4]], num_computed_tokens=0, num_load_tokens=0)
-    plan = sched.schedule(StepInput(scheduled=[("a", PROMPT)], written=[1, 2, 3, 4]))
-    for job in plan.stores:
-        worker.submit_store(job.job_id, job.transfers)
-    worker.wait([j.job_id for j in plan.stores])
-    for r in worker.poll():
-        sched.complete(r.job_id, ok=r.ok)
-    plan = sched.schedule(StepInput(finished=["a"], written=[]))
+    plan = store_and_finish(sched, worker, hashes)
     assert [(j[1], j[2]) for j in plan.tier_jobs] == [("write", "disk")]
     _drain(sched, plan, worker, disk)
     st = sched.stats()["tiers"][0]  # type: ignore[index]
@@ -89,8 +62,8 @@ def _fill(path: Path, hashes: list[int] = HASHES) -> torch.Tensor:
 def test_restart_serves_the_same_bytes_from_disk(tmp_path: Path) -> None:
     expected = _fill(tmp_path)
     # A new engine (other GPU contents) on the same directory.
-    sched = OffloadScheduler(_config(tmp_path))
-    kv, worker = _engine(2)
+    sched = OffloadScheduler(tier_config(tmp_path))
+    kv, worker = cpu_engine(2)
     disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
     assert sched.stats()["tiers"][0]["used"] == 3  # type: ignore[index]
     sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
@@ -112,8 +85,8 @@ def test_reset_names_an_in_flight_promotion_in_tier_flush(tmp_path: Path) -> Non
     (wait on the tier worker), not in ``flush`` (the data plane does not know tier jobs), and its
     late report changes nothing."""
     _fill(tmp_path)
-    sched = OffloadScheduler(_config(tmp_path))
-    _, worker = _engine(2)
+    sched = OffloadScheduler(tier_config(tmp_path))
+    _, worker = cpu_engine(2)
     disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
     sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
     assert sched.lookup("b", num_computed_tokens=0) is None
@@ -146,8 +119,8 @@ def test_a_flipped_bit_is_a_miss_never_served(tmp_path: Path) -> None:
             f.write(bytes([b[0] ^ 0x40]))
     (v,) = disk_inspect(tmp_path, verify=True)
     assert (v["chunks"], v["verified"], v["corrupt"]) == (3, 0, 3)
-    sched = OffloadScheduler(_config(tmp_path))
-    kv, worker = _engine(2)
+    sched = OffloadScheduler(tier_config(tmp_path))
+    kv, worker = cpu_engine(2)
     before = kv[0]["layer0"].clone()
     disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
     sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
@@ -164,7 +137,7 @@ def test_a_flipped_bit_is_a_miss_never_served(tmp_path: Path) -> None:
 
 def test_another_model_sees_nothing(tmp_path: Path) -> None:
     _fill(tmp_path)
-    cfg = dataclasses.replace(_config(tmp_path), disk_model="other")
+    cfg = dataclasses.replace(tier_config(tmp_path), disk_model="other")
     sched = OffloadScheduler(cfg)
     assert sched.stats()["tiers"][0]["used"] == 0  # type: ignore[index]
 
@@ -193,7 +166,7 @@ def test_another_model_sees_nothing(tmp_path: Path) -> None:
     ],
 )
 def test_bad_disk_config_names_the_value(tmp_path: Path, kw: dict[str, object], match: str) -> None:
-    cfg = dataclasses.replace(_config(tmp_path), **kw)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(tier_config(tmp_path), **kw)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=match):
         OffloadScheduler(cfg)
 
@@ -231,9 +204,9 @@ def test_disk_probation_thresholds_are_the_configured_ones(
     _fill(tmp_path)
     _fill(tmp_path, other)
     _corrupt_last_chunk(tmp_path)
-    cfg = _config(tmp_path, disk_probation_after=after, disk_probation_ms=probation_ms)
+    cfg = tier_config(tmp_path, disk_probation_after=after, disk_probation_ms=probation_ms)
     sched = OffloadScheduler(cfg)
-    _, worker = _engine(2)
+    _, worker = cpu_engine(2)
     disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
     sched.add_request("b", prompt_len=PROMPT, block_hashes=HASHES)
     assert sched.lookup("b", num_computed_tokens=0) is None
@@ -282,7 +255,7 @@ def test_simulate_passes_the_disk_probation_flags(
 
 
 def test_disk_worker_rejects_bad_jobs_and_arguments(tmp_path: Path) -> None:
-    _, worker = _engine(1)
+    _, worker = cpu_engine(1)
     with pytest.raises(ConfigError, match="block_sizes has 2 entries"):
         open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK, BLOCK])
     with pytest.raises(ConfigError, match="rank=2, world_size=2"):
@@ -395,18 +368,6 @@ def test_both_tiers_restart_promotes_from_disk_and_refills_the_shared_tier(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _hold(path: str) -> None:
-    """A disk worker on ``path`` in a process of its own: says READY, holds the directory until
-    its stdin closes (see ``test_a_second_process_is_refused_and_verify_says_in_use``)."""
-    import sys
-
-    _, worker = _engine(1)
-    disk = open_disk_worker(worker, path, 1 << 20, [BLOCK], model="toy")
-    print("READY", flush=True)
-    sys.stdin.readline()
-    disk.close()
-
-
 def _ns_dir(path: Path) -> Path:
     (rep,) = disk_inspect(path)
     return Path(rep["dir"])
@@ -416,7 +377,7 @@ def test_a_second_disk_worker_on_one_directory_is_refused(tmp_path: Path) -> Non
     """Another tier object in this process gets TierInUseError naming the directory and the
     holder; the owner keeps working; once it closes, the directory opens again."""
     _fill(tmp_path)
-    _, worker = _engine(2)
+    _, worker = cpu_engine(2)
     first = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
     with pytest.raises(TierInUseError, match=f"{_ns_dir(tmp_path)}.*this process") as e:
         open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
@@ -435,7 +396,7 @@ def test_a_second_process_is_refused_and_verify_says_in_use(
     import sys
 
     _fill(tmp_path)
-    code = "import sys; from tests.test_disk import _hold; _hold(sys.argv[1])"
+    code = "import sys; from tests.support.disk import hold; hold(sys.argv[1])"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path)],
         cwd=ROOT,
@@ -446,7 +407,7 @@ def test_a_second_process_is_refused_and_verify_says_in_use(
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "READY"
-        _, worker = _engine(2)
+        _, worker = cpu_engine(2)
         with pytest.raises(TierInUseError, match=f"in use by process {proc.pid}"):
             open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
         worker.shutdown()
@@ -505,14 +466,14 @@ def test_verify_fails_on_a_slab_it_cannot_attribute(
     assert "cannot attribute them" in err
     assert main(["disk", "inspect", str(tmp_path)]) == 0
     assert "cannot attribute them" in capsys.readouterr().err
-    _, worker = _engine(2)
+    _, worker = cpu_engine(2)
     open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy").close()
     worker.shutdown()
     assert main(["disk", "verify", str(tmp_path)]) == 0
 
 
 def _other_layout(layout: str) -> dict[str, torch.Tensor]:
-    """KV tensors whose chunks have the bytes of ``_engine``'s (2 layers of float32
+    """KV tensors whose chunks have the bytes of ``cpu_engine``'s (2 layers of float32
     ``[32, BLOCK, 4, 64]``) in another layout."""
     g = torch.Generator().manual_seed(3)
     if layout == "one tensor per layer":
@@ -526,7 +487,7 @@ def test_another_tensor_layout_reads_nothing(tmp_path: Path, layout: str) -> Non
     element type (same model string, block size, blocks per chunk, rank) never loads the
     writer's bytes."""
     _fill(tmp_path)
-    sched = OffloadScheduler(_config(tmp_path))
+    sched = OffloadScheduler(tier_config(tmp_path))
     kv = [_other_layout(layout)]
     worker = TransferEngine(kv, blocks_per_chunk=1, num_slots=8)
     disk = open_disk_worker(worker, tmp_path, 1 << 20, [BLOCK], model="toy")
@@ -547,7 +508,7 @@ def test_another_tensor_layout_reads_nothing(tmp_path: Path, layout: str) -> Non
 def test_another_tensor_layout_reads_nothing_from_the_shared_tier(redis: RedisServer) -> None:
     """The same through Redis: engine A (two KV tensors per layer) writes behind; engine B (one
     tensor per layer, same chunk size, model and salt) is never served A's bytes."""
-    from tests.remote_engine import ask, compute, config, engine
+    from tests.support.remote_engine import ask, compute, config, engine
 
     sched = OffloadScheduler(config(redis.url))
     _, worker_a, remote_a = engine(redis.url, "", seed=1)
@@ -608,7 +569,7 @@ def test_a_symbolic_link_in_the_directory_is_refused(tmp_path: Path, name: str) 
     path = _ns_dir(tmp_path / "t") / name
     path.unlink()
     path.symlink_to(target)
-    _, worker = _engine(2)
+    _, worker = cpu_engine(2)
     with pytest.raises(TierPathError, match=f"{path}: is a symbolic link"):
         open_disk_worker(worker, tmp_path / "t", 1 << 20, [BLOCK], model="toy")
     assert issubclass(TierPathError, ConfigError)
@@ -621,10 +582,10 @@ import resource, signal, sys
 from pathlib import Path
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
-from tests.test_disk import BLOCK, _engine
+from tests.support.disk import BLOCK, cpu_engine
 from kvoffload.transfer.disk import open_disk_worker
 from kvoffload.errors import TierIOError
-kv, worker = _engine(1)
+kv, worker = cpu_engine(1)
 try:
     open_disk_worker(worker, Path(sys.argv[1]), 1 << 20, [BLOCK], model="toy")
 except TierIOError as e:

@@ -10,20 +10,13 @@ import pytest
 
 from kvoffload._core import Scheduler
 from kvoffload.errors import InvalidBlockError, InvalidKeyError, KvOffloadError, RequestStateError
+from tests.support.scheduler import hashes, snapshot
 
 BS = 4
 
 
 def core(**kw: Any) -> Scheduler:
     return Scheduler([(BS, None, 64)], num_gpu_blocks=64, cpu_chunks=32, **kw)
-
-
-def hashes(seed: int, n: int) -> list[bytes]:
-    return [random.Random(f"{seed}/{i}").randbytes(32) for i in range(n)]
-
-
-def snapshot(s: Scheduler) -> tuple[Any, ...]:
-    return (s.stats(), s.pending_jobs(), s.num_requests, s.armed_pairs)
 
 
 def stored(s: Scheduler, rid: str, hs: list[bytes], blocks: list[int]) -> None:

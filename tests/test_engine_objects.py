@@ -14,7 +14,7 @@ import pytest
 
 from kvoffload._core import Scheduler
 from kvoffload.errors import InvalidBlockError
-from tests.test_engine_calls import hashes, snapshot
+from tests.support.scheduler import hashes, snapshot
 
 BS = 4
 N = 80  # blocks per table: beyond twice the readers' prefetch distance (16)

@@ -130,12 +130,12 @@ def _reset_after_load_setup() -> tuple[OffloadScheduler, list[int]]:
 
 def test_reset_after_a_load_never_stores_window_blocks_the_engine_gave_away():
     _, window_blocks = _reset_after_load_setup()
-    # Blocks 12 and 13 now hold c's KV (b's store copied [12, 13, 26, 27] before the fix).
+    # Blocks 12 and 13 now hold c's KV: b's store must not copy [12, 13, 26, 27].
     assert not {12, 13} & set(window_blocks), window_blocks
 
 
 @pytest.mark.parametrize("seed", [157, 851])
-def test_fuzz_seeds_that_found_the_reset_after_load_bug(seed):
+def test_fuzz_seeds_with_a_reset_after_a_load(seed):
     run(seed, STEPS, **options_for_seed(seed))
 
 

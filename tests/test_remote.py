@@ -15,16 +15,17 @@ import pytest
 
 from kvoffload._core import RemoteClient
 from kvoffload.errors import ConfigError, InvalidKeyError, KvOffloadError
-from tests.remote_chunks import CHUNK, chunk, namespace
-from tests.remote_support import DelayProxy, NetnsHosts, RedisServer, redis_server
+from tests.support.remote import DelayProxy, NetnsHosts, RedisServer, redis_server
+from tests.support.remote_chunks import CHUNK, chunk, namespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_chunks(*args: str, prefix: list[str] | None = None) -> dict[str, object]:
-    """Runs ``tests/remote_chunks.py`` in its own process (optionally inside a test host)."""
+    """Runs :mod:`tests.support.remote_chunks` in its own process (optionally inside a test
+    host)."""
     out = subprocess.run(
-        [*(prefix or []), sys.executable, "-m", "tests.remote_chunks", *args],
+        [*(prefix or []), sys.executable, "-m", "tests.support.remote_chunks", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

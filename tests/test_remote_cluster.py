@@ -11,8 +11,8 @@ import pytest
 from kvoffload._core import RemoteClient
 from kvoffload.cli import main
 from kvoffload.errors import ConfigError
-from tests.remote_chunks import CHUNK, chunk, namespace
-from tests.remote_support import RedisCluster, redis_cluster
+from tests.support.remote import RedisCluster, redis_cluster
+from tests.support.remote_chunks import CHUNK, chunk, namespace
 
 __all__ = ["redis_cluster"]  # the module's fixture
 

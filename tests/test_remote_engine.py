@@ -16,7 +16,8 @@ import torch
 
 from kvoffload.errors import ConfigError
 from kvoffload.scheduler import OffloadScheduler
-from tests.remote_engine import (
+from tests.support.remote import NetnsHosts, RedisServer, redis_server
+from tests.support.remote_engine import (
     BLOCK,
     HASHES,
     PROMPT,
@@ -27,14 +28,13 @@ from tests.remote_engine import (
     expected_kv,
     load,
 )
-from tests.remote_support import NetnsHosts, RedisServer, redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def fill_in_another_process(url: str, salt: str = "") -> None:
     subprocess.run(
-        [sys.executable, "-m", "tests.remote_engine", url, salt],
+        [sys.executable, "-m", "tests.support.remote_engine", url, salt],
         cwd=ROOT,
         check=True,
         timeout=120,
@@ -142,7 +142,7 @@ def test_hosts_in_network_namespaces_share_one_server_exactly() -> None:
         with redis_server(bind=[hosts.gateway(i) for i in range(3)]) as server:
 
             def start(i: int) -> subprocess.Popen[bytes]:
-                cmd = [sys.executable, "-m", "tests.remote_engine", "--host"]
+                cmd = [sys.executable, "-m", "tests.support.remote_engine", "--host"]
                 return subprocess.Popen(
                     [*hosts.exec_prefix(i), *cmd, server.url_at(hosts.gateway(i))],
                     cwd=ROOT,

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.remote_support import (
+from tests.support.remote import (
     DelayProxy,
     NetnsHosts,
     ProxyProcess,

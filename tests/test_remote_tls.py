@@ -15,7 +15,7 @@ import pytest
 from kvoffload._core import RemoteClient
 from kvoffload.cli import main
 from kvoffload.errors import ConfigError
-from tests.remote_support import free_port
+from tests.support.remote import free_port
 
 
 def _openssl(d: Path, *args: str) -> None:

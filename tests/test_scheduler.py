@@ -477,7 +477,7 @@ def test_stats_is_a_method_on_every_class():
     import kvoffload
 
     classes = [kvoffload.OffloadScheduler, kvoffload.TransferEngine]
-    classes += [kvoffload.Scheduler, kvoffload.JobTracker, kvoffload.CpuPool]
+    classes += [kvoffload.Scheduler, kvoffload._core._JobTracker, kvoffload._core._CpuPool]
     for cls in classes:
         attr = inspect.getattr_static(cls, "stats")
         assert callable(attr), cls

@@ -8,7 +8,7 @@ import pytest
 
 from kvoffload.sim import simulate
 from kvoffload.sim.vllm_rule import VllmRuleFence
-from tests.test_sim import PRESSURE
+from tests.support.sim import PRESSURE
 
 FA, SW = 0, 1
 

@@ -10,8 +10,8 @@ use kvoffload::scheduler::{DiskWatch, Scheduler, StepPlan, TierJobKind};
 use kvoffload::tier::disk::{DiskIndex, SlabLayout, BLOCK};
 use kvoffload::{BlockId, Key};
 
-mod tier_support;
-use tier_support::{config_with, step, CHUNK};
+mod support;
+use support::tier::{config_with, step, CHUNK};
 
 /// CPU slots: write-behind may pin an eighth of them (8, the default share).
 const SLOTS: u32 = 64;

@@ -6,8 +6,8 @@
 //! out-of-range ranks, unknown and completed ids, resets, late reports) next to a naive model —
 //! a plain `Vec` of pending jobs, each with its set of reported ranks, whose check scans every
 //! job — and checks the invariants of §4 after every operation. It is the tracker's one
-//! random-schedule model (`tests/test_tracker.py` keeps the binding's rule tests: negative and
-//! over-32-bit ranks, wrong types); it predicts every report's verdict in the tracker's check
+//! random-schedule model (`tests/test_tracker_binding.py` checks the binding alone: negative
+//! and over-32-bit ranks, wrong types); it predicts every report's verdict in the tracker's check
 //! order, so a duplicate rank that counted, or a rank checked before the id, fails it.
 
 use std::collections::BTreeSet;

@@ -11,10 +11,9 @@ The face of the package, importable from here:
   torch (an optional dependency) until the data plane is needed.
 * :class:`KvOffloadError`, the base of every error (:mod:`kvoffload.errors` has the others).
 
-The Rust core's building blocks stay public for engines and tools that drive the core
-directly: :class:`Scheduler` (what :class:`OffloadScheduler` wraps), :class:`JobTracker` (the job
-table and the fence), :class:`CpuPool` and its :class:`StorePlan` (the CPU tier's index and
-eviction policy). Every class with counters has a ``stats()`` method returning a snapshot dict.
+The Rust core's scheduler stays public for engines and tools that drive the core directly:
+:class:`Scheduler` (what :class:`OffloadScheduler` wraps). Every class with counters has a
+``stats()`` method returning a snapshot dict.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from kvoffload._core import CpuPool, JobTracker, Scheduler, StorePlan, __version__
+from kvoffload._core import Scheduler, __version__
 from kvoffload.errors import KvOffloadError
 from kvoffload.scheduler import (
     CompletedJob,
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CompletedJob",
-    "CpuPool",
-    "JobTracker",
     "KvGroup",
     "KvOffloadError",
     "OffloadConfig",
@@ -50,7 +47,6 @@ __all__ = [
     "Scheduler",
     "StepInput",
     "StepPlan",
-    "StorePlan",
     "TransferEngine",
     "TransferJob",
     "TransferResult",

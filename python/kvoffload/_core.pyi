@@ -23,14 +23,12 @@ __all__ = [
     "CompletionError",
     "ConfigError",
     "Copier",
-    "CpuPool",
     "DiskWorker",
     "DuplicateReportError",
     "InternalError",
     "InvalidBlockError",
     "InvalidKeyError",
     "InvalidRequestError",
-    "JobTracker",
     "KeyStateError",
     "KvOffloadError",
     "RemoteClient",
@@ -39,7 +37,6 @@ __all__ = [
     "Scheduler",
     "StepInputError",
     "StepPlan",
-    "StorePlan",
     "TierIOError",
     "TierInUseError",
     "TierPathError",
@@ -48,6 +45,9 @@ __all__ = [
     "UnknownJobError",
     "UnknownKeyError",
     "UnknownRequestError",
+    "_CpuPool",
+    "_JobTracker",
+    "_StorePlan",
     "__version__",
     "check_io_cpus",
     "check_runs",
@@ -153,10 +153,10 @@ class TierInUseError(KvOffloadError): ...
 class TierPathError(ConfigError): ...
 
 @final
-class JobTracker:
+class _JobTracker:
     """Job table + fence index with eager and deferred lifecycle classes."""
 
-    def __new__(cls, num_blocks: int, num_workers: int = 1) -> JobTracker: ...
+    def __new__(cls, num_blocks: int, num_workers: int = 1) -> _JobTracker: ...
     def create_store(
         self,
         owner: SupportsIndex,
@@ -386,8 +386,8 @@ class Scheduler:
     def tier_stats(self) -> list[dict[str, Any]]: ...
 
 @final
-class StorePlan:
-    """The slots reserved by :meth:`CpuPool.prepare_store`."""
+class _StorePlan:
+    """The slots reserved by :meth:`_CpuPool.prepare_store`."""
 
     @property
     def keys(self) -> list[int]: ...
@@ -399,7 +399,7 @@ class StorePlan:
     def filtered(self) -> list[int]: ...
 
 @final
-class CpuPool:
+class _CpuPool:
     """The CPU tier's slots: key states, pins, LRU or ARC eviction, stored / removed events."""
 
     def __new__(
@@ -408,7 +408,7 @@ class CpuPool:
         policy: str = "lru",
         store_threshold: int = 0,
         max_event_keys: int | None = None,
-    ) -> CpuPool: ...
+    ) -> _CpuPool: ...
     @property
     def capacity(self) -> int: ...
     @property
@@ -421,7 +421,7 @@ class CpuPool:
     def state(self, key: _Key) -> _KeyState: ...
     def pins(self, key: _Key) -> int: ...
     def slot(self, key: _Key) -> int | None: ...
-    def prepare_store(self, keys: Iterable[_Key]) -> StorePlan | None: ...
+    def prepare_store(self, keys: Iterable[_Key]) -> _StorePlan | None: ...
     def complete_store(self, keys: Iterable[_Key], ok: bool = True) -> None: ...
     def prepare_load(self, keys: Iterable[_Key]) -> list[int]: ...
     def complete_load(self, keys: Iterable[_Key]) -> None: ...

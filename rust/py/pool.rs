@@ -1,5 +1,6 @@
-//! `kvoffload._core.CpuPool`: the CPU pool (slots, key states, pins, LRU / ARC eviction,
-//! events) for the scheduler facade and for tests that drive it directly.
+//! `kvoffload._core._CpuPool`: the CPU pool (slots, key states, pins, LRU / ARC eviction,
+//! events) from Python, for the tests and tools that drive it directly. Private (not exported
+//! from `kvoffload`): engines use the scheduler, which holds its own pools.
 //!
 //! Keys cross the boundary as Python ints (`bytes` are accepted on input and folded with
 //! `Key::from_bytes`); every input is converted before the lock is taken, so a bad key raises
@@ -25,7 +26,7 @@ fn slot_ids(slots: &[SlotId]) -> Vec<u32> {
     slots.iter().map(|s| s.0).collect()
 }
 
-/// A pool's counters by name, as `CpuPool.stats()` and `Scheduler.stats()["pools"]` report
+/// A pool's counters by name, as `_CpuPool.stats()` and `Scheduler.stats()["pools"]` report
 /// them (`target` apart).
 pub fn pool_counters(s: &PoolStats) -> [(&'static str, u64); 23] {
     [
@@ -55,8 +56,8 @@ pub fn pool_counters(s: &PoolStats) -> [(&'static str, u64); 23] {
     ]
 }
 
-/// The slots reserved by `CpuPool.prepare_store`.
-#[pyclass(frozen, get_all, module = "kvoffload._core")]
+/// The slots reserved by `_CpuPool.prepare_store`.
+#[pyclass(frozen, get_all, name = "_StorePlan", module = "kvoffload._core")]
 pub struct StorePlan {
     /// Keys to store now, in input order.
     keys: Vec<u128>,
@@ -83,14 +84,14 @@ impl From<CoreStorePlan> for StorePlan {
 impl StorePlan {
     fn __repr__(&self) -> String {
         format!(
-            "StorePlan(keys={:?}, slots={:?}, evicted={:?}, filtered={:?})",
+            "_StorePlan(keys={:?}, slots={:?}, evicted={:?}, filtered={:?})",
             self.keys, self.slots, self.evicted, self.filtered
         )
     }
 }
 
 /// The CPU tier's slots: key states, pins, LRU or ARC eviction, stored / removed events.
-#[pyclass(frozen, module = "kvoffload._core")]
+#[pyclass(frozen, name = "_CpuPool", module = "kvoffload._core")]
 pub struct CpuPool {
     inner: Mutex<Pool>,
 }
@@ -315,7 +316,7 @@ impl CpuPool {
             let p = self.lock()?;
             let s = p.stats();
             Ok(format!(
-                "CpuPool(capacity={}, policy='{}', used={}, storing={}, pinned={})",
+                "_CpuPool(capacity={}, policy='{}', used={}, storing={}, pinned={})",
                 s.capacity,
                 p.policy(),
                 s.used,

@@ -1,5 +1,6 @@
-//! `kvoffload._core.JobTracker`: the job table and the fence, for engines and tests that drive
-//! them directly.
+//! `kvoffload._core._JobTracker`: the job table and the fence from Python, for the tests and
+//! tools that drive them directly. Private (not exported from `kvoffload`): engines use the
+//! scheduler, which holds its own tracker.
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -13,7 +14,7 @@ use crate::py::sync::guarded;
 use crate::tracker::Tracker;
 
 /// Job table + fence index with eager and deferred lifecycle classes.
-#[pyclass(frozen, module = "kvoffload._core")]
+#[pyclass(frozen, name = "_JobTracker", module = "kvoffload._core")]
 pub struct JobTracker {
     inner: Mutex<Tracker<()>>,
 }
@@ -234,7 +235,7 @@ impl JobTracker {
         guarded(|| {
             let t = self.lock()?;
             Ok(format!(
-                "JobTracker(num_blocks={}, num_workers={}, pending={}, armed_pairs={})",
+                "_JobTracker(num_blocks={}, num_workers={}, pending={}, armed_pairs={})",
                 t.fence().num_blocks(),
                 t.jobs().num_workers(),
                 t.jobs().len(),

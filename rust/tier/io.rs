@@ -328,7 +328,7 @@ impl TierWorker {
         }
         // Disk I/O threads checksum and copy whole chunks: lowest priority. The shared tier's
         // mostly wait on the network; lowered, they starved on a loaded machine (the server's
-        // recovery trials came too late for tests/test_remote_faults.py).
+        // recovery trials came too late for tests/test_remote_engine_faults.py).
         let lower = groups.iter().any(|g| g.file.is_some());
         let shared = Arc::new(Shared {
             groups,

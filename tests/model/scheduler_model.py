@@ -2,8 +2,8 @@
 
 It mirrors ``rust/scheduler.rs`` operation for operation with the simplest data structures:
 jobs in a dict, the fence check as a scan of every pending job, the re-allocation check as a
-scan of every request's block table. CPU pools are :class:`kvoffload.CpuPool` instances (the
-pool has its own model in ``tests/test_pool.py``); the model makes the same pool calls in the
+scan of every request's block table. CPU pools are :class:`kvoffload._core._CpuPool` instances
+(the pool has its own model in ``tests/pool.rs``); the model makes the same pool calls in the
 same order, so plans — slots included — must be identical to the core's.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvoffload import CpuPool
+from kvoffload._core import _CpuPool
 from kvoffload.errors import (
     CompletionError,
     DuplicateReportError,
@@ -88,7 +88,7 @@ class ModelScheduler:
         self.max_tokens = max_offload_tokens
         self.null_block = null_block
         self.cpu_chunks = cpu_chunks
-        self.pools = [CpuPool(cpu_chunks, policy) for _ in groups]
+        self.pools = [_CpuPool(cpu_chunks, policy) for _ in groups]
         self.align = 1
         for g in range(len(groups)):
             ct = self.ct(g)

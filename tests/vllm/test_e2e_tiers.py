@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.remote_support import RedisServer
+from tests.support.remote import RedisServer
 from tests.vllm.test_e2e import ROOT, run_engines
 
 REPORT = ROOT / ".venv-vllm" / "e2e-tiers-report.json"

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm import KvOffloadConnector, KvOffloadStats
-from tests.remote_support import DelayProxy, RedisServer
+from tests.support.remote import DelayProxy, RedisServer
 from tests.vllm.harness import BS, Harness, load_jobs, make_config, prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -1,8 +1,6 @@
 //! What the tier integration tests share: a real `redis-server` on loopback, a one-group
 //! scheduler configuration, step inputs, the byte oracle of chunks, and a CPU pool with a real
-//! tier worker over it. Included by each test
-//! crate with `mod tier_support;`, which may use only some of it.
-#![allow(dead_code)]
+//! tier worker over it.
 
 use std::net::TcpListener;
 use std::path::PathBuf;

@@ -1,5 +1,4 @@
-//! Step inputs the scheduler's integration tests share. Included by each test crate with
-//! `mod step_support;`.
+//! Step inputs the scheduler's integration tests share.
 
 use kvoffload::scheduler::StepInput;
 use kvoffload::BlockId;

@@ -2,7 +2,6 @@
 //! replicas of Debian's `redis-server` (`make test` installs it), free ports, temporary
 //! directories, created with `redis-cli --cluster create --cluster-replicas 1`; stopped and
 //! removed on drop.
-#![allow(dead_code)]
 
 use std::net::TcpListener;
 use std::path::PathBuf;

@@ -271,14 +271,14 @@ class DelayProxy:
 
 
 class ProxyProcess:
-    """A :class:`DelayProxy` in a child process (``python -m tests.remote_support proxy PORT``):
+    """A :class:`DelayProxy` in a child process (``python -m tests.support.remote proxy PORT``):
     the same ``port``, ``url``, settable ``delay`` (applied when the setter returns) and
     :meth:`close`."""
 
     def __init__(self, target_port: int, delay: float = 0.0) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.remote_support", "proxy", str(target_port)],
-            cwd=Path(__file__).resolve().parents[1],
+            [sys.executable, "-m", "tests.support.remote", "proxy", str(target_port)],
+            cwd=Path(__file__).resolve().parents[2],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

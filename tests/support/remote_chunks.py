@@ -1,8 +1,8 @@
 """A process that writes or reads known chunks through the shared tier (for multi-process and
 multi-host tests).
 
-    python -m tests.remote_chunks write URL SALT FIRST COUNT
-    python -m tests.remote_chunks read URL SALT FIRST COUNT
+    python -m tests.support.remote_chunks write URL SALT FIRST COUNT
+    python -m tests.support.remote_chunks read URL SALT FIRST COUNT
 
 Chunk ``k`` holds :func:`chunk` ``(k)``. ``read`` prints one JSON object: per key its outcome,
 and how many "hit" chunks differ from the known bytes (``wrong``, which must be 0).

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.remote_engine import FAULTS, FaultRun
-from tests.remote_support import DelayProxy, RedisServer
+from tests.support.remote import DelayProxy, RedisServer
+from tests.support.remote_engine import FAULTS, FaultRun
 
 
 @pytest.fixture(scope="module")

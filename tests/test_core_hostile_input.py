@@ -1,7 +1,7 @@
 """The core's Python surface under hostile input.
 
-- Every public entry point of ``OffloadScheduler``, ``OffloadConfig``, ``StepInput``, ``CpuPool``
-  and ``JobTracker``, called with arbitrary types and values, raises only ``kvoffload.errors``
+- Every entry point of ``OffloadScheduler``, ``OffloadConfig``, ``StepInput``, ``_CpuPool``
+  and ``_JobTracker``, called with arbitrary types and values, raises only ``kvoffload.errors``
   exceptions, and a rejected call leaves every observable state as it was.
 - A configuration value that is wrong gets a ``ConfigError`` naming the field and the value.
 - Sizes that cannot be served are refused before anything is allocated (subprocess: the
@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvoffload import CpuPool, JobTracker
+from kvoffload._core import _CpuPool, _JobTracker
 from kvoffload.errors import (
     ConfigError,
     InvalidRequestError,
@@ -403,13 +403,13 @@ def test_capacity_in_bytes_is_resolved_by_the_core() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# CpuPool
+# _CpuPool
 # ------------------------------------------------------------------------------------------
 
 
-def busy_pool(policy: str = "lru") -> CpuPool:
+def busy_pool(policy: str = "lru") -> _CpuPool:
     """Ready keys 1..3 (2 pinned), key 4 storing, one event drained."""
-    p = CpuPool(6, policy=policy)
+    p = _CpuPool(6, policy=policy)
     p.prepare_store([1, 2, 3, 4])
     p.complete_store([1, 2, 3])
     p.prepare_load([2])
@@ -417,7 +417,7 @@ def busy_pool(policy: str = "lru") -> CpuPool:
     return p
 
 
-def pool_state(p: CpuPool) -> object:
+def pool_state(p: _CpuPool) -> object:
     keys = range(0, 12)
     return (
         p.stats(),
@@ -456,7 +456,7 @@ def test_pool_rejects_only_with_kvoffload_errors_and_changes_nothing(policy, cal
 def test_pool_construction_raises_only_config_errors(capacity, policy, threshold, events) -> None:
     message = ""
     try:
-        CpuPool(capacity, policy, threshold, events)
+        _CpuPool(capacity, policy, threshold, events)
     except ConfigError as e:
         message = str(e)
     fields = ("capacity", "policy", "store_threshold", "max_event_keys")
@@ -464,7 +464,7 @@ def test_pool_construction_raises_only_config_errors(capacity, policy, threshold
 
 
 def test_pool_events_are_bounded_and_dropped_ones_counted() -> None:
-    p = CpuPool(8, max_event_keys=3)
+    p = _CpuPool(8, max_event_keys=3)
     assert p.max_event_keys == 3
     for keys in ([1, 2], [3, 4], [5]):
         p.prepare_store(keys)
@@ -473,13 +473,13 @@ def test_pool_events_are_bounded_and_dropped_ones_counted() -> None:
     assert (stats["events_dropped"], stats["event_keys_queued"]) == (1, 3)
     assert p.take_events() == [("stored", [1, 2], "cpu"), ("stored", [5], "cpu")]
     assert p.stats()["event_keys_queued"] == 0
-    off = CpuPool(8, max_event_keys=0)
+    off = _CpuPool(8, max_event_keys=0)
     off.prepare_store([1])
     off.complete_store([1])
     assert off.take_events() == []
     assert off.stats()["events_dropped"] == 1
     # By default the queue holds twice the capacity (at least 65536 keys) and never more.
-    big = CpuPool(4)
+    big = _CpuPool(4)
     assert big.max_event_keys == 65536
     for k in range(70000):
         big.prepare_store([k])
@@ -512,12 +512,12 @@ def test_complete_store_ok_must_be_a_bool() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# JobTracker
+# _JobTracker
 # ------------------------------------------------------------------------------------------
 
 
-def busy_tracker() -> JobTracker:
-    t = JobTracker(16, 2)
+def busy_tracker() -> _JobTracker:
+    t = _JobTracker(16, 2)
     t.create_store(1, eager=[1, 2], deferred=[3])
     t.create_store(2**64 - 1, deferred=[4])
     t.create_load(7, [5, 6])
@@ -525,7 +525,7 @@ def busy_tracker() -> JobTracker:
     return t
 
 
-def tracker_state(t: JobTracker) -> object:
+def tracker_state(t: _JobTracker) -> object:
     pending = t.pending_jobs()
     return (
         t.stats(),
@@ -572,7 +572,7 @@ def test_tracker_rejects_only_with_kvoffload_errors_and_changes_nothing(calls) -
 def test_tracker_construction_raises_only_config_errors(num_blocks, num_workers) -> None:
     message = ""
     try:
-        JobTracker(num_blocks, num_workers)
+        _JobTracker(num_blocks, num_workers)
     except ConfigError as e:
         message = str(e)
     assert not message or "num_blocks" in message or "num_workers" in message, message
@@ -627,7 +627,7 @@ def test_sizes_that_cannot_be_served_raise_config_error_and_the_interpreter_surv
         """
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-        from kvoffload import CpuPool, JobTracker
+        from kvoffload._core import _CpuPool, _JobTracker
         from kvoffload.errors import ConfigError
         from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler
 
@@ -636,10 +636,10 @@ def test_sizes_that_cannot_be_served_raise_config_error_and_the_interpreter_surv
             return OffloadConfig(**{**base, **kw})
 
         cases = {
-            "num_blocks": lambda: JobTracker(2**32 - 1),
-            "num_workers": lambda: JobTracker(8, 2**32 - 1),
-            "capacity": lambda: CpuPool(2**32 - 1),
-            "max_event_keys": lambda: CpuPool(8, max_event_keys=2**62),
+            "num_blocks": lambda: _JobTracker(2**32 - 1),
+            "num_workers": lambda: _JobTracker(8, 2**32 - 1),
+            "capacity": lambda: _CpuPool(2**32 - 1),
+            "max_event_keys": lambda: _CpuPool(8, max_event_keys=2**62),
             "num_gpu_blocks": lambda: OffloadScheduler(cfg(num_gpu_blocks=2**32 - 1)),
             "cpu_chunks": lambda: OffloadScheduler(cfg(cpu_chunks=2**32 - 1)),
             "cpu_bytes": lambda: OffloadScheduler(cfg(cpu_chunks=None, cpu_bytes=2**63)),
@@ -654,7 +654,7 @@ def test_sizes_that_cannot_be_served_raise_config_error_and_the_interpreter_surv
             else:
                 raise SystemExit(f"{field}: accepted")
         # The caps themselves are served.
-        JobTracker(2**24)
+        _JobTracker(2**24)
         print("cap ok")
         """
     )
@@ -665,7 +665,7 @@ def test_sizes_that_cannot_be_served_raise_config_error_and_the_interpreter_surv
 
 FINALIZER_PRELUDE = """
 import gc, threading, time
-from kvoffload import CpuPool, JobTracker
+from kvoffload._core import _CpuPool, _JobTracker
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 
 s = OffloadScheduler(OffloadConfig(groups=(KvGroup(4),), num_gpu_blocks=64, cpu_chunks=8))
@@ -673,9 +673,9 @@ s.add_request("a", 8, [1, 2])
 s.lookup("a", 0)
 s.allocate("a", [[1, 2]], 0, 0)
 s.schedule(StepInput(scheduled=[("a", 8)]))
-t = JobTracker(8)
+t = _JobTracker(8)
 t.create_store(1, eager=[1])
-p = CpuPool(4)
+p = _CpuPool(4)
 p.prepare_store([1])
 targets = [s.stats, s.pending_jobs, t.stats, t.pending_jobs, p.stats, p.order]
 inside = [False]   # set while a stats() call of the main thread runs

@@ -1,8 +1,12 @@
-"""Regression tests for the eleven scheduler behaviours of the fence-correctness review.
-
-Each test is the minimal public-API setup of one finding (4-token blocks, block 0 is the null
-block) and asserts the rule it broke. They failed before the fix; the comment on each says what
-the old code did.
+"""Eleven rules of the scheduler's fence and bookkeeping, each on its minimal public-API setup
+(4-token blocks, block 0 is the null block): a reset never plans a load it cancelled; a chunk
+whose blocks are reused in the step its request finishes is still stored; a load is never in its
+own step's flush set; a partly filled block reported written loses nothing; lookups refresh the
+chunks the GPU cache serves; a sliding window needs only its rightmost window; an aborted
+request is forgotten when its load completes; no pool lookup below a chunk; a duplicated report
+never completes a job; a failed load's chunks are stored again; and a step, an allocation or a
+batch of reports that breaks a rule is refused whole, nothing changed. A comment at each
+assertion says what a wrong scheduler would do there.
 """
 
 from __future__ import annotations
@@ -63,7 +67,6 @@ def loading_b(s: OffloadScheduler) -> int:
     return load
 
 
-# 1 --------------------------------------------------------------------------------------------
 def test_reset_never_plans_a_load_it_cancelled():
     s = make()
     store_prefix(s, "a", [[1, 2]], [11, 12], 8)
@@ -79,12 +82,11 @@ def test_reset_never_plans_a_load_it_cancelled():
     assert s.lookup("c", 0) == 0
     s.allocate("c", [[8, 9, 10]], 0, 0)
     plan = s.schedule(StepInput(scheduled=[("b", 8), ("c", 8)], written=[8, 9, 10]))
-    # Old code: the cancelled load was planned, reading slots this plan gives to new stores.
+    # Planning it would read slots this plan gives to new stores.
     assert [j.job_id for j in plan.loads] == []
     assert load not in plan.flush
 
 
-# 2 --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("window", [None, 8])
 def test_finish_and_block_reuse_in_one_step_stores_the_last_chunk(window):
     s = make(window)
@@ -102,14 +104,13 @@ def test_finish_and_block_reuse_in_one_step_stores_the_last_chunk(window):
     assert s.lookup("b", 0) == 0
     s.allocate("b", [[1], [2]][:groups], 0, 0)
     p = s.schedule(StepInput(finished=["a"], scheduled=[("b", 4)], written=[1, 2][:groups]))
-    # Old code: chunks_dropped=1 and no store.
+    # Not dropped (chunks_dropped=1, no store): stored from the finished request's blocks.
     (store,) = [j for j in p.stores if j.request_id == "a"]
     assert blocks_of([store]) == [[1, 2][:groups]]
     assert store.job_id in p.flush  # it copies before b's forward pass
     assert s.stats()["chunks_dropped"] == 0
 
 
-# 3 --------------------------------------------------------------------------------------------
 def test_a_load_is_never_in_the_flush_set_of_its_own_step():
     s = make(window=8)
     store_prefix(s, "a", [[1, 2, 3, 4], [5, 6, 7, 8]], [11, 12, 13, 14], 12)
@@ -121,11 +122,10 @@ def test_a_load_is_never_in_the_flush_set_of_its_own_step():
     dest = blocks_of(p.loads)[0]
     assert p.loads[0].job_id == load
     assert set(dest) <= {21, 22, 23, 26, 27}
-    # Old code: [load] (its eager window pairs were armed at creation).
+    # Not [load]: its eager window pairs are armed when it is planned, not at creation.
     assert p.flush == []
 
 
-# 4 --------------------------------------------------------------------------------------------
 def test_reporting_a_partly_filled_block_as_written_loses_nothing():
     s = make()
     s.add_request("a", 10, [11, 12])
@@ -133,7 +133,7 @@ def test_reporting_a_partly_filled_block_as_written_loses_nothing():
     s.allocate("a", [[1, 2, 3]], 0, 0)
     p1 = s.schedule(StepInput(scheduled=[("a", 6)], written=[1, 2]))
     p2 = s.schedule(StepInput(scheduled=[("a", 8)], written=[2]))
-    # Old code: no store for chunk 1 and chunks_dropped=1.
+    # Chunk 1 is stored once its last block is written, not dropped.
     assert blocks_of(p1.stores) + blocks_of(p2.stores) == [[1], [2]]
     assert s.stats()["chunks_dropped"] == 0
 
@@ -162,7 +162,6 @@ def test_any_superset_of_written_costs_flushes_never_chunks(window):
     assert superset[1] == 0
 
 
-# 5 --------------------------------------------------------------------------------------------
 def test_a_lookup_refreshes_chunks_the_gpu_cache_serves():
     s = make(cpu_chunks=2)
     store_prefix(s, "a", [[1]], [501], 4)
@@ -172,13 +171,12 @@ def test_a_lookup_refreshes_chunks_the_gpu_cache_serves():
     assert s.lookup("c", 4) == 0
     store_prefix(s, "d", [[3]], [503], 4)  # one slot must go: the least recent
     s.add_request("e", 5, [501])
-    # Old code: 501 was evicted (least recent) and 502 kept.
+    # 502 is the least recent and goes; 501, refreshed by the lookup, stays.
     assert s.lookup("e", 0) == 4
     s.add_request("f", 5, [502])
     assert s.lookup("f", 0) == 0
 
 
-# 6 --------------------------------------------------------------------------------------------
 def test_sliding_window_lookup_needs_only_the_rightmost_window():
     s = make(window=8, fa=False, cpu_chunks=8)
     # Chunks 2 and 3 of z's prompt are ready ...
@@ -193,11 +191,10 @@ def test_sliding_window_lookup_needs_only_the_rightmost_window():
     (pending,) = s.schedule(StepInput(scheduled=[("y", 4)], written=[])).stores
     assert pending.keys == [(0, [900])]
     s.add_request("z", 17, [900, 901, 902, 903])
-    # The window of 8 tokens before token 16 is chunks 2-3. Old code: None ("ask later").
+    # The window of 8 tokens before token 16 is chunks 2-3: a hit, not None ("ask later").
     assert s.lookup("z", 0) == 16
 
 
-# 7 --------------------------------------------------------------------------------------------
 def test_an_aborted_loading_request_is_dropped_when_its_load_completes():
     s = make()
     load = loading_b(s)
@@ -206,11 +203,10 @@ def test_an_aborted_loading_request_is_dropped_when_its_load_completes():
     done = s.complete(load)
     assert done is not None
     assert done.request_id == "b"
-    # Old code: still tracked as "aborted" until the next schedule().
+    # Forgotten at once, not tracked as "aborted" until the next schedule().
     assert s.num_requests == 0
 
 
-# 8 --------------------------------------------------------------------------------------------
 def test_no_pool_lookup_when_less_than_a_chunk_lies_beyond_the_hit():
     s = make(blocks_per_chunk=2)
     s.add_request("a", 13, [11, 12, 13])
@@ -218,12 +214,11 @@ def test_no_pool_lookup_when_less_than_a_chunk_lies_beyond_the_hit():
     before = s.stats()["pools"][0]
     assert s.lookup("a", 4) == 0
     after = s.stats()["pools"][0]
-    # Old code: a miss was counted and the reuse filter was fed.
+    # Not asked: no miss counted, nothing fed to the reuse filter.
     assert after["misses"] == before["misses"]
     assert after["hits"] == before["hits"]
 
 
-# 9 --------------------------------------------------------------------------------------------
 def test_a_duplicated_worker_report_never_completes_a_store():
     s = make(num_workers=2)
     s.add_request("a", 5, [11])
@@ -231,7 +226,7 @@ def test_a_duplicated_worker_report_never_completes_a_store():
     s.allocate("a", [[1, 2]], 0, 0)
     (store,) = s.schedule(StepInput(scheduled=[("a", 4)], written=[1])).stores
     assert s.complete(store.job_id, worker=0) is None
-    # Old code: the second report from worker 0 completed the store while worker 1 still copied.
+    # A second report from worker 0 must not complete the store while worker 1 still copies.
     with pytest.raises(DuplicateReportError, match=f"job {store.job_id}: worker 0"):
         s.complete(store.job_id, worker=0)
     assert s.pending_jobs() == [store.job_id]
@@ -243,7 +238,6 @@ def test_a_duplicated_worker_report_never_completes_a_store():
     assert s.lookup("b", 0) == 4
 
 
-# 10 -------------------------------------------------------------------------------------------
 def test_a_failed_loads_chunks_are_stored_again_once_recomputed():
     s = make()
     load = loading_b(s)
@@ -251,14 +245,13 @@ def test_a_failed_loads_chunks_are_stored_again_once_recomputed():
     assert done.invalid_blocks == [5, 6]
     # The failed load's chunks were dropped from the CPU tier; b recomputes them.
     p = s.schedule(StepInput(scheduled=[("b", 8)], written=[5, 6]))
-    # Old code: the store cursor was past them: nothing stored.
+    # The store cursor goes back to them: they are stored again.
     assert blocks_of(p.stores) == [[5, 6]]
     finish_all(s, p.stores)
     s.add_request("c", 9, [11, 12])
     assert s.lookup("c", 0) == 8
 
 
-# 11 -------------------------------------------------------------------------------------------
 def test_a_block_table_with_a_repeated_block_is_rejected_unchanged():
     s = make()
     s.add_request("a", 10, [11, 12])
@@ -279,7 +272,7 @@ def test_the_null_block_where_a_load_must_write_is_rejected_unchanged():
     n = s.lookup("b", 0)
     assert n == 32
     before = s.stats()
-    # Old code: 32 tokens promised, one block copied.
+    # Accepted, 32 tokens would be promised and one block copied.
     with pytest.raises(RequestStateError, match="null block at position 1"):
         s.allocate("b", [[20, 0, 0, 0, 0, 0, 0, 0, 21]], 0, n)
     assert s.status("b") == "waiting"
@@ -303,7 +296,7 @@ def test_one_request_released_twice_in_a_step_is_rejected_unchanged(lists):
     s.allocate("a", [[1, 2, 3]], 0, 0)
     with pytest.raises(RequestStateError, match='"a"'):
         s.schedule(StepInput(written=[], **lists))
-    # Old code: the request stayed "preempted" forever.
+    # Refused whole: the request is not left "preempted" forever.
     assert s.status("a") == "running"
     assert s.stats()["steps"] == 0
 
@@ -325,7 +318,7 @@ def test_complete_many_is_all_or_nothing():
     s.allocate("a", [[1, 2, 3, 4]], 0, 0)
     j1 = s.schedule(StepInput(scheduled=[("a", 4)], written=[1])).stores[0].job_id
     j2 = s.schedule(StepInput(scheduled=[("a", 8)], written=[2])).stores[0].job_id
-    # Old code: j1 was applied before 999 raised.
+    # Refused whole: j1 is not applied before 999 raises.
     with pytest.raises(UnknownJobError, match="999"):
         s.complete_many([j1, 999, j2])
     assert s.pending_jobs() == [j1, j2]
@@ -338,8 +331,8 @@ def test_complete_many_is_all_or_nothing():
 
 
 def test_step_checks_hold_with_more_requests_than_gpu_blocks():
-    """The per-step duplicate checks index requests and blocks apart (a request index beyond
-    the block count once panicked)."""
+    """The per-step duplicate checks index requests and blocks apart: a request index beyond
+    the block count is no out-of-range index into the blocks' table."""
     s = make(num_gpu_blocks=4)
     for i in range(10):
         s.add_request(f"r{i}", 5, [i])

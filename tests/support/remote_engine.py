@@ -1,9 +1,10 @@
 """A small engine (scheduler + CPU TransferEngine + RemoteWorker) sharing the Redis tier, for
 tests that run engines in separate processes, and a simulated engine under faults.
 
-    python -m tests.remote_engine URL SALT    # engine A: computes request "a", writes it behind
-    python -m tests.remote_engine --host URL  # one simulated engine (a test host): JSON figures,
-                                              # once a line arrives on stdin
+    python -m tests.support.remote_engine URL SALT
+        engine A: computes request "a", writes it behind
+    python -m tests.support.remote_engine --host URL
+        one simulated engine (a test host): JSON figures, once a line arrives on stdin
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvoffload._core import RemoteWorker
 from kvoffload.scheduler import KvGroup, OffloadConfig, OffloadScheduler, StepInput
 from kvoffload.transfer import TransferEngine
 from kvoffload.transfer.remote import open_remote_worker
-from tests.remote_support import DelayProxy, ProxyProcess, RedisServer
+from tests.support.remote import DelayProxy, ProxyProcess, RedisServer
 
 BLOCK = 16
 HASHES = [0xA1, 0xA2, 0xA3]
@@ -142,7 +143,7 @@ FAULTS = ("healthy", "killed", "restarted", "flushed", "slow", "healed")
 @dataclass
 class FaultRun:
     """One simulated engine (scheduler, workers, oracle) on the shared tier behind a
-    :class:`~tests.remote_support.DelayProxy`, with the server's faults scheduled by step:
+    :class:`~tests.support.remote.DelayProxy`, with the server's faults scheduled by step:
     every ``phase_steps`` steps the next phase of :data:`FAULTS` starts (kill the server,
     restart it empty, flush it, hold its replies past the deadline, heal). Each step sleeps
     ``pace_s`` (the forward pass). The counters of the scheduler's tier and of the worker's

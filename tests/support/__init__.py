@@ -1,0 +1,1 @@
+"""Support code the tests share: servers, proxies, simulated engines and hosts, fixtures."""
