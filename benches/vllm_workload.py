@@ -5,13 +5,22 @@ Run with the vLLM virtualenv (``make test-vllm`` builds it)::
 
     make bench-vllm [BENCH_VLLM_ARGS="--b 512 --attention hybrid --profile"]
     .venv-vllm/bin/python benches/vllm_workload.py [--b 64,256,512] [--attention full,hybrid]
-        [--steps 300] [--warmup W] [--seed 0] [--connectors vllm,ours] [--cpu-factor 2]
-        [--prompt-only] [--clock cpu|wall] [--profile] [--json out.json]
+        [--steps 300] [--warmup W] [--seed 0] [--connectors vllm,ours] [--cpu-factor 2,0.5]
+        [--solo] [--prompt-only] [--clock cpu|wall] [--profile] [--json out.json]
 
 Each run is ``--warmup`` untimed steps (default 300 + B: the first wave of prompts is
 prefilled and later turns come back to the CPU tier, about three load jobs a step at B=512),
-then ``--steps`` timed steps. The default matrix (B = 64 / 256 / 512, full and hybrid, both
-connectors) takes about 4 minutes on a 2-core machine.
+then ``--steps`` timed steps. The default matrix (B = 64 / 256 / 512, full and hybrid, CPU
+tier twice the GPU pool and half of it, both connectors) takes 10-30 minutes on a 2-core
+machine, most of it in vLLM's connector at B=512.
+
+**Interleaved.** Both connectors' engines run in one process in lockstep (``lockstep`` in
+``vllm_workload_run.py``): step k of both before step k + 1 of either, which one goes first
+alternating by step, so the machine's drift over the minutes of a run hits both alike. Each
+engine has its own scheduler, connector, fake worker and copy of the seeded workload, so its
+decisions are those of a run alone (``tests/vllm/test_workload_bench.py`` checks finished
+requests, per-step loads and loaded tokens against solo runs); ``--solo`` runs them one after
+the other instead.
 
 **What runs.** vLLM's v1 core ``Scheduler`` (prefix caching on, chunked prefill with
 ``max_num_batched_tokens=8192``, 16-token blocks, ``max_num_seqs=B``) with no model: a fake
@@ -25,7 +34,9 @@ flushes it. Two connectors run in the same process on the same request sequences
 * ``ours``: ``KvOffloadConnector`` (``kv_connector_module_path="kvoffload.integrations.vllm"``,
   ``cpu_bytes``).
 
-Both get the same CPU memory: ``--cpu-factor`` (2) times the GPU pool's bytes. Under the same
+Both get the same CPU memory: ``--cpu-factor`` times the GPU pool's bytes, one run per value
+(default 2, where nothing is evicted, and 0.5, where the CPU pool evicts under every store:
+the cost of eviction is measured too). Under the same
 bytes vLLM's CPU backend gives every key (one block of one group) a chunk sized for all groups,
 so with two groups it holds half as many keys as ours. Both store generated tokens too (vLLM's
 default ``offload_prompt_only=True`` is turned off so their rules agree; ``--prompt-only``
@@ -55,13 +66,16 @@ Each call's time is less the clock's own cost, an empty interval's median measur
 (printed in the header; about 1.4 µs with the thread clock on a VM, where reading it is a
 system call): without that, a connector's time per step grew with the number of its calls.
 *ms/step* is the connector's total time in one engine step (the step's ``add_request``
-calls, ``schedule``, ``update_from_output``), median and p90 over the timed steps; per method,
-the calls, total and mean per call over the whole run, and the garbage collector's pauses
-inside those calls (included: the collector runs when anyone's allocations pass its threshold,
-so part of them is the engine's). Over the whole run too: *flushes*, the
-jobs the plans told the workers to complete before the forward pass (ours:
-``KvOffloadMetadata.flush``; vLLM's: ``OffloadingConnectorMetadata.jobs_to_flush``); *loads*,
-the load jobs and the tokens vLLM allocated as externally computed
+calls, ``schedule``, ``update_from_output``): median, p90 and mean (its total time over the
+timed steps / their number: what it costs the engine per step, rare slow steps included) over
+the timed steps; the same median and mean without the garbage collector's pauses inside its
+calls, and those pauses apart (ms/step, how many, in how many steps): the collector runs when
+anyone's allocations pass its threshold, so part of them is the engine's. Per method, the
+calls, total and mean per call over the whole run, GC pauses included and also given apart.
+Over the whole run too: *flushes*, the jobs the plans told the workers to complete before the
+forward pass (ours: ``KvOffloadMetadata.flush``; vLLM's:
+``OffloadingConnectorMetadata.jobs_to_flush``); *loads*, the load jobs and the tokens vLLM
+allocated as externally computed
 (``update_state_after_alloc``'s ``num_external_tokens``); GPU blocks stored and loaded per KV
 group (read from the plans); *finished*, the requests that finished. The check compares the two
 runs: the requests both finished, and their loaded tokens (and GPU hit + loaded tokens). While
