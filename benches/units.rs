@@ -36,10 +36,11 @@
 //! with `extend_hashes`, then `schedule`) plus `complete_counts` of its jobs, less the
 //! unchanged step, per chunk. (d) The completions of that step: `complete_counts` of its jobs.
 //!
-//! **Floors.** 375 random 32-byte record reads in a table of the pool's size (one per chunk
-//! probed by a lookup of that size), independent (the memory system overlaps them: the floor
-//! of a lookup) and dependent (a pointer chase: a cold read's latency); a scan of 512 `u32`s
-//! (the floor of a step's pass over its running requests). Samples are medians: single calls
+//! **Floors.** 375 random 32-byte record reads in a table of the pool's size on huge pages (as
+//! the pool's index and records are; one read per chunk probed by a lookup of that size),
+//! independent (the memory system overlaps them: the floor of a lookup) and dependent (a
+//! pointer chase: a cold read's latency); 512 independent ones (a record per running request)
+//! and a scan of 512 `u32`s (the floors of a step's pass over its running requests). Samples are medians: single calls
 //! on this shared 2-core VM get preempted; compare units with their floors in one run.
 
 use std::collections::HashMap;
