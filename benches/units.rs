@@ -1,7 +1,7 @@
 //! The core's per-unit budgets (DESIGN.md §7), each measured with the data cold and the code
 //! warm, beside the machine's floor for the same memory work, in one run.
 //!
-//! Run with `cargo bench --bench units`; arguments after `--`: cycles (default 48; a cycle is
+//! Run with `cargo bench --bench units`; arguments after `--`: cycles (default 96; a cycle is
 //! 16 decode steps at B=512 and four new requests). It prints, per unit, the median over the
 //! samples with the data cold and with the caches as the loop leaves them (hot), the budget and
 //! the cold median's share of it, then the floors.
@@ -416,7 +416,7 @@ fn main() {
     let cycles = std::env::args()
         .skip(1)
         .find_map(|a| a.parse::<u32>().ok())
-        .unwrap_or(48);
+        .unwrap_or(96);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut bench = Bench {
         a: Engine::new(),
@@ -472,6 +472,8 @@ fn main() {
                 15 => {
                     let cold = cycle % 2 == 0;
                     bench.both("crossing step", cold, Engine::decode);
+                    // One store job per request that filled a chunk, planned in this step.
+                    assert_eq!(bench.a.jobs.len(), K);
                     bench.both("completions", cold, Engine::complete);
                 }
                 7 | 8 | 16 => bench.untimed(|e| {
@@ -574,7 +576,9 @@ fn report(bench: &Bench, cycles: u32) {
     );
     let row = |unit: &str, cold: f64, hot: f64, budget: Option<f64>| {
         let fmt = |ns: f64| {
-            if ns >= 1e4 {
+            if ns.is_nan() {
+                "-".to_owned()
+            } else if ns >= 1e4 {
                 format!("{:.1} us", ns / 1e3)
             } else if ns >= 1e3 {
                 format!("{:.2} us", ns / 1e3)
