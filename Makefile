@@ -127,7 +127,7 @@ $(STAMP_VLLM033_BUILD): $(STAMP_VLLM033_DEPS) $(STAMP_VLLM_BUILD)
 test-vllm-033: $(STAMP_VLLM033_BUILD) ## vLLM 0.33.0 (CUDA wheel, driven on the CPU) in .venv-vllm033: scheduler-level tests
 	KVOFFLOAD_EXPECT_VLLM=0.33.0 $(VLLM033_PY) -m pytest -q $(VLLM033_TESTS) $(PYTEST_ARGS)
 
-bench-vllm: $(STAMP_VLLM_BUILD) ## the A/B harness's tests, then both offload connectors in vLLM's scheduler, multi-turn chat (BENCH_VLLM_ARGS)
+bench-vllm: $(STAMP_VLLM_BUILD) ## the A/B harness's tests, then both offload connectors in vLLM's scheduler in lockstep, multi-turn chat, CPU tier 2x and 1x the GPU pool (BENCH_VLLM_ARGS)
 	$(VLLM_PY) -m pytest -q tests/vllm/test_workload_bench.py -m ab_harness
 	$(VLLM_PY) benches/vllm_workload.py $(BENCH_VLLM_ARGS)
 

@@ -5,13 +5,22 @@ Run with the vLLM virtualenv (``make test-vllm`` builds it)::
 
     make bench-vllm [BENCH_VLLM_ARGS="--b 512 --attention hybrid --profile"]
     .venv-vllm/bin/python benches/vllm_workload.py [--b 64,256,512] [--attention full,hybrid]
-        [--steps 300] [--warmup W] [--seed 0] [--connectors vllm,ours] [--cpu-factor 2]
-        [--prompt-only] [--clock cpu|wall] [--profile] [--json out.json]
+        [--steps 300] [--warmup W] [--seed 0] [--connectors vllm,ours] [--cpu-factor 2,1]
+        [--solo] [--prompt-only] [--clock cpu|wall] [--profile] [--json out.json]
 
 Each run is ``--warmup`` untimed steps (default 300 + B: the first wave of prompts is
 prefilled and later turns come back to the CPU tier, about three load jobs a step at B=512),
-then ``--steps`` timed steps. The default matrix (B = 64 / 256 / 512, full and hybrid, both
-connectors) takes about 4 minutes on a 2-core machine.
+then ``--steps`` timed steps. The default matrix (B = 64 / 256 / 512, full and hybrid, CPU
+tier twice the GPU pool and half of it, both connectors) takes 10-30 minutes on a 2-core
+machine, most of it in vLLM's connector at B=512.
+
+**Interleaved.** Both connectors' engines run in one process in lockstep (``lockstep`` in
+``vllm_workload_run.py``): step k of both before step k + 1 of either, which one goes first
+alternating by step, so the machine's drift over the minutes of a run hits both alike. Each
+engine has its own scheduler, connector, fake worker and copy of the seeded workload, so its
+decisions are those of a run alone (``tests/vllm/test_workload_bench.py`` checks finished
+requests, per-step loads and loaded tokens against solo runs); ``--solo`` runs them one after
+the other instead.
 
 **What runs.** vLLM's v1 core ``Scheduler`` (prefix caching on, chunked prefill with
 ``max_num_batched_tokens=8192``, 16-token blocks, ``max_num_seqs=B``) with no model: a fake
@@ -25,7 +34,9 @@ flushes it. Two connectors run in the same process on the same request sequences
 * ``ours``: ``KvOffloadConnector`` (``kv_connector_module_path="kvoffload.integrations.vllm"``,
   ``cpu_bytes``).
 
-Both get the same CPU memory: ``--cpu-factor`` (2) times the GPU pool's bytes. Under the same
+Both get the same CPU memory: ``--cpu-factor`` times the GPU pool's bytes, one run per value
+(default 2, where nothing is evicted, and 1, where the CPU pool evicts under every store: the
+cost of eviction is measured too). Under the same
 bytes vLLM's CPU backend gives every key (one block of one group) a chunk sized for all groups,
 so with two groups it holds half as many keys as ours. Both store generated tokens too (vLLM's
 default ``offload_prompt_only=True`` is turned off so their rules agree; ``--prompt-only``
@@ -55,13 +66,16 @@ Each call's time is less the clock's own cost, an empty interval's median measur
 (printed in the header; about 1.4 µs with the thread clock on a VM, where reading it is a
 system call): without that, a connector's time per step grew with the number of its calls.
 *ms/step* is the connector's total time in one engine step (the step's ``add_request``
-calls, ``schedule``, ``update_from_output``), median and p90 over the timed steps; per method,
-the calls, total and mean per call over the whole run, and the garbage collector's pauses
-inside those calls (included: the collector runs when anyone's allocations pass its threshold,
-so part of them is the engine's). Over the whole run too: *flushes*, the
-jobs the plans told the workers to complete before the forward pass (ours:
-``KvOffloadMetadata.flush``; vLLM's: ``OffloadingConnectorMetadata.jobs_to_flush``); *loads*,
-the load jobs and the tokens vLLM allocated as externally computed
+calls, ``schedule``, ``update_from_output``): median, p90 and mean (its total time over the
+timed steps / their number: what it costs the engine per step, rare slow steps included) over
+the timed steps; the same median and mean without the garbage collector's pauses inside its
+calls, and those pauses apart (ms/step, how many, in how many steps): the collector runs when
+anyone's allocations pass its threshold, so part of them is the engine's. Per method, the
+calls, total and mean per call over the whole run, GC pauses included and also given apart.
+Over the whole run too: *flushes*, the jobs the plans told the workers to complete before the
+forward pass (ours: ``KvOffloadMetadata.flush``; vLLM's:
+``OffloadingConnectorMetadata.jobs_to_flush``); *loads*, the load jobs and the tokens vLLM
+allocated as externally computed
 (``update_state_after_alloc``'s ``num_external_tokens``); GPU blocks stored and loaded per KV
 group (read from the plans); *finished*, the requests that finished. The check compares the two
 runs: the requests both finished, and their loaded tokens (and GPU hit + loaded tokens). While
@@ -81,6 +95,7 @@ fixed seed its eviction order, so its loads under CPU-pool pressure, change from
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -108,6 +123,7 @@ from vllm_workload_run import (
     Timers,
     calibrate,
     compare,
+    run_interleaved,
     run_workload,
 )
 
@@ -125,6 +141,7 @@ __all__ = [
     "build_scheduler",
     "compare",
     "main",
+    "run_interleaved",
     "run_workload",
 ]
 
@@ -152,7 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connectors", default="vllm,ours")
     ap.add_argument("--prompt-only", action="store_true", help="offload prompt tokens only")
     ap.add_argument(
-        "--cpu-factor", type=float, default=Workload.cpu_factor, help="CPU bytes / GPU pool bytes"
+        "--cpu-factor",
+        default=f"{Workload.cpu_factor:g},{EVICTING_CPU_FACTOR:g}",
+        help="CPU bytes / GPU pool bytes, comma separated (below 1: the CPU pool evicts)",
+    )
+    ap.add_argument(
+        "--solo",
+        action="store_true",
+        help="run the connectors one after the other instead of interleaved",
     )
     ap.add_argument("--gpu-tokens-per-seq", type=int, default=Workload.gpu_tokens_per_seq)
     ap.add_argument(
@@ -168,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     bs = [int(x) for x in args.b.split(",") if x]
     attns = [x for x in args.attention.split(",") if x]
     conns = [x for x in args.connectors.split(",") if x]
+    factors = [float(x) for x in args.cpu_factor.split(",") if x]
     for a in attns:
         if a not in ("full", "hybrid"):
             ap.error(f"--attention: {a!r} is not full or hybrid")
@@ -177,65 +202,72 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {' '.join(sys.argv)}")
     print(
         f"# vllm_workload: {args.steps} timed steps, seed {args.seed}, "
-        f"{args.clock} clock ({pinned}); each timed call less the clock's own "
+        f"{args.clock} clock ({pinned}); connectors "
+        f"{'one after the other' if args.solo else 'interleaved step by step'}; "
+        f"each timed call less the clock's own "
         f"{1e6 * calibrate(CLOCKS[args.clock]):.2f} us"
     )
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
-    for attention in attns:
-        for b in bs:
-            warmup = 300 + b if args.warmup is None else args.warmup
-            w = Workload(
-                b=b,
-                attention=attention,
-                steps=warmup + args.steps,
-                warmup=warmup,
-                seed=args.seed,
-                prompt_only=args.prompt_only,
-                gpu_tokens_per_seq=args.gpu_tokens_per_seq,
-                cpu_factor=args.cpu_factor,
-                clock=args.clock,
+    for attention, b, cpu_factor in itertools.product(attns, bs, factors):
+        warmup = 300 + b if args.warmup is None else args.warmup
+        w = Workload(
+            b=b,
+            attention=attention,
+            steps=warmup + args.steps,
+            warmup=warmup,
+            seed=args.seed,
+            prompt_only=args.prompt_only,
+            gpu_tokens_per_seq=args.gpu_tokens_per_seq,
+            cpu_factor=cpu_factor,
+            clock=args.clock,
+        )
+        t = time.perf_counter()
+        solo = args.solo
+        runs = {c: run_workload(w, c) for c in conns} if solo else run_interleaved(w, conns)
+        for c, r in runs.items():
+            print(
+                f"  B={b} {attention} cpu x{cpu_factor:g} {c}: "
+                f"{r.submitted} submitted, {len(r.finished)} finished, CPU {r.cpu_capacity}",
+                file=sys.stderr,
             )
-            runs = {}
-            for c in conns:
-                t = time.perf_counter()
-                runs[c] = run_workload(w, c)
-                r = runs[c]
-                print(
-                    f"  B={b} {attention} {c}: {time.perf_counter() - t:.0f} s, "
-                    f"{r.submitted} submitted, {len(r.finished)} finished, "
-                    f"CPU {r.cpu_capacity}",
-                    file=sys.stderr,
-                )
-            row: dict[str, Any] = {"b": b, "attention": attention, "workload": asdict(w)}
-            for c, r in runs.items():
-                row[c] = {
-                    **r.summary(),
-                    "methods": r.methods,
-                    "flushed_jobs": r.flushed_jobs,
-                    "load_jobs": r.load_jobs,
-                    "store_jobs": r.store_jobs,
-                    "loaded_tokens": r.loaded_tokens,
-                    "finished": len(r.finished),
-                    "submitted": r.submitted,
-                    "preemptions": r.preemptions,
-                    "prompt_tokens": r.prompt_tokens,
-                    "cpu_capacity": r.cpu_capacity,
-                    "stored_blocks_per_group": r.stored_blocks,
-                    "loaded_blocks_per_group": r.loaded_blocks,
-                    "step_ms": [round(x, 4) for x in r.step_ms],
-                    "step_load_jobs": r.step_loads,
-                }
-            if "vllm" in runs and "ours" in runs:
-                row["check"] = chk = compare(runs["vllm"], runs["ours"])
-                if rules_agree(w) and not (chk["same_finished"] and chk["loaded_differ"] == 0):
-                    failed.append(f"B={b} {attention}")
-                o = row["ours"]["median_ms"]
-                row["ratio"] = row["vllm"]["median_ms"] / o if o else float("inf")
-            if args.profile and "ours" in conns:
-                row["profile"] = run_workload(w, "ours", profile=True).profile
-            rows.append(row)
-            _print_detail(row)
+        print(f"  ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+        row: dict[str, Any] = {
+            "b": b,
+            "attention": attention,
+            "cpu_factor": cpu_factor,
+            "workload": asdict(w),
+        }
+        for c, r in runs.items():
+            row[c] = {
+                **r.summary(),
+                "methods": r.methods,
+                "flushed_jobs": r.flushed_jobs,
+                "load_jobs": r.load_jobs,
+                "store_jobs": r.store_jobs,
+                "loaded_tokens": r.loaded_tokens,
+                "finished": len(r.finished),
+                "submitted": r.submitted,
+                "preemptions": r.preemptions,
+                "gc_pauses": r.gc_pauses,
+                "prompt_tokens": r.prompt_tokens,
+                "cpu_capacity": r.cpu_capacity,
+                "stored_blocks_per_group": r.stored_blocks,
+                "loaded_blocks_per_group": r.loaded_blocks,
+                "step_ms": [round(x, 4) for x in r.step_ms],
+                "step_load_jobs": r.step_loads,
+            }
+        if "vllm" in runs and "ours" in runs:
+            row["check"] = chk = compare(runs["vllm"], runs["ours"])
+            if rules_agree(w) and not (chk["same_finished"] and chk["loaded_differ"] == 0):
+                failed.append(f"B={b} {attention} cpu x{cpu_factor:g}")
+            o, om = row["ours"]["median_ms"], row["ours"]["mean_ms"]
+            row["ratio"] = row["vllm"]["median_ms"] / o if o else float("inf")
+            row["ratio_mean"] = row["vllm"]["mean_ms"] / om if om else float("inf")
+        if args.profile and "ours" in conns:
+            row["profile"] = run_workload(w, "ours", profile=True).profile
+        rows.append(row)
+        _print_detail(row)
     _print_table(rows, args)
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "pinned": pinned, "rows": rows}))
@@ -256,21 +288,31 @@ def rules_agree(w: Workload) -> bool:
     return w.attention == "full" and w.cpu_factor >= 2.0
 
 
+# The default run's second CPU pool size: as large as the GPU pool, so the CPU pool evicts
+# under every store and eviction's cost is measured too, while later turns still load from it
+# at full attention (at B=512: 1,397 load jobs against 1,864 at twice the GPU pool). At 0.5
+# nothing stored outlives the GPU's own prefix cache: no loads at all. No check: eviction
+# order decides later loads, and the two connectors' orders differ.
+EVICTING_CPU_FACTOR = 1.0
+
+
 def _print_detail(row: dict[str, Any]) -> None:
-    print(f"\n## B={row['b']} {row['attention']}")
+    print(f"\n## B={row['b']} {row['attention']} cpu x{row['cpu_factor']:g}")
     for c in CONNECTORS:
         r = row.get(c)
         if r is None:
             continue
         print(
             f"{c:>5}: median {r['median_ms']:.3f} ms/step, p90 {r['p90_ms']:.3f}, "
-            f"mean {r['mean_ms']:.3f}; engine {r['engine_median_ms']:.2f} ms/step; "
-            f"{r['timed_load_jobs']} load jobs in the timed steps; {r['preemptions']} preemptions"
+            f"mean {r['mean_ms']:.3f}; without GC pauses: median {r['median_nogc_ms']:.3f}, "
+            f"mean {r['mean_nogc_ms']:.3f}; GC pauses {r['gc_ms_per_step']:.3f} ms/step "
+            f"({r['gc_pauses']} in {r['gc_steps']} of {r['timed_steps']} steps)"
         )
         print(
-            f"       {r['store_jobs']} store jobs, GPU blocks stored per group "
-            f"{r['stored_blocks_per_group']}, loaded {r['loaded_blocks_per_group']}; "
-            f"CPU {r['cpu_capacity']}"
+            f"       engine {r['engine_median_ms']:.2f} ms/step; {r['timed_load_jobs']} load "
+            f"jobs in the timed steps; {r['preemptions']} preemptions; {r['store_jobs']} store "
+            f"jobs, GPU blocks stored per group {r['stored_blocks_per_group']}, loaded "
+            f"{r['loaded_blocks_per_group']}; CPU {r['cpu_capacity']}"
         )
         for name, m in sorted(r["methods"].items(), key=lambda x: -x[1]["total_ms"]):
             print(
@@ -286,9 +328,13 @@ def _print_detail(row: dict[str, Any]) -> None:
 
 
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"\n# connector scheduler-side time, ms/step (median after warmup); seed {args.seed}")
+    print(
+        f"\n# connector scheduler-side time, ms/step over the timed steps: median, mean (total / "
+        f"steps), mean without the GC pauses inside its calls, GC pauses; seed {args.seed}"
+    )
     hdr = (
-        f"{'B':>4} {'attention':>9} {'vLLM ms':>8} {'ours ms':>8} {'ratio':>7} "
+        f"{'B':>4} {'attention':>9} {'cpu':>4} {'vLLM med':>8} {'mean':>7} {'-GC':>7} "
+        f"{'ours med':>8} {'mean':>7} {'-GC':>7} {'GC':>6} {'ratio':>11} "
         f"{'flush vLLM':>10} {'flush ours':>10} {'loads vLLM (tok)':>22} "
         f"{'loads ours (tok)':>22} {'fin vLLM':>8} {'fin ours':>8}"
     )
@@ -302,13 +348,17 @@ def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         def loads(r: dict[str, Any] | None) -> str:
             return f"{r['load_jobs']} ({r['loaded_tokens']})" if r else "-"
 
-        ratio = f"{row['ratio']:.1f}x" if "ratio" in row else "-"
+        ratio = f"{row['ratio']:.1f}/{row['ratio_mean']:.1f}x" if "ratio" in row else "-"
         print(
-            f"{row['b']:>4} {row['attention']:>9} {g(a, 'median_ms', '{:.3f}'):>8} "
-            f"{g(o, 'median_ms', '{:.3f}'):>8} {ratio:>7} {g(a, 'flushed_jobs'):>10} "
+            f"{row['b']:>4} {row['attention']:>9} x{row['cpu_factor']:<3g} "
+            f"{g(a, 'median_ms', '{:.3f}'):>8} {g(a, 'mean_ms', '{:.3f}'):>7} "
+            f"{g(a, 'mean_nogc_ms', '{:.3f}'):>7} {g(o, 'median_ms', '{:.3f}'):>8} "
+            f"{g(o, 'mean_ms', '{:.3f}'):>7} {g(o, 'mean_nogc_ms', '{:.3f}'):>7} "
+            f"{g(o, 'gc_ms_per_step', '{:.3f}'):>6} {ratio:>11} {g(a, 'flushed_jobs'):>10} "
             f"{g(o, 'flushed_jobs'):>10} {loads(a):>22} {loads(o):>22} "
             f"{g(a, 'finished'):>8} {g(o, 'finished'):>8}"
         )
+    print("ratio: vLLM's / ours, of the medians / of the means")
 
 
 if __name__ == "__main__":

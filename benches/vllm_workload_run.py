@@ -77,14 +77,17 @@ class Timers:
         self.total: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.step = 0.0
+        self.step_gc = 0.0  # GC pauses inside this step's calls (included in ``step``)
         self.depth = 0
         self.profile = profile
         self.loaded: dict[str, int] = {}  # request -> external tokens vLLM allocated
         self.local: dict[str, int] = {}  # request -> GPU prefix-cache hit at its last lookup
         # Python's garbage collector runs when allocations pass a threshold, whoever made
         # them: its pauses inside timed calls are counted per method (``gc_ms``; included in
-        # the method's time), so that a method's own cost can be told from the engine's GC.
+        # the method's time) and per step (``step_gc``), so that the connector's own cost can
+        # be told from the engine's GC.
         self.gc = 0.0
+        self.gc_pauses = 0
         self.gc_total: dict[str, float] = {}
         self._gc_start = 0.0
         # KVOFFLOAD_BENCH_TRACE=FILE: every outermost call's name and CLOCK_MONOTONIC interval
@@ -104,6 +107,7 @@ class Timers:
                 self._gc_start = self.clock()
             else:
                 self.gc += self.clock() - self._gc_start
+                self.gc_pauses += 1
 
     def close(self) -> None:
         """Stops counting GC pauses."""
@@ -147,6 +151,7 @@ class Timers:
                 gc_total[name] += self.gc - gc0
                 calls[name] += 1
                 self.step += dt
+                self.step_gc += self.gc - gc0
             if record_local:
                 n = args[1] if len(args) > 1 else kwargs["num_computed_tokens"]
                 self.local[args[0].request_id] = int(n)
@@ -258,6 +263,8 @@ class RunResult:
     steps: int
     warmup: int = 0
     step_ms: list[float] = field(default_factory=list)
+    step_gc_ms: list[float] = field(default_factory=list)  # GC pauses inside step_ms
+    gc_pauses: int = 0  # collections that ran inside the connector's calls (timed steps)
     engine_ms: list[float] = field(default_factory=list)
     step_loads: list[int] = field(default_factory=list)  # load jobs planned per step
     step_tokens: list[int] = field(default_factory=list)  # tokens scheduled per step
@@ -278,14 +285,23 @@ class RunResult:
     profile: str = ""
 
     def summary(self, warmup: int | None = None) -> dict[str, Any]:
-        """Per-step medians and p90 over the timed steps (after ``warmup``)."""
+        """Per-step median, p90 and mean (the connector's total time over the timed steps /
+        their number) over the timed steps (after ``warmup``); the same without the GC pauses
+        inside the connector's calls, and those pauses alone."""
         warmup = self.warmup if warmup is None else warmup
-        xs = sorted(self.step_ms[warmup:] or self.step_ms)
-        es = sorted(self.engine_ms[warmup:] or self.engine_ms)
+        timed = slice(warmup, None) if self.step_ms[warmup:] else slice(None)
+        xs = sorted(self.step_ms[timed])
+        gcs = self.step_gc_ms[timed]
+        nogc = sorted(x - g for x, g in zip(self.step_ms[timed], gcs, strict=True))
+        es = sorted(self.engine_ms[timed])
         return {
             "median_ms": statistics.median(xs) if xs else 0.0,
             "p90_ms": xs[int(0.9 * (len(xs) - 1))] if xs else 0.0,
             "mean_ms": statistics.fmean(xs) if xs else 0.0,
+            "median_nogc_ms": statistics.median(nogc) if nogc else 0.0,
+            "mean_nogc_ms": statistics.fmean(nogc) if nogc else 0.0,
+            "gc_ms_per_step": statistics.fmean(gcs) if gcs else 0.0,
+            "gc_steps": sum(1 for g in gcs if g > 0),
             "engine_median_ms": statistics.median(es) if es else 0.0,
             "timed_steps": len(xs),
             "timed_load_jobs": sum(self.step_loads[warmup:]),
@@ -303,11 +319,30 @@ def _capacity(conn: Any, connector: str) -> str:
 
 
 def run_workload(w: Workload, connector: str, profile: bool = False) -> RunResult:
-    """Runs ``w.steps`` engine steps of the workload with ``connector``; the bench's core."""
+    """Runs ``w.steps`` engine steps of the workload with ``connector`` alone."""
     run = WorkloadRun(w, connector, profile)
     for step in range(w.steps):
         run.step(step)
     return run.close()
+
+
+def lockstep(runs: list[WorkloadRun], steps: int) -> None:
+    """Steps ``runs`` (one engine each, in one process) through ``steps`` steps in lockstep:
+    step ``k`` of every run before step ``k + 1`` of any, which one goes first alternating
+    by step, so the machine's drift hits all of them alike. Each run's decisions depend on
+    its own state only (seeded workload, its own scheduler and connector): its results are
+    those of a run alone (``tests/vllm/test_workload_bench.py`` checks it)."""
+    for step in range(steps):
+        for run in runs if step % 2 == 0 else reversed(runs):
+            run.step(step)
+
+
+def run_interleaved(w: Workload, connectors: list[str]) -> dict[str, RunResult]:
+    """Runs the workload with every connector of ``connectors`` at once, in :func:`lockstep`;
+    the bench's core."""
+    runs = [WorkloadRun(w, c) for c in connectors]
+    lockstep(runs, w.steps)
+    return {run.res.connector: run.close() for run in runs}
 
 
 class WorkloadRun:
@@ -375,7 +410,9 @@ class WorkloadRun:
         """Engine step ``step`` (0, 1, ... in order)."""
         w, v, s, res, timers, clock = self.w, self.v, self.s, self.res, self.timers, self.clock
         inflight, waiting, ready = self.inflight, self.waiting, self.ready
-        timers.step = 0.0
+        timers.step = timers.step_gc = 0.0
+        if step == w.warmup:
+            timers.gc_pauses = 0
         # Idle conversations whose gap is over join the queue (ordered by ready step, id).
         if waiting:
             due = sorted(x for x in waiting if x[0] <= step)
@@ -414,6 +451,7 @@ class WorkloadRun:
         s.update_from_output(so, out)
         t4 = clock()
         res.step_ms.append(1e3 * timers.step)
+        res.step_gc_ms.append(1e3 * timers.step_gc)
         res.engine_ms.append(1e3 * (adding + (t2 - t1) + (t4 - t3)))
         for rid in [r for r in ids if inflight[r][1].is_finished()]:
             cid, req, answer = inflight.pop(rid)
@@ -446,6 +484,7 @@ class WorkloadRun:
             if timers.calls[name]
         }
         res.flushed_jobs = worker.flushed
+        res.gc_pauses = timers.gc_pauses
         res.load_jobs = worker.load_jobs
         res.store_jobs = worker.store_jobs
         res.stored_blocks = dict(sorted(worker.stored_blocks.items()))

@@ -27,6 +27,9 @@ use kvoffload::config::{GroupConfig, SchedulerConfig};
 use kvoffload::scheduler::{Scheduler, StepInput};
 use kvoffload::{BlockId, JobId, Key};
 
+mod support;
+use support::Rng;
+
 const BLOCK: u32 = 16;
 const GPU_BLOCKS: u32 = 200_000;
 const CPU_CHUNKS: u32 = 393_216;
@@ -75,21 +78,6 @@ fn allocs() -> u64 {
     return counting::ALLOCS.load(std::sync::atomic::Ordering::Relaxed);
     #[cfg(feature = "python")]
     0
-}
-
-/// xorshift64*: deterministic and dependency-free.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        lo + (self.next() % u64::from(hi - lo + 1)) as u32
-    }
 }
 
 /// A conversation: its system prompt, the tokens of its history and its turn.

@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_workload import _pin
 from vllm_workload_gen import Workload
-from vllm_workload_run import WorkloadRun
+from vllm_workload_run import WorkloadRun, lockstep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[build] = WorkloadRun(w, "ours", module=modules[build])
             finally:
                 facade.Scheduler = cores["this"]
-        order = [runs["other"], runs["this"]]
-        for step in range(w.steps):
-            for run in order if step % 2 == 0 else reversed(order):
-                run.step(step)
+        lockstep([runs["other"], runs["this"]], w.steps)
         res = {build: run.close() for build, run in runs.items()}
         if res["other"].finished != res["this"].finished:
             print(f"round {r}: the two builds finished different requests")

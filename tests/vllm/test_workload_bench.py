@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,25 @@ def test_both_connectors_run_the_same_chat(attention: str) -> None:
         # Same rules with one full-attention group: the same tokens load for every request.
         assert check["loaded_differ"] == 0, check
         assert vllm_run.loaded == ours.loaded
+
+
+@pytest.mark.parametrize("attention", ["full", "hybrid"])
+def test_interleaved_runs_match_solo_runs(attention: str) -> None:
+    """The bench steps both connectors' engines in lockstep: each one's decisions (requests
+    finished, per-step load jobs, tokens loaded) are those of its run alone; and with a CPU
+    pool smaller than the GPU pool (the bench's eviction run) too."""
+    m = _bench()
+    for w in (_small(attention), replace(_small(attention), cpu_factor=0.5)):
+        together = m.run_interleaved(w, ["vllm", "ours"])
+        for c in ("vllm", "ours"):
+            solo, both = m.run_workload(w, c), together[c]
+            assert both.finished == solo.finished, (c, w.cpu_factor)
+            assert both.step_loads == solo.step_loads, (c, w.cpu_factor)
+            assert both.loaded == solo.loaded, (c, w.cpu_factor)
+            assert (both.store_jobs, both.flushed_jobs) == (solo.store_jobs, solo.flushed_jobs)
+            summary = both.summary()
+            assert summary["mean_nogc_ms"] <= summary["mean_ms"]
+            assert len(both.step_gc_ms) == w.steps
 
 
 def test_workload_is_seeded() -> None:
