@@ -26,7 +26,8 @@ shared Redis tier, with ``disk_model`` / ``remote_model`` naming the weights in 
 namespace (default: the engine's model and dtype) -- the
 :class:`~kvoffload.scheduler.OffloadConfig` options -- and ``exact_fence`` (default ``True``;
 ``False`` passes ``written=None``, the conservative fence) and ``metrics_interval_ms`` (default
-1000: the longest time between two snapshots of the core for Prometheus).
+1000: the longest time between two stats intervals handed to vLLM, each with a snapshot of the
+core for Prometheus).
 
 **Layout.** :mod:`~kvoffload.integrations.vllm.config` (extra config and KV layout),
 :mod:`~kvoffload.integrations.vllm.scheduler_side` (one Rust core per engine),

@@ -56,8 +56,8 @@ _CONNECTOR_OPTIONS = ("exact_fence", "metrics_interval_ms")
 
 def connector_options(extra: dict[str, Any]) -> tuple[bool, float]:
     """The connector's own options in ``kv_connector_extra_config``: ``exact_fence`` (default
-    ``True``) and ``metrics_interval_ms``, the longest time between two snapshots of the core
-    for Prometheus (default 1000; 0 takes one every step).
+    ``True``) and ``metrics_interval_ms``, the longest time between two stats intervals handed
+    to vLLM, each with a snapshot of the core for Prometheus (default 1000; 0: one every step).
 
     Raises:
         ConfigError: A value of the wrong type or range, naming the option.

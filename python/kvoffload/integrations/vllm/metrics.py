@@ -12,13 +12,13 @@ vLLM's frontend builds one :class:`KvOffloadPromMetrics` per process
   histograms;
 * a *snapshot* of the core (:func:`core_snapshot`): its cumulative counters and its gauges (CPU
   pool occupancy per KV group, each lower tier's bytes held, queue depth, probation, ...). The
-  scheduler side takes one at most every ``metrics_interval_ms`` (default 1000), and once more
-  when the engine falls quiet (no request tracked and no job pending), so an idle engine's
-  metrics are final. Cumulative counters become Prometheus increments here, against the last
-  snapshot seen from that engine.
+  scheduler side takes one, and hands vLLM the interval's stats with it, at most every
+  ``metrics_interval_ms`` (default 1000), and once more when the engine falls quiet (no request
+  tracked and no job pending), so an idle engine's metrics are final. Cumulative counters
+  become Prometheus increments here, against the last snapshot seen from that engine.
 
 No figure costs work per engine step beyond what the adapter already counted: the snapshot's
-two core calls run once a second, not once a step.
+two core calls and the stats object run once a second, not once a step.
 
 Names follow vLLM's conventions: the ``vllm:`` prefix, base units (``_bytes``, ``_seconds``),
 counters exposed with ``_total``, vLLM's labels (``model_name``, ``engine``) first. Figures that

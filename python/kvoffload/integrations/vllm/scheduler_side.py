@@ -48,10 +48,11 @@ as job ids and one buffer of copy runs. With KV events off (vLLM's ``kv_events_c
 pools record none.
 
 **Stats and metrics.** The adapter counts what it sees as it happens (lookups, tokens, jobs
-planned, the workers' bytes, seconds and per-job samples); ``get_stats`` adds, at most every
-``metrics_interval_ms`` and when the engine falls quiet, a snapshot of the core's counters and
-gauges (:func:`~kvoffload.integrations.vllm.metrics.core_snapshot`): two core calls a second,
-none per step.
+planned, the workers' bytes, seconds and per-job samples) into one interval's stats;
+``get_stats`` hands the interval out, with a snapshot of the core's counters and gauges
+(:func:`~kvoffload.integrations.vllm.metrics.core_snapshot`), at most every
+``metrics_interval_ms`` and when the engine falls quiet: two core calls and one stats object a
+second, none per step.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ class SchedulerSide:
         # The core's snapshot for Prometheus: at most every metrics_interval_ms (the first
         # stats call takes one), and when the engine falls quiet.
         self.snapshot_every = metrics_interval_ms / 1000.0
-        self.next_snapshot = 0.0
+        self.next_snapshot = 0.0  # perf_counter() time
+        self.snapshot_due = False  # a step found next_snapshot passed (the step's own clock)
         self.chunk_bytes = [
             cfg.bytes_per_chunk(g) * cfg.num_workers for g in range(len(cfg.groups))
         ]
@@ -213,6 +215,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KvOffloadMetadata:
         t = time.perf_counter()
+        if t >= self.next_snapshot:
+            self.snapshot_due = True
         cached = so.scheduled_cached_reqs
         appended: list[Any] = cached.new_block_ids
         # New requests bring their whole tables (the core appends what it lacks: blocks
@@ -332,12 +336,13 @@ class SchedulerSide:
             d["load_seconds"] += meta.load_seconds
             d["store_seconds"] += meta.store_seconds
             d["flush_seconds"] += meta.flush_seconds
+            # The samples of an interval (many steps) grow in place.
             if meta.load_sizes:
-                d["load_sizes"] = d.get("load_sizes", []) + meta.load_sizes
-                d["load_times"] = d.get("load_times", []) + meta.load_times
+                d.setdefault("load_sizes", []).extend(meta.load_sizes)
+                d.setdefault("load_times", []).extend(meta.load_times)
             if meta.store_sizes:
-                d["store_sizes"] = d.get("store_sizes", []) + meta.store_sizes
-                d["store_times"] = d.get("store_times", []) + meta.store_times
+                d.setdefault("store_sizes", []).extend(meta.store_sizes)
+                d.setdefault("store_times", []).extend(meta.store_times)
             for medium, (written, read) in meta.tier_bytes.items():
                 d[f"{medium}_bytes_written"] += written
                 d[f"{medium}_bytes_read"] += read
@@ -395,12 +400,16 @@ class SchedulerSide:
         return events
 
     def get_stats(self) -> KvOffloadStats | None:
-        """This interval's stats (vLLM calls it once a step), with a snapshot of the core when
-        one is due: ``metrics_interval_ms`` passed, or the engine fell quiet (no request
-        tracked, no job pending: its figures are final until it steps again)."""
-        now = time.monotonic()
-        if now >= self.next_snapshot or (not self.hashes and not self.sched.num_pending):
-            self._snapshot(now)
+        """The stats of the interval that ends now, with a snapshot of the core, when one is
+        due: ``metrics_interval_ms`` passed, or the engine fell quiet (no request tracked, no
+        job pending: its figures are final until it steps again); else ``None``. vLLM calls it
+        once a step: between snapshots the counters and samples keep adding up in one object
+        (vLLM sums intervals anyway), so a step builds none and reads no clock (the step's
+        ``build_connector_meta`` tells when the interval is over)."""
+        if not self.snapshot_due and (self.hashes or self.sched.num_pending):
+            return None
+        self.snapshot_due = False
+        self._snapshot(time.perf_counter())
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, KvOffloadStats()
