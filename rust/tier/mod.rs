@@ -76,9 +76,6 @@ pub enum Medium {
 }
 
 impl Medium {
-    /// Both, in lookup order (the disk first: local, then the shared tier).
-    pub const ALL: [Medium; 2] = [Medium::Disk, Medium::Remote];
-
     /// `"disk"` or `"remote"`.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
@@ -86,12 +83,6 @@ impl Medium {
             Medium::Disk => "disk",
             Medium::Remote => "remote",
         }
-    }
-
-    /// The medium named `name`, if any.
-    #[must_use]
-    pub fn parse(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|m| m.as_str() == name)
     }
 
     /// Its code in a packed tier-job buffer: 0 disk, 1 remote.
