@@ -19,14 +19,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch
 from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm import KvOffloadConnector, KvOffloadStats
 from tests.support.remote import DelayProxy, RedisServer
-from tests.vllm.harness import BS, Harness, load_jobs, make_config, prompt
+from tests.vllm.harness import Harness, load_jobs, make_config, prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -147,13 +146,14 @@ def test_corrupt_chunks_on_disk_are_recomputed_never_served(tmp_path: Path, tp: 
     second.shutdown()
 
 
-def test_worker_refuses_a_bad_tier_value_with_a_config_error(tmp_path: Path) -> None:
+def test_a_bad_tier_value_is_refused_when_the_connector_is_built(tmp_path: Path) -> None:
+    # The core checks every option, the tiers' included, with the configuration: neither role
+    # gets as far as opening a tier (the directory stays empty).
     vc, kcc = make_config(32, {"cpu_chunks": 8, "disk_path": str(tmp_path), "disk_bytes": "1G"})
-    w = KvOffloadConnector(vc, KVConnectorRole.WORKER, kcc)
-    kv = {f"layer{i}": torch.zeros(2, 32, BS, 1, 4) for i in range(2)}
-    with pytest.raises(ConfigError, match="disk_bytes"):
-        w.register_kv_caches(kv)
-    w.shutdown()
+    for role in (KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER):
+        with pytest.raises(ConfigError, match=r"disk_bytes must be an integer, got '1G'"):
+            KvOffloadConnector(vc, role, kcc)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_another_model_on_the_same_directory_finds_nothing(tmp_path: Path) -> None:
