@@ -31,7 +31,10 @@
 //! turn before: 300 loaded, 31 stored) and a first turn (331 stored). The three steps include
 //! a step's fixed cost: the empty step's median is printed beside them. (b) A decode step of
 //! the 512 requests in which none crosses a chunk boundary, divided by 512, as is and less
-//! the empty step (`schedule` of a step that schedules nothing). (c) One decode store chunk,
+//! the empty step (`schedule` of a step that schedules nothing). The decoding requests are
+//! named by the handles they resolved to when they started (`Resolved`), as the binding names
+//! the ids it kept from the step before: the core finds each by slab index, not by hashing
+//! its id. (c) One decode store chunk,
 //! planned to published: the step where 32 requests cross a boundary (their new hash given
 //! with `extend_hashes`, then `schedule`) plus `complete_counts` of its jobs, less the
 //! unchanged step, per chunk. (d) The completions of that step: `complete_counts` of its jobs.
@@ -48,7 +51,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
-use kvoffload::scheduler::{Scheduler, StepInput, StepPlan};
+use kvoffload::scheduler::{Resolved, Scheduler, StepInput, StepPlan};
 use kvoffload::{BlockId, JobId, Key};
 
 mod support;
@@ -89,7 +92,10 @@ struct NewReq {
 
 /// A request in decode.
 struct Running {
-    id: String,
+    /// The id with the handle it resolved to when the request started: the binding keeps each
+    /// scheduled id's handle from step to step (matched by the `str` object), so the core finds
+    /// a request by slab index, not by hashing its id.
+    id: Resolved<String>,
     n: u32,
     blocks: Vec<BlockId>,
     computed: u32,
@@ -221,9 +227,7 @@ impl Engine {
         }
         let t0 = Instant::now();
         for &(i, k) in &filled {
-            self.s
-                .extend_hashes(self.running[i].id.as_str(), &[k])
-                .unwrap();
+            self.s.extend_hashes(&self.running[i].id, &[k]).unwrap();
         }
         let plan = self.s.schedule(black_box(&input)).unwrap();
         self.take(plan);
@@ -231,7 +235,7 @@ impl Engine {
     }
 }
 
-fn step(scheduled: Vec<String>, computed: Vec<u32>, written: Vec<BlockId>) -> StepInput {
+fn step<S>(scheduled: Vec<S>, computed: Vec<u32>, written: Vec<BlockId>) -> StepInput<S> {
     StepInput {
         scheduled,
         computed,
@@ -454,7 +458,7 @@ fn main() {
             e.schedule(&step(vec![id.clone()], vec![p], written));
             e.complete();
             e.running.push(Running {
-                id,
+                id: e.s.resolved(id),
                 n: i as u32,
                 blocks,
                 computed: p,
