@@ -56,10 +56,17 @@ _positive_float = _number(float, lambda v: v > 0 and math.isfinite(v), "a finite
 _non_negative_float = _number(float, lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0")
 
 
-def _option_help(name: str, what: str) -> str:
-    """The help of the option that sets ``OffloadConfig.<name>`` (its documentation says more),
-    with that field's default, which is the option's; the core checks the value."""
-    return f"{what} (OffloadConfig.{name}; default: {_OPTION[name]})"
+def _config_option(s: argparse.ArgumentParser, flag: str, name: str, what: str, **kw: Any) -> None:
+    """Adds ``flag``, which sets ``OffloadConfig.<name>``: that field's default is the option's,
+    its help says so (the field's documentation says more), and the core checks the value."""
+    default = _OPTION[name]
+    s.add_argument(
+        flag,
+        dest=name,
+        default=default,
+        help=f"{what} (OffloadConfig.{name}; default: {default})",
+        **kw,
+    )
 
 
 def _cpu_ids(text: str) -> tuple[int, ...]:
@@ -129,12 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=f"{what} (default: {default})",
         )
-    s.add_argument(
-        "--policy",
-        choices=["lru", "arc"],
-        default=_OPTION["policy"],
-        help=_option_help("policy", "CPU eviction policy"),
-    )
+    _config_option(s, "--policy", "policy", "CPU eviction policy", choices=["lru", "arc"])
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="KV tensors' device")
     s.add_argument("--seed", type=_non_negative, default=0, help="workload seed (default: 0)")
     s.add_argument(
@@ -204,38 +206,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="bytes of the disk tier per KV group (default: 1 GiB)",
     )
-    s.add_argument(
+    _config_option(
+        s,
         "--disk-deadline-ms",
-        dest="disk_deadline_ms",
+        "disk_deadline_ms",
+        "with --disk: a promotion from disk later than this expires and its requests recompute",
         type=float,
-        default=_OPTION["disk_deadline_ms"],
         metavar="MS",
-        help=_option_help(
-            "disk_deadline_ms",
-            "with --disk: a promotion from disk later than this expires and its requests recompute",
-        ),
     )
-    s.add_argument(
+    _config_option(
+        s,
         "--disk-probation-after",
-        dest="disk_probation_after",
+        "disk_probation_after",
+        "with --disk: this many failed or expired disk jobs in a row put the disk tier on "
+        "probation (no writes, lookups skip it)",
         type=int,
-        default=_OPTION["disk_probation_after"],
         metavar="N",
-        help=_option_help(
-            "disk_probation_after",
-            "with --disk: this many failed or expired disk jobs in a row put the disk tier on "
-            "probation (no writes, lookups skip it)",
-        ),
     )
-    s.add_argument(
+    _config_option(
+        s,
         "--disk-probation-ms",
-        dest="disk_probation_ms",
+        "disk_probation_ms",
+        "with --disk: how long a probation lasts before a trial job",
         type=float,
-        default=_OPTION["disk_probation_ms"],
         metavar="MS",
-        help=_option_help(
-            "disk_probation_ms", "with --disk: how long a probation lasts before a trial job"
-        ),
     )
     s.add_argument(
         "--restart",
@@ -275,17 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin the lower tiers' I/O threads to these CPUs, e.g. 1,2 (Linux; default: not "
         "pinned); keep the engine off them",
     )
-    s.add_argument(
+    _config_option(
+        s,
         "--tier-write-share",
-        dest="tier_write_share",
+        "tier_write_share",
+        "at most this share of each group's CPU slots is pinned by write-behind to the "
+        "lower tiers; past it a write is skipped",
         type=float,
-        default=_OPTION["tier_write_share"],
         metavar="SHARE",
-        help=_option_help(
-            "tier_write_share",
-            "at most this share of each group's CPU slots is pinned by write-behind to the "
-            "lower tiers; past it a write is skipped",
-        ),
     )
     s.add_argument(
         "--tier-delay-ms-per-chunk",
