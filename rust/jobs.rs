@@ -39,6 +39,8 @@ pub struct Job<P> {
     pub kind: JobKind,
     /// The request it belongs to.
     pub owner: OwnerId,
+    /// Its owner's entry in the table (a completion reaches the entry without hashing).
+    entry: u32,
     /// GPU blocks of the *eager* class (armed in the fence from creation).
     pub eager: Vec<BlockId>,
     /// GPU blocks of the *deferred* class (armed once the owner releases its blocks).
@@ -109,15 +111,24 @@ pub struct JobTable<P> {
     base: u64,
     ring: VecDeque<Option<Job<P>>>,
     live: usize,
-    owners: FxHashMap<OwnerId, OwnerJobs>,
-    /// Job lists of owners that left, emptied, for the next owners (a request whose stores
-    /// complete before its next one would otherwise allocate a list per job).
-    spare_lists: Vec<Vec<JobId>>,
+    /// Owners' entries, dense: each job names its owner's (`Job::entry`), so a completion
+    /// reaches it without hashing the owner, and its cache line can be asked for ahead
+    /// ([`JobTable::warm_owner`]). An owner keeps its entry while it has no pending job (a
+    /// decoding request goes from one store job to the next), until [`JobTable::forget`], or
+    /// until a sweep ([`JobTable::sweep`]) when idle entries outnumber both the busy ones and
+    /// [`IDLE_ENTRIES`] (a caller that never forgets its owners).
+    entries: Vec<OwnerJobs>,
+    /// The entry of each owner that has one.
+    slots: FxHashMap<OwnerId, u32>,
+    /// Entries free for the next owners.
+    free: Vec<u32>,
+    /// Owners with pending jobs.
+    busy: usize,
     stats: JobStats,
 }
 
-/// Most emptied job lists a [`JobTable`] keeps.
-const SPARE_LISTS: usize = 256;
+/// Idle owner entries a [`JobTable`] keeps at least before sweeping them.
+const IDLE_ENTRIES: usize = 1024;
 
 impl<P> JobTable<P> {
     /// An empty table whose jobs complete after `num_workers` reports each.
@@ -134,8 +145,10 @@ impl<P> JobTable<P> {
             base: 0,
             ring: VecDeque::new(),
             live: 0,
-            owners: FxHashMap::default(),
-            spare_lists: Vec::new(),
+            entries: Vec::new(),
+            slots: FxHashMap::default(),
+            free: Vec::new(),
+            busy: 0,
             stats: JobStats::default(),
         })
     }
@@ -147,7 +160,7 @@ impl<P> JobTable<P> {
 
     /// Checks that `owner` may get a job of `kind` (invariant 7).
     pub fn check_owner(&self, owner: OwnerId, kind: JobKind) -> Result<()> {
-        let Some(o) = self.owners.get(&owner) else {
+        let Some(o) = self.owner(owner) else {
             return Ok(());
         };
         match kind {
@@ -179,11 +192,11 @@ impl<P> JobTable<P> {
     ) -> JobId {
         let id = JobId(self.next);
         self.next += 1;
-        let spare = &mut self.spare_lists;
-        let o = self.owners.entry(owner).or_insert_with(|| OwnerJobs {
-            jobs: spare.pop().unwrap_or_default(),
-            ..OwnerJobs::default()
-        });
+        let entry = self.entry_of(owner);
+        let o = &mut self.entries[entry as usize];
+        if o.jobs.is_empty() {
+            self.busy += 1;
+        }
         match kind {
             JobKind::Store => {
                 o.stores += 1;
@@ -202,6 +215,7 @@ impl<P> JobTable<P> {
             id,
             kind,
             owner,
+            entry,
             eager,
             deferred,
             deferred_armed,
@@ -273,10 +287,8 @@ impl<P> JobTable<P> {
         }
         self.stats.completed += 1;
         self.stats.failed += u64::from(job.failed);
-        let o = self
-            .owners
-            .get_mut(&job.owner)
-            .expect("owner of a pending job");
+        let o = &mut self.entries[job.entry as usize];
+        debug_assert_eq!(self.slots.get(&job.owner), Some(&job.entry));
         match job.kind {
             JobKind::Store => o.stores -= 1,
             JobKind::Load => o.loads -= 1,
@@ -285,23 +297,75 @@ impl<P> JobTable<P> {
             o.jobs.remove(i);
         }
         if o.jobs.is_empty() {
-            let o = self.owners.remove(&job.owner).expect("looked up above");
-            if self.spare_lists.len() < SPARE_LISTS {
-                self.spare_lists.push(o.jobs);
-            }
+            self.busy -= 1;
         }
         Ok(Completion::Done(job))
     }
 
-    /// Loads `owner`'s entry (and its job list) into the cache ahead of a completion; changes
-    /// nothing.
-    pub fn warm_owner(&self, owner: OwnerId) {
-        std::hint::black_box(self.owners.get(&owner).map(|o| o.jobs.first().copied()));
+    /// The entry of `owner`, made (or taken from the free ones) if it has none. Sweeps the
+    /// idle entries first when they are too many.
+    fn entry_of(&mut self, owner: OwnerId) -> u32 {
+        if let Some(&e) = self.slots.get(&owner) {
+            return e;
+        }
+        if self.slots.len() - self.busy > IDLE_ENTRIES.max(self.busy) {
+            self.sweep();
+        }
+        let e = self.free.pop().unwrap_or_else(|| {
+            self.entries.push(OwnerJobs::default());
+            u32::try_from(self.entries.len() - 1).expect("fewer than 2**32 owners")
+        });
+        self.slots.insert(owner, e);
+        e
     }
 
-    /// Pending jobs of `owner`.
+    /// Frees every idle entry (owners with no pending job): amortized over the entries made
+    /// since the last sweep, which are at least as many.
+    fn sweep(&mut self) {
+        let entries = &self.entries;
+        let free = &mut self.free;
+        self.slots.retain(|_, e| {
+            let idle = entries[*e as usize].jobs.is_empty();
+            if idle {
+                free.push(*e);
+            }
+            !idle
+        });
+    }
+
+    /// `owner` is gone for good (no job is pending for it, none will be created): its entry,
+    /// if idle, serves the next owners. An owner with pending jobs keeps it.
+    pub fn forget(&mut self, owner: OwnerId) {
+        if let Some(&e) = self.slots.get(&owner) {
+            if self.entries[e as usize].jobs.is_empty() {
+                self.slots.remove(&owner);
+                self.free.push(e);
+            }
+        }
+    }
+
+    /// Asks for the entry of `job`'s owner ahead of the job's completion; changes nothing. The
+    /// entry's address is known from the job: the request waits for no other miss, and the
+    /// requests of a step's jobs overlap.
+    pub fn warm_owner(&self, job: &Job<P>) {
+        if let Some(e) = self.entries.get(job.entry as usize) {
+            crate::prefetch::prefetch(e);
+        }
+    }
+
+    /// Asks for the job list of `job`'s owner (once [`JobTable::warm_owner`] brought its entry
+    /// in); changes nothing.
+    pub fn warm_owner_jobs(&self, job: &Job<P>) {
+        if let Some(e) = self.entries.get(job.entry as usize) {
+            crate::prefetch::prefetch_ptr(e.jobs.as_ptr().cast());
+        }
+    }
+
+    /// Pending jobs of `owner` (`None`: none pending).
     pub fn owner(&self, owner: OwnerId) -> Option<&OwnerJobs> {
-        self.owners.get(&owner)
+        let &e = self.slots.get(&owner)?;
+        let o = &self.entries[e as usize];
+        (!o.jobs.is_empty()).then_some(o)
     }
 
     /// Ids of all pending jobs, in creation order.
@@ -314,7 +378,10 @@ impl<P> JobTable<P> {
     pub fn reset(&mut self) -> Vec<Job<P>> {
         let pending: Vec<Job<P>> = self.ring.drain(..).flatten().collect();
         self.live = 0;
-        self.owners.clear();
+        self.entries.clear();
+        self.slots.clear();
+        self.free.clear();
+        self.busy = 0;
         self.floor = self.next;
         self.base = self.next;
         self.stats.resets += 1;
@@ -333,7 +400,7 @@ impl<P> JobTable<P> {
 
     /// Number of requests with pending jobs.
     pub fn owners_len(&self) -> usize {
-        self.owners.len()
+        self.busy
     }
 
     /// The id the next job will get.
@@ -344,5 +411,80 @@ impl<P> JobTable<P> {
     /// Counters.
     pub fn stats(&self) -> JobStats {
         self.stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(t: &mut JobTable<()>, owner: u64) -> JobId {
+        t.insert(
+            JobKind::Store,
+            OwnerId(owner),
+            vec![],
+            vec![BlockId(1)],
+            false,
+            (),
+        )
+    }
+
+    fn done(t: &mut JobTable<()>, id: JobId) {
+        assert!(matches!(t.complete(id, 0, true), Ok(Completion::Done(_))));
+    }
+
+    #[test]
+    fn idle_entries_stay_bounded_for_owners_never_forgotten_and_busy_ones_survive_sweeps() {
+        let mut t = JobTable::new(1).unwrap();
+        let kept = store(&mut t, u64::MAX);
+        for owner in 0..20_000 {
+            let id = store(&mut t, owner);
+            done(&mut t, id);
+            assert!(t.owner(OwnerId(owner)).is_none());
+            assert!(
+                t.entries.len() <= IDLE_ENTRIES + 2 && t.slots.len() <= IDLE_ENTRIES + 2,
+                "owner {owner}: {} entries, {} mapped",
+                t.entries.len(),
+                t.slots.len()
+            );
+        }
+        assert_eq!(t.owners_len(), 1);
+        assert_eq!(t.owner(OwnerId(u64::MAX)).unwrap().jobs, vec![kept]);
+        // A swept owner comes back with a fresh entry: no job of another owner shows under it.
+        let again = store(&mut t, 7);
+        assert_eq!(t.owner(OwnerId(7)).unwrap().jobs, vec![again]);
+        done(&mut t, kept);
+        done(&mut t, again);
+        assert_eq!(t.owners_len(), 0);
+        assert!(t.owner(OwnerId(u64::MAX)).is_none() && t.owner(OwnerId(7)).is_none());
+    }
+
+    #[test]
+    fn a_forgotten_owner_s_entry_serves_the_next_owner_but_a_busy_owner_keeps_its_own() {
+        let mut t = JobTable::new(1).unwrap();
+        let a = store(&mut t, 1);
+        t.forget(OwnerId(1));
+        assert_eq!(t.owner(OwnerId(1)).unwrap().jobs, vec![a], "still pending");
+        let b = store(&mut t, 2);
+        assert_eq!(
+            t.entries.len(),
+            2,
+            "the busy owner's entry was not handed on"
+        );
+        done(&mut t, a);
+        assert!(t.owner(OwnerId(1)).is_none());
+        t.forget(OwnerId(1));
+        let c = store(&mut t, 3);
+        assert_eq!(
+            t.entries.len(),
+            2,
+            "the forgotten owner's entry serves owner 3"
+        );
+        assert!(t.owner(OwnerId(1)).is_none());
+        assert_eq!(t.owner(OwnerId(3)).unwrap().jobs, vec![c]);
+        assert_eq!(t.owner(OwnerId(2)).unwrap().jobs, vec![b]);
+        t.reset();
+        assert!(t.entries.is_empty() && t.slots.is_empty() && t.free.is_empty());
+        assert_eq!(t.owners_len(), 0);
     }
 }

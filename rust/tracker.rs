@@ -121,6 +121,7 @@ impl<P> Tracker<P> {
     /// The owner is gone for good; no more jobs will be created for it.
     pub fn forget(&mut self, owner: OwnerId) {
         self.released.remove(&owner);
+        self.jobs.forget(owner);
     }
 
     /// Whether the owner has released its blocks.

@@ -94,7 +94,7 @@ impl Scheduler {
         };
         // The lines each finishing job points at directly...
         for j in finishing() {
-            jobs.warm_owner(j.owner);
+            jobs.warm_owner(j);
             if let Some(r) = self.reqs.get(j.payload.req as usize) {
                 crate::prefetch::prefetch(r);
             }
@@ -105,6 +105,7 @@ impl Scheduler {
         }
         // ... then the lines those lead to: the other keys, the slots' records.
         for j in finishing() {
+            jobs.warm_owner_jobs(j);
             for (g, keys, hints) in j.payload.chunks.groups() {
                 // One key per cache line (16-byte keys).
                 for key in keys.iter().step_by(4).skip(1) {
