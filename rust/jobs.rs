@@ -345,8 +345,8 @@ impl<P> JobTable<P> {
     }
 
     /// Asks for the entry of `job`'s owner ahead of the job's completion; changes nothing. The
-    /// entry's address is known from the job: the request waits for no other miss, and the
-    /// requests of a step's jobs overlap.
+    /// entry's address is known from the job, so the prefetch waits for no other miss, and
+    /// those of a step's jobs overlap.
     pub fn warm_owner(&self, job: &Job<P>) {
         if let Some(e) = self.entries.get(job.entry as usize) {
             crate::prefetch::prefetch(e);
