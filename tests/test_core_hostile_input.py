@@ -116,6 +116,17 @@ def expect_rejection_only_from_kvoffload(
     return False
 
 
+def expect_calls_rejected_only_by_kvoffload(
+    obj: object, calls: list[tuple[str, tuple]], snapshot: Callable[[], object]
+) -> None:
+    """Makes each ``(method, args)`` call on ``obj`` in turn, each as
+    :func:`expect_rejection_only_from_kvoffload` requires."""
+    for name, args in calls:
+        expect_rejection_only_from_kvoffload(
+            lambda name=name, args=args: getattr(obj, name)(*args), snapshot
+        )
+
+
 # ------------------------------------------------------------------------------------------
 # OffloadScheduler and StepInput
 # ------------------------------------------------------------------------------------------
@@ -183,10 +194,7 @@ SCHEDULER_CALLS = st.one_of(
 @given(calls=st.lists(SCHEDULER_CALLS, min_size=1, max_size=6))
 def test_scheduler_rejects_only_with_kvoffload_errors_and_changes_nothing(calls) -> None:
     s = busy_scheduler()
-    for name, args in calls:
-        expect_rejection_only_from_kvoffload(
-            lambda name=name, args=args: getattr(s, name)(*args), lambda: scheduler_state(s)
-        )
+    expect_calls_rejected_only_by_kvoffload(s, calls, lambda: scheduler_state(s))
 
 
 @FUZZ
@@ -561,10 +569,7 @@ TRACKER_CALLS = st.one_of(
 @given(calls=st.lists(TRACKER_CALLS, min_size=1, max_size=6))
 def test_tracker_rejects_only_with_kvoffload_errors_and_changes_nothing(calls) -> None:
     t = busy_tracker()
-    for name, args in calls:
-        expect_rejection_only_from_kvoffload(
-            lambda name=name, args=args: getattr(t, name)(*args), lambda: tracker_state(t)
-        )
+    expect_calls_rejected_only_by_kvoffload(t, calls, lambda: tracker_state(t))
 
 
 @FUZZ
