@@ -84,7 +84,7 @@ fn snapshot(t: &Tracker<u64>, num_owners: u64) -> Snapshot {
         .collect();
     let index = (0..t.fence().num_blocks())
         .map(|b| {
-            let mut on = t.fence().jobs_on(BlockId(b)).to_vec();
+            let mut on = t.fence().jobs_on(BlockId(b));
             on.sort_unstable();
             on
         })
