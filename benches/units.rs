@@ -43,8 +43,14 @@
 //! the pool's index and records are; one read per chunk probed by a lookup of that size),
 //! independent (the memory system overlaps them: the floor of a lookup) and dependent (a
 //! pointer chase: a cold read's latency); 512 independent ones (a record per running request)
-//! and a scan of 512 `u32`s (the floors of a step's pass over its running requests). Samples are medians: single calls
-//! on this shared 2-core VM get preempted; compare units with their floors in one run.
+//! and a scan of 512 `u32`s (the floors of a step's pass over its running requests). And per
+//! call of (a), the floor of its memory work: as many cold lines as the call must touch in the
+//! current layout, counted from the code ([`LATER_LINES`], [`FIRST_LINES`]), read at random
+//! in the same table, each call's lines timed cold on their own. Every line is taken as
+//! random; where this bench's data is adjacent (its blocks and slots are handed out in runs:
+//! the position entries a step drops, the records a completion publishes) a call can beat its
+//! floor, so compare the calls row by row. Samples are medians: single calls on this shared
+//! 2-core VM get preempted; compare units with their floors in one run.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -326,14 +332,29 @@ impl Floor {
     }
 
     /// `n` records at random, independent of each other.
-    fn reads(&self, n: usize, mut x: u64) -> f64 {
-        let t0 = Instant::now();
-        let mut sum = 0u64;
-        for _ in 0..n {
+    fn reads(&self, n: usize, x: u64) -> f64 {
+        self.work(Lines(n, 0), x)
+    }
+
+    /// `lines.0` records at random, independent of each other, then `lines.1` two-level reads
+    /// (a record, then the record whose index it holds: a bucket of the pool's index, then the
+    /// slot record it names), independent of each other.
+    fn work(&self, lines: Lines, mut x: u64) -> f64 {
+        let n = self.records.len() as u64;
+        let mut next = move || {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            sum = sum.wrapping_add(self.records[(x % self.records.len() as u64) as usize][1]);
+            (x % n) as usize
+        };
+        let t0 = Instant::now();
+        let mut sum = 0u64;
+        for _ in 0..lines.0 {
+            sum = sum.wrapping_add(self.records[next()][1]);
+        }
+        for _ in 0..lines.1 {
+            let to = self.records[next()][0] as usize;
+            sum = sum.wrapping_add(self.records[to][1]);
         }
         black_box(sum);
         t0.elapsed().as_secs_f64() * 1e9
@@ -524,6 +545,16 @@ fn main() {
                 }
             }
             let seed = rng.next() | 1;
+            if cold {
+                for (lines, names) in [(LATER_LINES, LATER_FLOOR), (FIRST_LINES, FIRST_FLOOR)] {
+                    for (&l, &name) in lines.iter().zip(&names) {
+                        bench.evict.run();
+                        floors[1].work(l, seed);
+                        let ns = floors[0].work(l, seed);
+                        bench.samples.add(name, true, ns);
+                    }
+                }
+            }
             bench.evict.run();
             floors[1].reads(FLOOR_READS, seed);
             let ns = floors[0].reads(FLOOR_READS, seed);
@@ -566,6 +597,61 @@ const FIRST_TURN: [&str; 7] = [
     "first sched finish",
 ];
 
+/// Cold lines a call must touch: `(independent, two-level)` (see [`Floor::work`]).
+#[derive(Clone, Copy)]
+struct Lines(usize, usize);
+
+/// The cold lines each of a later turn's seven calls must touch in the current layout, counted
+/// from the code (each taken as random: see the module doc): the lookup probes 331 index
+/// buckets, 300 of which lead to a hit's record; `allocate` pins the 300 loaded chunks'
+/// records; the next step drops the 331 new blocks' position entries (indexing the 31 unstored
+/// ones in the same lines); the load's completion unpins the 300 records; the prefill's store
+/// probes its 31 new keys' buckets and removes its 31 victims' (the victims' records are the
+/// recency list's head, adjacent slots here); the stores' completion publishes 31 records; the
+/// drop refreshes 331 records (their recency neighbours are each other's).
+const LATER_LINES: [Lines; 7] = [
+    Lines(31, 300),
+    Lines(300, 0),
+    Lines(331, 0),
+    Lines(300, 0),
+    Lines(62, 0),
+    Lines(31, 0),
+    Lines(331, 0),
+];
+
+/// [`LATER_LINES`] for a first turn: its lookup stops after the first batch of 16 probes (all
+/// absent), nothing is loaded, the prefill's store probes 331 buckets and removes 331 victims',
+/// 331 records are published and refreshed.
+const FIRST_LINES: [Lines; 7] = [
+    Lines(16, 0),
+    Lines(0, 0),
+    Lines(331, 0),
+    Lines(0, 0),
+    Lines(662, 0),
+    Lines(331, 0),
+    Lines(331, 0),
+];
+
+/// Sample names of the floors of [`LATER_LINES`] and [`FIRST_LINES`], call by call.
+const LATER_FLOOR: [&str; 7] = [
+    "later floor 0",
+    "later floor 1",
+    "later floor 2",
+    "later floor 3",
+    "later floor 4",
+    "later floor 5",
+    "later floor 6",
+];
+const FIRST_FLOOR: [&str; 7] = [
+    "first floor 0",
+    "first floor 1",
+    "first floor 2",
+    "first floor 3",
+    "first floor 4",
+    "first floor 5",
+    "first floor 6",
+];
+
 fn report(bench: &Bench, cycles: u32) {
     let s = &bench.samples;
     let m = |name: &str, cold: bool| s.median(name, cold);
@@ -578,18 +664,18 @@ fn report(bench: &Bench, cycles: u32) {
         "{:<64} {:>11} {:>11} {:>9} {:>8}",
         "unit", "cold", "hot", "budget", "share"
     );
+    let fmt = |ns: f64| {
+        if ns.is_nan() {
+            "-".to_owned()
+        } else if ns >= 1e4 {
+            format!("{:.1} us", ns / 1e3)
+        } else if ns >= 1e3 {
+            format!("{:.2} us", ns / 1e3)
+        } else {
+            format!("{ns:.1} ns")
+        }
+    };
     let row = |unit: &str, cold: f64, hot: f64, budget: Option<f64>| {
-        let fmt = |ns: f64| {
-            if ns.is_nan() {
-                "-".to_owned()
-            } else if ns >= 1e4 {
-                format!("{:.1} us", ns / 1e3)
-            } else if ns >= 1e3 {
-                format!("{:.2} us", ns / 1e3)
-            } else {
-                format!("{ns:.1} ns")
-            }
-        };
         let (b, share) = budget.map_or((String::new(), String::new()), |b| {
             (fmt(b), format!("{:.0}%", 100.0 * cold / b))
         });
@@ -600,9 +686,9 @@ fn report(bench: &Bench, cycles: u32) {
         );
     };
     let empty = [m("empty step", true), m("empty step", false)];
-    for (kind, names, what) in [
-        ("later turn", LATER, "300 loaded + 31 stored"),
-        ("first turn", FIRST_TURN, "331 stored"),
+    for (kind, names, floors, what) in [
+        ("later turn", LATER, LATER_FLOOR, "300 loaded + 31 stored"),
+        ("first turn", FIRST_TURN, FIRST_FLOOR, "331 stored"),
     ] {
         let total = |cold: bool| names.iter().map(|n| m(n, cold)).sum::<f64>();
         let unit = format!("(a) new request, {kind}: {what}, 7 calls");
@@ -614,9 +700,21 @@ fn report(bench: &Bench, cycles: u32) {
             less(false),
             Some(50e3),
         );
-        for (stage, n) in STAGES.iter().zip(names) {
-            row(&format!("      {stage}"), m(n, true), m(n, false), None);
+        for ((stage, n), f) in STAGES.iter().zip(names).zip(floors) {
+            let unit = format!("      {stage} (floor {})", fmt(m(f, true)));
+            row(&unit, m(n, true), m(n, false), None);
         }
+        let floor: f64 = floors.iter().map(|n| m(n, true)).sum();
+        row(
+            "    the floor of its memory work (the lines its calls touch)",
+            floor,
+            f64::NAN,
+            Some(50e3),
+        );
+        println!(
+            "    {kind}: ours / that floor {:.2}x (cold)",
+            total(true) / floor
+        );
     }
     let unchanged = [m("unchanged step", true), m("unchanged step", false)];
     let per = |x: f64| x / B as f64;
