@@ -546,13 +546,11 @@ fn main() {
             }
             let seed = rng.next() | 1;
             if cold {
-                for (lines, names) in [(LATER_LINES, LATER_FLOOR), (FIRST_LINES, FIRST_FLOOR)] {
-                    for (&l, &name) in lines.iter().zip(&names) {
-                        bench.evict.run();
-                        floors[1].work(l, seed);
-                        let ns = floors[0].work(l, seed);
-                        bench.samples.add(name, true, ns);
-                    }
+                for &(name, l) in LATER_LINES.iter().chain(&FIRST_LINES) {
+                    bench.evict.run();
+                    floors[1].work(l, seed);
+                    let ns = floors[0].work(l, seed);
+                    bench.samples.add(name, true, ns);
                 }
             }
             bench.evict.run();
@@ -601,55 +599,35 @@ const FIRST_TURN: [&str; 7] = [
 #[derive(Clone, Copy)]
 struct Lines(usize, usize);
 
-/// The cold lines each of a later turn's seven calls must touch in the current layout, counted
-/// from the code (each taken as random: see the module doc): the lookup probes 331 index
-/// buckets, 300 of which lead to a hit's record; `allocate` pins the 300 loaded chunks'
+/// Each of a later turn's seven calls: its floor's sample name and the cold lines it must touch
+/// in the current layout, counted from the code (each taken as random: see the module doc):
+/// the lookup probes 331 index buckets, 300 of which lead to a hit's record; `allocate` pins the 300 loaded chunks'
 /// records; the next step drops the 331 new blocks' position entries (indexing the 31 unstored
 /// ones in the same lines); the load's completion unpins the 300 records; the prefill's store
 /// probes its 31 new keys' buckets and removes its 31 victims' (the victims' records are the
 /// recency list's head, adjacent slots here); the stores' completion publishes 31 records; the
 /// drop refreshes 331 records (their recency neighbours are each other's).
-const LATER_LINES: [Lines; 7] = [
-    Lines(31, 300),
-    Lines(300, 0),
-    Lines(331, 0),
-    Lines(300, 0),
-    Lines(62, 0),
-    Lines(31, 0),
-    Lines(331, 0),
+const LATER_LINES: [(&str, Lines); 7] = [
+    ("later floor lookup", Lines(31, 300)),
+    ("later floor allocate", Lines(300, 0)),
+    ("later floor sched load", Lines(331, 0)),
+    ("later floor complete load", Lines(300, 0)),
+    ("later floor sched prefill", Lines(62, 0)),
+    ("later floor complete stores", Lines(31, 0)),
+    ("later floor sched finish", Lines(331, 0)),
 ];
 
 /// [`LATER_LINES`] for a first turn: its lookup stops after the first batch of 16 probes (all
 /// absent), nothing is loaded, the prefill's store probes 331 buckets and removes 331 victims',
 /// 331 records are published and refreshed.
-const FIRST_LINES: [Lines; 7] = [
-    Lines(16, 0),
-    Lines(0, 0),
-    Lines(331, 0),
-    Lines(0, 0),
-    Lines(662, 0),
-    Lines(331, 0),
-    Lines(331, 0),
-];
-
-/// Sample names of the floors of [`LATER_LINES`] and [`FIRST_LINES`], call by call.
-const LATER_FLOOR: [&str; 7] = [
-    "later floor 0",
-    "later floor 1",
-    "later floor 2",
-    "later floor 3",
-    "later floor 4",
-    "later floor 5",
-    "later floor 6",
-];
-const FIRST_FLOOR: [&str; 7] = [
-    "first floor 0",
-    "first floor 1",
-    "first floor 2",
-    "first floor 3",
-    "first floor 4",
-    "first floor 5",
-    "first floor 6",
+const FIRST_LINES: [(&str, Lines); 7] = [
+    ("first floor lookup", Lines(16, 0)),
+    ("first floor allocate", Lines(0, 0)),
+    ("first floor sched load", Lines(331, 0)),
+    ("first floor complete load", Lines(0, 0)),
+    ("first floor sched prefill", Lines(662, 0)),
+    ("first floor complete stores", Lines(331, 0)),
+    ("first floor sched finish", Lines(331, 0)),
 ];
 
 fn report(bench: &Bench, cycles: u32) {
@@ -687,8 +665,8 @@ fn report(bench: &Bench, cycles: u32) {
     };
     let empty = [m("empty step", true), m("empty step", false)];
     for (kind, names, floors, what) in [
-        ("later turn", LATER, LATER_FLOOR, "300 loaded + 31 stored"),
-        ("first turn", FIRST_TURN, FIRST_FLOOR, "331 stored"),
+        ("later turn", LATER, LATER_LINES, "300 loaded + 31 stored"),
+        ("first turn", FIRST_TURN, FIRST_LINES, "331 stored"),
     ] {
         let total = |cold: bool| names.iter().map(|n| m(n, cold)).sum::<f64>();
         let unit = format!("(a) new request, {kind}: {what}, 7 calls");
@@ -700,11 +678,11 @@ fn report(bench: &Bench, cycles: u32) {
             less(false),
             Some(50e3),
         );
-        for ((stage, n), f) in STAGES.iter().zip(names).zip(floors) {
+        for ((stage, n), (f, _)) in STAGES.iter().zip(names).zip(floors) {
             let unit = format!("      {stage} (floor {})", fmt(m(f, true)));
             row(&unit, m(n, true), m(n, false), None);
         }
-        let floor: f64 = floors.iter().map(|n| m(n, true)).sum();
+        let floor: f64 = floors.iter().map(|(n, _)| m(n, true)).sum();
         row(
             "    the floor of its memory work (the lines its calls touch)",
             floor,
