@@ -110,6 +110,21 @@ impl List {
         None
     }
 
+    /// The first indices from `head` into `out`, as many as fit or the list holds; reads the
+    /// links of all but the last (whose node a caller may be loading ahead).
+    pub(super) fn front<N: LinkNode>(nodes: &[N], head: u32, out: &mut [SlotId]) -> usize {
+        let mut cur = head;
+        let mut n = 0;
+        while cur != NIL && n < out.len() {
+            out[n] = SlotId(cur);
+            n += 1;
+            if n < out.len() {
+                cur = nodes[cur as usize].links()[NEXT];
+            }
+        }
+        n
+    }
+
     pub(super) fn iter<'a, N: LinkNode>(&self, nodes: &'a [N]) -> impl Iterator<Item = u32> + 'a {
         let mut cur = self.head;
         std::iter::from_fn(move || {

@@ -69,6 +69,10 @@ impl<N: LinkNode> EvictionPolicy<N> for LruPolicy {
         true
     }
 
+    fn eviction_front(&self, nodes: &[N], out: &mut [SlotId]) -> usize {
+        List::front(nodes, self.list.head, out)
+    }
+
     fn evict(&mut self, nodes: &mut [N], slot: SlotId, _key: Key) {
         self.list.unlink(nodes, slot.0);
     }
@@ -110,5 +114,32 @@ mod tests {
         out.clear();
         assert!(!p.choose_victims(&nodes[..], 4, &|s| s != SlotId(1), &mut out));
         assert!(out.is_empty());
+    }
+
+    #[test]
+    fn eviction_front_is_the_order_s_start_evictable_or_not() {
+        let mut p = LruPolicy::new();
+        let mut nodes = [UNLINKED; 6];
+        let mut front = [SlotId::NONE; 3];
+        assert_eq!(p.eviction_front(&nodes[..], &mut front), 0, "empty order");
+        for s in [4, 1, 5, 0] {
+            p.insert(&mut nodes[..], SlotId(s), Key(u128::from(s)));
+        }
+        p.touch(&mut nodes[..], SlotId(4), true);
+        // Order, least recent first: 1, 5, 0, 4.
+        assert_eq!(p.eviction_front(&nodes[..], &mut front), 3);
+        assert_eq!(front, [SlotId(1), SlotId(5), SlotId(0)]);
+        let order = p.snapshot(&nodes[..]).resident[0].1.clone();
+        assert_eq!(&order[..3], &front[..]);
+        let mut wide = [SlotId::NONE; 8];
+        assert_eq!(
+            p.eviction_front(&nodes[..], &mut wide),
+            4,
+            "fewer resident than asked"
+        );
+        assert_eq!(&wide[..4], &order[..]);
+        p.evict(&mut nodes[..], SlotId(1), Key(1));
+        assert_eq!(p.eviction_front(&nodes[..], &mut front), 3);
+        assert_eq!(front, [SlotId(5), SlotId(0), SlotId(4)]);
     }
 }

@@ -162,6 +162,14 @@ pub trait EvictionPolicy<N>: Send + fmt::Debug {
         out: &mut Vec<SlotId>,
     ) -> bool;
 
+    /// The first slots of the eviction order into `out`, as many as fit (fewer when fewer are
+    /// resident), evictable or not, reading the links of all but the last: the entries the
+    /// next victim search reads first, for a caller to load ahead. Changes nothing. A policy
+    /// whose search does not start from one end writes none (the default).
+    fn eviction_front(&self, _nodes: &[N], _out: &mut [SlotId]) -> usize {
+        0
+    }
+
     /// The entry in `slot`, holding `key`, is evicted (a victim of
     /// [`choose_victims`](EvictionPolicy::choose_victims)); a policy with history remembers it.
     fn evict(&mut self, nodes: &mut [N], slot: SlotId, key: Key);

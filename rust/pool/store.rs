@@ -18,6 +18,10 @@ const WARM_PROBES: usize = 64;
 /// miss and a few ns a key, far enough for the misses to overlap.
 pub(super) const RECORDS_AHEAD: usize = 16;
 
+/// How many entries of the eviction end [`Pool::warm_victims`] reads or loads: the next
+/// victim and the one after (their buckets), and the record of the third.
+const VICTIMS_AHEAD: usize = 3;
+
 /// The answer of [`Pool::prepare_store`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StorePlan {
@@ -178,6 +182,32 @@ impl Pool {
         for s in slots {
             if let Entry::Ready(p) = self.entry_mut(*s) {
                 *p = if up { *p + 1 } else { *p - 1 };
+            }
+        }
+    }
+
+    /// Asks for the index bucket of `key` ahead of a store naming it; changes nothing.
+    pub fn warm_key(&self, key: Key) {
+        self.index.warm(key);
+    }
+
+    /// When the pool is full, asks for what the next store's victim search and eviction read
+    /// first: the records at the eviction end of the policy's order and the index buckets of
+    /// the keys they hold. Changes nothing. Called before each store of a run of small ones
+    /// (a decode step's one-chunk stores, each evicting one entry), the records it reads were
+    /// asked for by the call before, so each call waits for nothing and the next store's
+    /// misses are in flight before it starts.
+    pub fn warm_victims(&self) {
+        if self.free.free > 0 {
+            return;
+        }
+        let mut front = [SlotId::NONE; VICTIMS_AHEAD];
+        let n = self.policy.eviction_front(&self.records, &mut front);
+        for (k, &slot) in front[..n].iter().enumerate() {
+            if k + 1 < n {
+                self.index.warm(self.key_of(slot));
+            } else {
+                self.prefetch_record(slot);
             }
         }
     }

@@ -177,6 +177,8 @@ pub struct Scheduler {
     retry: Vec<u32>,
     /// The step's list of requests to plan, kept between steps (a running batch's worth).
     work: Vec<u32>,
+    /// The requests of a `work` list with something to plan or drop (`stores.rs`), reused.
+    todo: Vec<u32>,
     /// Store planning's working lists, reused (`stores.rs`).
     store_scratch: stores::StoreScratch,
     /// Lookups' working lists, reused (`lookup.rs`).
@@ -245,6 +247,7 @@ impl Scheduler {
             allocated: Vec::new(),
             retry: Vec::new(),
             work: Vec::new(),
+            todo: Vec::new(),
             store_scratch: stores::StoreScratch::default(),
             lookup_scratch: lookup::LookupScratch::default(),
             load_scratch: load::LoadScratch::default(),

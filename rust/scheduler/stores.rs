@@ -15,6 +15,14 @@ use super::plan::{GroupTransfer, PlannedJob};
 use super::requests::Status;
 use super::{JobPayload, Scheduler};
 
+/// A stage of [`Scheduler::warm_request`], the farthest ahead first.
+#[derive(Clone, Copy)]
+enum Warm {
+    Line,
+    Groups,
+    Chunk,
+}
+
 /// Store planning's per-request working lists, kept by the scheduler between calls so that
 /// planning a request allocates only what its job and plan keep.
 #[derive(Debug, Default)]
@@ -77,22 +85,98 @@ impl StoreChunks {
 impl Scheduler {
     /// Plans the stores of each request of `work` once per step and drops the finished ones
     /// that have nothing left.
+    ///
+    /// Two passes. The first keeps, in order, the requests with something to do, read from
+    /// their first line alone (in most steps most running requests have nothing to store:
+    /// their watermark is below their store due point). The second plans them, each as
+    /// before, while loading ahead what the next ones read, in stages
+    /// ([`Scheduler::warm_request`]): a request's table line and due hash three ahead, its
+    /// groups two ahead, its due chunk's index bucket, block entries and hint one ahead, and
+    /// before each the pools' eviction end. A decode step's stores are one chunk each, and
+    /// each chunk's misses (the hash, the block table, the new key's bucket, the victim's
+    /// record and bucket) would otherwise be waited for one after the other, request after
+    /// request.
     pub(super) fn plan_all(&mut self, work: &[u32], stores: &mut Vec<PlannedJob>) {
         let step = self.step;
         if self.queued.len() < self.reqs.len() {
             self.queued.resize(self.reqs.len(), u64::MAX);
         }
+        let mut todo = std::mem::take(&mut self.todo);
+        todo.clear();
         for (k, &i) in work.iter().enumerate() {
             // `queued` is dense but indexed by slab index: a miss per request, prefetched.
             if let Some(q) = work.get(k + 16).and_then(|&a| self.queued.get(a as usize)) {
                 crate::prefetch::prefetch(q);
             }
-            if self.queued[i as usize] == step || self.reqs[i as usize].is_none() {
+            if self.queued[i as usize] == step {
                 continue;
             }
+            let Some(r) = self.reqs[i as usize].as_ref() else {
+                continue;
+            };
             self.queued[i as usize] = step;
-            self.plan_stores(i, stores);
-            self.maybe_drop(i);
+            // What `plan_stores` returns at without a change, and `maybe_drop` ignores.
+            let idle = r.status == Status::Running
+                && r.load == JobId::NONE
+                && self.watermark(r) < r.store_due;
+            if !idle {
+                todo.push(i);
+            }
+        }
+        for t in 0..todo.len() {
+            for (ahead, stage) in [(3, Warm::Line), (2, Warm::Groups), (1, Warm::Chunk)] {
+                if let Some(&a) = todo.get(t + ahead) {
+                    self.warm_request(a, stage);
+                }
+            }
+            for pool in &self.pools {
+                pool.warm_victims();
+            }
+            self.plan_stores(todo[t], stores);
+            self.maybe_drop(todo[t]);
+        }
+        self.todo = todo;
+    }
+
+    /// Loads ahead one stage of what planning request `i`'s store reads, if it has a chunk
+    /// due (the stages in [`Scheduler::plan_all`]); changes nothing.
+    fn warm_request(&self, i: u32, stage: Warm) {
+        use crate::prefetch::{prefetch, prefetch_ptr};
+        let Some(r) = self.reqs[i as usize].as_ref() else {
+            return;
+        };
+        if r.load != JobId::NONE || r.store_due == 0 || self.watermark(r) < r.store_due {
+            return;
+        }
+        match stage {
+            Warm::Line => {
+                // The second line (block tables, id) and the due chunk's hash.
+                prefetch_ptr(std::ptr::from_ref(r).cast::<u8>().wrapping_add(64));
+                let h = (r.store_due / self.cfg.hash_block_size) as usize;
+                if let Some(key) = h.checked_sub(1).and_then(|h| r.hashes.get(h)) {
+                    prefetch(key);
+                }
+            }
+            Warm::Groups => {
+                for rg in &r.groups {
+                    prefetch(rg);
+                }
+            }
+            Warm::Chunk => {
+                let bpc = self.cfg.blocks_per_chunk as usize;
+                for (g, rg) in r.groups.iter().enumerate() {
+                    let c = rg.cursor;
+                    if let Some(key) = self.key(r, g, c) {
+                        self.pools[g].warm_key(key);
+                    }
+                    if let Some(b) = rg.blocks.get(c as usize * bpc) {
+                        prefetch(b);
+                    }
+                    if let Some(s) = rg.slots.get(c as usize) {
+                        prefetch(s);
+                    }
+                }
+            }
         }
     }
 
