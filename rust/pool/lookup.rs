@@ -170,8 +170,14 @@ impl Pool {
         let mut touches = std::mem::take(&mut self.touches);
         touches.clear();
         for (i, &key) in keys.iter().enumerate().rev() {
-            if let Some(&ahead) = i.checked_sub(8).and_then(|a| hints.get(a)) {
-                self.warm(ahead);
+            if let Some(a) = i.checked_sub(8) {
+                // A hint's record, or the index bucket of a key without one (unless a resolved
+                // hint says it is absent): either way the probe below then waits for nothing.
+                match hints.get(a) {
+                    Some(&SlotId::NONE) if resolved => {}
+                    Some(&h) if h != SlotId::NONE => self.warm(h),
+                    _ => self.index.warm(keys[a]),
+                }
             }
             let hint = hints.get(i).copied();
             let slot = if resolved && hint == Some(SlotId::NONE) {

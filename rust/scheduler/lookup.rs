@@ -260,8 +260,10 @@ impl Scheduler {
     /// Refreshes the recency of every chunk the request re-uses: the engine's own prefix hit
     /// (chunks the GPU cache serves now may be evicted from it first) and the chunks it loads,
     /// the earliest ending most recent. The request's slot hints (from its lookup, stores and
-    /// loads) spare the pools' index probes where they still hold.
-    pub(super) fn touch_prefix(&mut self, r: &Request, hit: u32, end: u32) {
+    /// loads) spare the pools' index probes where they still hold; the slots probed here
+    /// become hints too, so the refresh when the request is done (`refresh_stored`) reads
+    /// their records instead of probing the index again.
+    pub(super) fn touch_prefix(&mut self, r: &mut Request, hit: u32, end: u32) {
         let mut sc = std::mem::take(&mut self.lookup_scratch);
         let hints = &mut sc.hints;
         for g in 0..self.cfg.groups.len() {
@@ -283,6 +285,12 @@ impl Scheduler {
             self.pools[g].fill_slots(&keys, hints);
             if !keys.is_empty() {
                 self.pools[g].touch_resolved(&keys, hints);
+                let slots = &mut r.groups[g].slots;
+                let (lo, hi) = (first as usize, first as usize + hints.len());
+                if slots.len() < hi {
+                    slots.resize(hi, SlotId::NONE);
+                }
+                slots[lo..hi].copy_from_slice(hints);
             }
         }
         self.lookup_scratch = sc;
@@ -505,5 +513,54 @@ fn prefix_counts_into<T: Copy>(
     for &k in items {
         n += u32::from(available(k));
         c.push(n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{GroupConfig, SchedulerConfig};
+    use crate::ids::{BlockId, Key, SlotId};
+    use crate::scheduler::positions::tests::step;
+    use crate::scheduler::Scheduler;
+
+    /// The slots a lookup finds for the engine's own prefix hit (chunks it touches, loads
+    /// none of) become the request's hints, so the refresh when it is done reads their
+    /// records instead of probing the index; hints it had are kept, and a stale one is only a
+    /// hint (the refresh still finds the chunk's slot).
+    #[test]
+    fn a_lookup_keeps_the_slots_of_the_engine_s_hit_as_hints() {
+        let group = GroupConfig {
+            block_size: 4,
+            sliding_window: None,
+            bytes_per_chunk: 64,
+        };
+        let mut s = Scheduler::new(SchedulerConfig::new(vec![group], 64, 16)).unwrap();
+        let keys: Vec<Key> = (100..104).map(Key).collect();
+        // "a" stores its four chunks.
+        s.add_request("a", 17, keys.clone()).unwrap();
+        assert_eq!(s.lookup("a", 0).unwrap(), Some(0));
+        let table = vec![(1..6).map(BlockId).collect()];
+        assert_eq!(s.allocate("a", &table, 0, 0).unwrap(), None);
+        let plan = s.schedule(&step(&[("a", 16)])).unwrap();
+        let done: Vec<_> = plan.stores.iter().map(|j| (j.id, 0, true)).collect();
+        s.complete_counts(&done).unwrap();
+        let slots: Vec<SlotId> = keys.iter().map(|&k| s.pools[0].slot(k).unwrap()).collect();
+        // "b" shares the prefix; the engine serves its first three chunks from the GPU.
+        s.add_request("b", 17, keys.clone()).unwrap();
+        let b = s.idx("b").unwrap();
+        assert!(
+            s.req(b).groups[0].slots.is_empty(),
+            "no hint before its lookup"
+        );
+        assert_eq!(s.lookup("b", 12).unwrap(), Some(4));
+        assert_eq!(&s.req(b).groups[0].slots[..4], &slots[..]);
+        // The touch walked the prefix from its last chunk: the first ends most recent.
+        let lru = |s: &Scheduler| s.pools[0].order().resident[0].1.clone();
+        assert_eq!(lru(&s), vec![keys[3], keys[2], keys[1], keys[0]]);
+        // A wrong hint stays a hint, checked before use: the second lookup touches the same
+        // chunks in the same order (it would have moved chunk 3's key last if trusted).
+        s.req_mut(b).groups[0].slots[0] = slots[3];
+        assert_eq!(s.lookup("b", 12).unwrap(), Some(4));
+        assert_eq!(lru(&s), vec![keys[3], keys[2], keys[1], keys[0]]);
     }
 }
