@@ -46,7 +46,8 @@
 //! and a scan of 512 `u32`s (the floors of a step's pass over its running requests). And per
 //! call of (a), the floor of its memory work: as many cold lines as the call must touch in the
 //! current layout, counted from the code ([`LATER_LINES`], [`FIRST_LINES`]), read at random
-//! in the same table, each call's lines timed cold on their own. Every line is taken as
+//! in the same table, each call's lines timed cold on their own; and (c)'s, the lines of the
+//! step's 32 one-chunk stores ([`CHUNK_LINES`]), per chunk. Every line is taken as
 //! random; where this bench's data is adjacent (its blocks and slots are handed out in runs:
 //! the position entries a step drops, the records a completion publishes) a call can beat its
 //! floor, so compare the calls row by row. Samples are medians: single calls on this shared
@@ -546,7 +547,7 @@ fn main() {
             }
             let seed = rng.next() | 1;
             if cold {
-                for &(name, l) in LATER_LINES.iter().chain(&FIRST_LINES) {
+                for &(name, l) in LATER_LINES.iter().chain(&FIRST_LINES).chain(&CHUNK_LINES) {
                     bench.evict.run();
                     floors[1].work(l, seed);
                     let ns = floors[0].work(l, seed);
@@ -629,6 +630,14 @@ const FIRST_LINES: [(&str, Lines); 7] = [
     ("first floor complete stores", Lines(331, 0)),
     ("first floor sched finish", Lines(331, 0)),
 ];
+
+/// Unit (c)'s floor: the cold lines each of the step's [`K`] one-chunk stores must touch, planned
+/// to published, in the current layout: the request's due hash, its block-table entry and slot
+/// hint, the new key's index bucket, the victim's record and its bucket, and the record again
+/// when the completion publishes it (the engine's work evicted it in between). The job's own
+/// lists and table entries are not counted: they are what a packed job of the step's stores
+/// would not have.
+const CHUNK_LINES: [(&str, Lines); 1] = [("decode chunk floor", Lines(7 * K, 0))];
 
 fn report(bench: &Bench, cycles: u32) {
     let s = &bench.samples;
@@ -724,6 +733,17 @@ fn report(bench: &Bench, cycles: u32) {
         chunk(true),
         chunk(false),
         Some(500.0),
+    );
+    let chunk_floor = m(CHUNK_LINES[0].0, true) / K as f64;
+    row(
+        "    the floor of its memory work (7 lines a chunk)",
+        chunk_floor,
+        f64::NAN,
+        Some(500.0),
+    );
+    println!(
+        "    decode store chunk: ours / that floor {:.2}x (cold)",
+        chunk(true) / chunk_floor
     );
     row(
         "    the step of 512, 32 crossing",
