@@ -525,8 +525,8 @@ mod tests {
 
     /// The slots a lookup finds for the engine's own prefix hit (chunks it touches, loads
     /// none of) become the request's hints, so the refresh when it is done reads their
-    /// records instead of probing the index; hints it had are kept, and a stale one is only a
-    /// hint (the refresh still finds the chunk's slot).
+    /// records instead of probing the index; hints it had are kept, and a wrong one stays only
+    /// a hint, checked before use (the touches still move the right chunks).
     #[test]
     fn a_lookup_keeps_the_slots_of_the_engine_s_hit_as_hints() {
         let group = GroupConfig {
