@@ -309,11 +309,9 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::{GroupConfig, SchedulerConfig};
     use crate::error::Error;
     use crate::ids::{BlockId, Key};
-    use crate::scheduler::positions::tests::step;
-    use crate::scheduler::Scheduler;
+    use crate::scheduler::positions::tests::{small, step};
 
     fn blocks(ids: &[u32]) -> Vec<Vec<BlockId>> {
         let t: Vec<BlockId> = ids.iter().copied().map(BlockId).collect();
@@ -325,12 +323,7 @@ mod tests {
     /// pinned before the second failed, are unpinned, and a new lookup loads what is left.
     #[test]
     fn a_load_failing_in_its_second_group_unpins_the_first() {
-        let group = GroupConfig {
-            block_size: 4,
-            sliding_window: None,
-            bytes_per_chunk: 64,
-        };
-        let mut s = Scheduler::new(SchedulerConfig::new(vec![group; 2], 64, 16)).unwrap();
+        let mut s = small(2);
         let keys = vec![Key(7), Key(8)];
         s.add_request("a", 9, keys.clone()).unwrap();
         assert_eq!(s.lookup("a", 0).unwrap(), Some(0));

@@ -518,9 +518,8 @@ fn prefix_counts_into<T: Copy>(
 
 #[cfg(test)]
 mod tests {
-    use crate::config::{GroupConfig, SchedulerConfig};
     use crate::ids::{BlockId, Key, SlotId};
-    use crate::scheduler::positions::tests::step;
+    use crate::scheduler::positions::tests::{small, step};
     use crate::scheduler::Scheduler;
 
     /// The slots a lookup finds for the engine's own prefix hit (chunks it touches, loads
@@ -529,12 +528,7 @@ mod tests {
     /// a hint, checked before use (the touches still move the right chunks).
     #[test]
     fn a_lookup_keeps_the_slots_of_the_engine_s_hit_as_hints() {
-        let group = GroupConfig {
-            block_size: 4,
-            sliding_window: None,
-            bytes_per_chunk: 64,
-        };
-        let mut s = Scheduler::new(SchedulerConfig::new(vec![group], 64, 16)).unwrap();
+        let mut s = small(1);
         let keys: Vec<Key> = (100..104).map(Key).collect();
         // "a" stores its four chunks.
         s.add_request("a", 17, keys.clone()).unwrap();

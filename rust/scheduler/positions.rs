@@ -170,6 +170,17 @@ pub(super) mod tests {
         }
     }
 
+    /// A scheduler of `groups` full-attention groups of 4-token blocks (one a chunk), 64 GPU
+    /// blocks and 16 CPU chunks a group.
+    pub(in crate::scheduler) fn small(groups: usize) -> Scheduler {
+        let group = GroupConfig {
+            block_size: 4,
+            sliding_window: None,
+            bytes_per_chunk: 64,
+        };
+        Scheduler::new(SchedulerConfig::new(vec![group; groups], 64, 16)).unwrap()
+    }
+
     fn admit(s: &mut Scheduler, id: &str, first_key: u128, blocks: &[u32]) {
         let keys = (first_key..first_key + 2).map(Key).collect();
         s.add_request(id, 9, keys).unwrap();
@@ -183,12 +194,7 @@ pub(super) mod tests {
     /// block drops both, so neither request stores the replaced content.
     #[test]
     fn a_block_with_two_unstored_positions_drops_both() {
-        let group = GroupConfig {
-            block_size: 4,
-            sliding_window: None,
-            bytes_per_chunk: 64,
-        };
-        let mut s = Scheduler::new(SchedulerConfig::new(vec![group], 64, 16)).unwrap();
+        let mut s = small(1);
         admit(&mut s, "a", 1000, &[5, 6, 7]);
         admit(&mut s, "b", 2000, &[5, 8, 9]);
         let plan = s.schedule(&step(&[("a", 3), ("b", 3)])).unwrap();
