@@ -28,7 +28,7 @@ pub(super) struct SlotIndex {
 
 /// 32 bits of `key`'s hash. Keys derive from the engine's hashes but may be small integers
 /// (tests, other engines): the multiply spreads them.
-fn hash(key: Key) -> u32 {
+pub(super) fn hash(key: Key) -> u32 {
     let x = (key.0 as u64) ^ ((key.0 >> 64) as u64);
     (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as u32
 }

@@ -35,6 +35,7 @@
 //! their reasons: `docs/design-notes.md`.
 
 mod admission;
+mod dedup;
 mod events;
 mod free;
 mod hold;
@@ -44,13 +45,12 @@ mod load;
 mod lookup;
 mod store;
 
-use rustc_hash::FxHashSet;
-
 use crate::error::{Error, Result};
 use crate::ids::{Key, SlotId};
 use crate::policy::{EvictionPolicy, LinkNode, PolicyKind, Touch, UNLINKED};
 
 use admission::Admission;
+use dedup::CallKeys;
 use free::FreeSlots;
 use index::SlotIndex;
 
@@ -167,7 +167,8 @@ pub struct Pool {
     victims: Vec<SlotId>,
     /// Reused per call (slots of `complete_store`'s keys, `prepare_store`'s protected ones).
     scratch: Vec<SlotId>,
-    seen: FxHashSet<Key>,
+    /// Reused per call (`prepare_store`'s duplicate check).
+    seen: CallKeys,
     /// Reused per call (`touch_batch`'s batch).
     touches: Vec<Touch>,
 }
@@ -198,7 +199,7 @@ impl Pool {
             stats: PoolStats::default(),
             victims: Vec::new(),
             scratch: Vec::new(),
-            seen: FxHashSet::default(),
+            seen: CallKeys::default(),
             touches: Vec::new(),
         })
     }

@@ -6,7 +6,8 @@ use crate::ids::{Key, SlotId};
 
 use super::{Entry, Pool, PoolEventKind};
 
-/// Keys below this many per call are deduplicated by a linear scan, above it with a hash set.
+/// Keys below this many per call are deduplicated by a linear scan, above it with a table
+/// (`dedup.rs`).
 const LINEAR_DEDUP: usize = 32;
 
 /// How many index probes [`Pool::prepare_store`] keeps in flight ahead of its work (on its
@@ -68,7 +69,7 @@ impl Pool {
         plan.keys.reserve(keys.len());
         let many = keys.len() > LINEAR_DEDUP;
         if many {
-            self.seen.clear();
+            self.seen.start(keys.len());
         }
         // Ready entries of this call are protected from eviction by a temporary extra pin.
         // (`scratch` is free between calls: it holds `complete_store`'s slots only there.)
