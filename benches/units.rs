@@ -21,7 +21,9 @@
 //! running requests in decode with prompts of 2–5.5k tokens, their prompt chunks in the pool,
 //! in two phases: 32 of them cross a chunk boundary at one step of every 16 and the other 480
 //! eight steps later, so 12 steps of 16 change nothing but the token counts. Every plan's jobs
-//! complete before the next call (untimed unless the unit times them).
+//! complete before the next call (untimed unless the unit times them). Steps are planned as
+//! the engine binding plans them (`schedule_with(.., PlanForm::Runs)`: the copies packed as
+//! runs, no per-job lists).
 //!
 //! **The units.** (a) A new request of 331 chunks, in seven calls, each timed cold on its
 //! own: `lookup_request`, `allocate`, `schedule` of a step where it waits for its load (the
@@ -58,7 +60,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use kvoffload::config::{GroupConfig, SchedulerConfig};
-use kvoffload::scheduler::{Resolved, Scheduler, StepInput, StepPlan};
+use kvoffload::scheduler::{PlanForm, Resolved, Scheduler, StepInput, StepPlan};
 use kvoffload::{BlockId, JobId, Key};
 
 mod support;
@@ -153,7 +155,10 @@ impl Engine {
 
     fn schedule(&mut self, input: &StepInput) -> f64 {
         let t0 = Instant::now();
-        let plan = self.s.schedule(black_box(input)).unwrap();
+        let plan = self
+            .s
+            .schedule_with(black_box(input), PlanForm::Runs)
+            .unwrap();
         self.take(plan);
         t0.elapsed().as_secs_f64() * 1e9
     }
@@ -236,7 +241,10 @@ impl Engine {
         for &(i, k) in &filled {
             self.s.extend_hashes(&self.running[i].id, &[k]).unwrap();
         }
-        let plan = self.s.schedule(black_box(&input)).unwrap();
+        let plan = self
+            .s
+            .schedule_with(black_box(&input), PlanForm::Runs)
+            .unwrap();
         self.take(plan);
         t0.elapsed().as_secs_f64() * 1e9
     }

@@ -11,6 +11,7 @@
 
 use std::ops::Range;
 
+use crate::ids::BlockId;
 use crate::scheduler::PlannedJob;
 
 /// Words (`u32`) per run: job index, group, GPU start, CPU start, length.
@@ -290,32 +291,45 @@ pub fn encode<'a>(jobs: impl Iterator<Item = &'a PlannedJob> + Clone) -> Vec<u8>
     let mut out = Vec::with_capacity(blocks * RUN_BYTES);
     for (k, job) in jobs.enumerate() {
         for t in &job.transfers {
-            let n = t.gpu_blocks.len();
-            let mut i = 0;
-            while i < n {
-                let (g0, c0) = (t.gpu_blocks[i].0, t.cpu_blocks[i]);
-                let mut len = 1;
-                while i + len < n
-                    && t.gpu_blocks[i + len].0 == g0.wrapping_add(len as u32)
-                    && t.cpu_blocks[i + len] == c0.wrapping_add(len as u32)
-                {
-                    len += 1;
-                }
-                push(
-                    &mut out,
-                    Run {
-                        job: k as u32,
-                        group: t.group,
-                        gpu: g0,
-                        cpu: c0,
-                        len: len as u32,
-                    },
-                );
-                i += len;
-            }
+            push_copies(&mut out, k as u32, t.group, &t.gpu_blocks, &t.cpu_blocks);
         }
     }
     out
+}
+
+/// Appends the runs of job number `job`'s copies in `group`: GPU block `gpu_blocks[i]` to CPU
+/// position `cpu_blocks[i]`, consecutive pairs merged.
+pub fn push_copies(
+    out: &mut Vec<u8>,
+    job: u32,
+    group: u32,
+    gpu_blocks: &[BlockId],
+    cpu_blocks: &[u32],
+) {
+    debug_assert_eq!(gpu_blocks.len(), cpu_blocks.len());
+    let n = gpu_blocks.len();
+    let mut i = 0;
+    while i < n {
+        let (g0, c0) = (gpu_blocks[i].0, cpu_blocks[i]);
+        let mut len = 1;
+        while i + len < n
+            && gpu_blocks[i + len].0 == g0.wrapping_add(len as u32)
+            && cpu_blocks[i + len] == c0.wrapping_add(len as u32)
+        {
+            len += 1;
+        }
+        push(
+            out,
+            Run {
+                job,
+                group,
+                gpu: g0,
+                cpu: c0,
+                len: len as u32,
+            },
+        );
+        i += len;
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,9 @@ use kvoffload::jobs::JobKind;
 use kvoffload::jobs::JobStats;
 use kvoffload::policy::PolicyKind;
 use kvoffload::pool::KeyState;
-use kvoffload::scheduler::{CompletedJob, Scheduler, SchedulerStats, Status, StepInput};
+use kvoffload::scheduler::{
+    CompletedJob, PlanForm, Scheduler, SchedulerStats, Status, StepInput, StepPlan,
+};
 use kvoffload::tracker::FenceStats;
 use kvoffload::{Error, JobId, Key};
 
@@ -139,6 +141,86 @@ fn store_finish_flush_load_and_drain() {
     assert!(s.pending_jobs().is_empty());
     assert_eq!(s.num_requests(), 0);
     assert_eq!(s.armed_pairs(), 0);
+}
+
+/// Two schedulers take the same calls, one planning with `schedule` and one in
+/// `PlanForm::Runs`: a prefill's stores in two groups, then a step with a load, a store and a
+/// finish, then a decode store. The same jobs and flush sets each step, the runs
+/// those of the transfers (the loads' first), no store job carrying a list or a name, and the
+/// same state after (the stores complete alike).
+#[test]
+fn a_plan_in_runs_form_packs_the_copies_the_transfers_form_lists() {
+    let mut a = Scheduler::new(config(Some(8))).unwrap();
+    let mut b = Scheduler::new(config(Some(8))).unwrap();
+    let both = |a: &mut Scheduler, b: &mut Scheduler, input: &StepInput| -> StepPlan {
+        let want = a.schedule(input).unwrap();
+        let got = b.schedule_with(input, PlanForm::Runs).unwrap();
+        assert!(want.runs.is_empty());
+        let ids = |p: &StepPlan| {
+            let jobs = p.loads.iter().chain(&p.stores);
+            (
+                jobs.map(|j| (j.id, j.kind)).collect::<Vec<_>>(),
+                p.flush.clone(),
+            )
+        };
+        assert_eq!(ids(&got), ids(&want));
+        assert_eq!(
+            got.runs,
+            kvoffload::runs::encode(want.loads.iter().chain(&want.stores))
+        );
+        assert_eq!(got.loads, want.loads);
+        for job in &got.stores {
+            assert!(
+                job.transfers.is_empty() && job.request.is_empty(),
+                "{job:?}"
+            );
+        }
+        for job in got.loads.iter().chain(&got.stores) {
+            assert_eq!(
+                a.complete(job.id, 0, true).unwrap().map(|d| (d.kind, d.ok)),
+                b.complete(job.id, 0, true).unwrap().map(|d| (d.kind, d.ok))
+            );
+        }
+        want
+    };
+    for s in [&mut a, &mut b] {
+        s.add_request("x", 13, keys(3)).unwrap();
+        assert_eq!(s.lookup("x", 0).unwrap(), Some(0));
+        s.allocate("x", &[bl(&[1, 2, 3, 4]), bl(&[11, 12, 13, 14])], 0, 0)
+            .unwrap();
+    }
+    let plan = both(&mut a, &mut b, &step(&[("x", 12)], &[], &[1, 2, 3]));
+    assert_eq!(plan.stores.len(), 1);
+    // y shares x's first two chunks (loaded, both groups: its store waits for the load), z
+    // stores its first two; x finishes.
+    for s in [&mut a, &mut b] {
+        let y = keys_from(1000, 2)
+            .into_iter()
+            .chain(keys_from(7, 1))
+            .collect();
+        s.add_request("y", 13, y).unwrap();
+        assert_eq!(s.lookup("y", 0).unwrap(), Some(8));
+        s.allocate("y", &[bl(&[5, 6, 7, 8]), bl(&[15, 16, 17, 18])], 0, 8)
+            .unwrap()
+            .expect("a load");
+        s.add_request("z", 9, keys_from(50, 2)).unwrap();
+        assert_eq!(s.lookup("z", 0).unwrap(), Some(0));
+        s.allocate("z", &[bl(&[21, 22, 23]), bl(&[31, 32, 33])], 0, 0)
+            .unwrap();
+    }
+    let input = step(&[("y", 12), ("z", 8)], &["x"], &[5, 6, 7, 21, 22]);
+    let plan = both(&mut a, &mut b, &input);
+    assert_eq!((plan.loads.len(), plan.stores.len()), (1, 1));
+    // y stores its third chunk and, past its fourth, that one too.
+    for s in [&mut a, &mut b] {
+        s.extend_hashes("y", &keys_from(8, 1)).unwrap();
+    }
+    let plan = both(&mut a, &mut b, &step(&[("y", 16), ("z", 9)], &[], &[8, 23]));
+    assert_eq!(plan.stores.len(), 1);
+    both(&mut a, &mut b, &step(&[], &["y", "z"], &[]));
+    assert_eq!(a.stats(), b.stats());
+    assert_eq!(a.num_requests() + b.num_requests(), 0);
+    assert_eq!(a.armed_pairs() + b.armed_pairs(), 0);
 }
 
 #[test]

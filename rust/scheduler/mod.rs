@@ -61,7 +61,8 @@ use crate::tracker::Tracker;
 
 pub use handle::{RequestHandle, RequestRef, Resolved};
 pub use plan::{
-    CompletedJob, GroupTransfer, PlannedJob, SchedulerEvent, SchedulerStats, StepInput, StepPlan,
+    CompletedJob, GroupTransfer, PlanForm, PlannedJob, SchedulerEvent, SchedulerStats, StepInput,
+    StepPlan,
 };
 pub use requests::Status;
 pub use tiers::{DiskWatch, TierAdmission, TierGroupStats, TierJob, TierJobKind};

@@ -25,10 +25,24 @@ pub struct PlannedJob {
     pub id: JobId,
     /// Store or load.
     pub kind: JobKind,
-    /// External id of the request.
+    /// External id of the request (empty for a store job of a plan in [`PlanForm::Runs`]).
     pub request: String,
-    /// Copies per group.
+    /// Copies per group (none for a store job of a plan in [`PlanForm::Runs`]: its copies are
+    /// in [`StepPlan::runs`]).
     pub transfers: Vec<GroupTransfer>,
+}
+
+/// The form of a plan's copies ([`Scheduler::schedule_with`](super::Scheduler::schedule_with)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlanForm {
+    /// Each job with its request id and, per group, its GPU blocks, CPU positions and keys.
+    #[default]
+    Transfers,
+    /// Every job's copies in [`StepPlan::runs`], packed ([`crate::runs`]: the loads' first,
+    /// then the stores'); the store jobs carry only their ids (no request id, no transfers),
+    /// the loads as in `Transfers`. For an engine binding that ships runs and job ids: a store
+    /// job then fills no list of its own for the plan (about five a job, each cold).
+    Runs,
 }
 
 /// What the workers must do this step.
@@ -38,6 +52,9 @@ pub struct StepPlan {
     pub loads: Vec<PlannedJob>,
     /// Store jobs created by this step.
     pub stores: Vec<PlannedJob>,
+    /// In [`PlanForm::Runs`], the copies of `loads` and `stores` as [`crate::runs`] rows (job
+    /// index: the loads first, then the stores); empty in [`PlanForm::Transfers`].
+    pub runs: Vec<u8>,
     /// Pending jobs that must complete before this step writes its blocks, sorted.
     pub flush: Vec<JobId>,
     /// Lower-tier jobs (write-behind, promotion) created since the previous plan.

@@ -26,6 +26,8 @@ pub(super) struct Spares {
     /// Plans' job lists (their entries are written once per job and step: kept, they are
     /// written where the previous plans' were).
     jobs: Vec<Vec<PlannedJob>>,
+    /// A plan's runs buffer ([`super::PlanForm::Runs`]).
+    runs: Vec<u8>,
 }
 
 /// A kept list with room for `n` items, or a new one.
@@ -107,6 +109,13 @@ impl Spares {
         take(&mut self.jobs, n)
     }
 
+    /// The kept runs buffer, emptied (a new one if none is kept).
+    pub(super) fn runs(&mut self) -> Vec<u8> {
+        let mut runs = std::mem::take(&mut self.runs);
+        runs.clear();
+        runs
+    }
+
     /// An empty list of transfers.
     pub(super) fn transfers(&mut self) -> Vec<GroupTransfer> {
         take(&mut self.transfers, 0)
@@ -144,6 +153,9 @@ impl Scheduler {
     /// plan back allocates no list per job in the steady state. Optional: a plan dropped
     /// instead costs those allocations, nothing else.
     pub fn recycle(&mut self, plan: StepPlan) {
+        if plan.runs.capacity() > self.spares.runs.capacity() {
+            self.spares.runs = plan.runs;
+        }
         for mut jobs in [plan.loads, plan.stores] {
             for job in jobs.drain(..) {
                 self.spares.put_transfers(job.transfers);

@@ -7,8 +7,9 @@ use crate::ids::{BlockId, JobId};
 
 use super::checks::{null_mapped, CheckedStep};
 use super::handle::RequestRef;
-use super::plan::{PlannedJob, StepInput, StepPlan};
+use super::plan::{PlanForm, PlannedJob, StepInput, StepPlan};
 use super::requests::Status;
+use super::stores::Planned;
 use super::Scheduler;
 
 /// How many blocks ahead of the one being indexed `reallocate` prefetches its position entry
@@ -23,6 +24,16 @@ impl Scheduler {
         &mut self,
         input: &StepInput<S, B>,
     ) -> Result<StepPlan> {
+        self.schedule_with(input, PlanForm::Transfers)
+    }
+
+    /// [`Scheduler::schedule`], with the plan's copies in `form`: the same jobs, flush set and
+    /// copies either way, and the same state after.
+    pub fn schedule_with<S: RequestRef, B: AsRef<[BlockId]>>(
+        &mut self,
+        input: &StepInput<S, B>,
+        form: PlanForm,
+    ) -> Result<StepPlan> {
         let mut step = self.check_step(input)?;
         self.step += 1;
         self.stats.steps += 1;
@@ -35,6 +46,27 @@ impl Scheduler {
         // A plan's list handed back (`recycle`), with room for half again the previous plan's
         // (decode-heavy steps plan about as many each): no allocation, not one per doubling.
         let mut stores = self.spares.jobs(self.last_stores + self.last_stores / 2);
+        // The loads come first in a plan's runs: theirs now, each store's as it is planned.
+        let mut runs = self.spares.runs();
+        if form == PlanForm::Runs {
+            for (k, job) in self.new_loads.iter().enumerate() {
+                for t in &job.transfers {
+                    crate::runs::push_copies(
+                        &mut runs,
+                        k as u32,
+                        t.group,
+                        &t.gpu_blocks,
+                        &t.cpu_blocks,
+                    );
+                }
+            }
+        }
+        let mut out = Planned {
+            jobs: &mut stores,
+            form,
+            runs: &mut runs,
+            first: self.new_loads.len() as u32,
+        };
         let mut work = std::mem::take(&mut self.work);
         work.clear();
         work.extend_from_slice(&step.released);
@@ -43,11 +75,11 @@ impl Scheduler {
                 .as_ref()
                 .is_some_and(|r| r.status != Status::Running)
         }));
-        self.plan_all(&work, &mut stores);
+        self.plan_all(&work, &mut out);
         // 3: re-allocations drop the positions whose content they replace.
         self.reallocate(&step.resumed, &step.new_blocks);
         // 4: stores of running requests, for chunks this step's forward pass completes.
-        let released_stores = stores.len();
+        let released_stores = out.jobs.len();
         work.clear();
         for (i, computed) in step.scheduled {
             self.req_mut(i).computed = computed;
@@ -59,7 +91,7 @@ impl Scheduler {
                 .is_some_and(|r| r.status == Status::Running)
         });
         work.append(&mut retry);
-        self.plan_all(&work, &mut stores);
+        self.plan_all(&work, &mut out);
         self.assign_pending();
         self.work = work;
         // 5: the single fence check, after this step's stores exist.
@@ -73,6 +105,7 @@ impl Scheduler {
         Ok(StepPlan {
             loads: std::mem::take(&mut self.new_loads),
             stores,
+            runs,
             flush,
             tier_jobs: std::mem::take(&mut self.new_tier_jobs),
             tier_flush: {

@@ -5,13 +5,15 @@
 //!
 //! A store job's record is flat ([`StoreChunks`]: its keys and slots, group after group), and
 //! the lists of completed jobs, and of plans handed back ([`Scheduler::recycle`]), are kept for
-//! the next ones (`spares.rs`): past the first steps a store job allocates no list.
+//! the next ones (`spares.rs`): past the first steps a store job allocates no list. In
+//! [`PlanForm::Runs`] a job's copies go straight to the plan's runs: it fills no list of the
+//! plan's (transfers, blocks, positions, keys, request id).
 
 use crate::ids::{BlockId, JobId, Key, SlotId};
 use crate::jobs::JobKind;
 use crate::pool::StorePlan;
 
-use super::plan::{GroupTransfer, PlannedJob};
+use super::plan::{GroupTransfer, PlanForm, PlannedJob};
 use super::requests::Status;
 use super::{JobPayload, Scheduler};
 
@@ -21,6 +23,16 @@ enum Warm {
     Line,
     Groups,
     Chunk,
+}
+
+/// Where store planning puts a step's store jobs: the plan's list and, in [`PlanForm::Runs`],
+/// their copies in the plan's runs.
+pub(super) struct Planned<'a> {
+    pub(super) jobs: &'a mut Vec<PlannedJob>,
+    pub(super) form: PlanForm,
+    pub(super) runs: &'a mut Vec<u8>,
+    /// The plan's loads (their runs come first): the first store job's index in the runs.
+    pub(super) first: u32,
 }
 
 /// Store planning's per-request working lists, kept by the scheduler between calls so that
@@ -37,6 +49,9 @@ pub(super) struct StoreScratch {
     cursors: Vec<(usize, u32)>,
     /// The pool's answer for one group.
     plan: StorePlan,
+    /// One group's copies ([`PlanForm::Runs`]: they go to the runs, not to a list of the job).
+    gpu_blocks: Vec<BlockId>,
+    cpu_blocks: Vec<u32>,
 }
 
 /// What a store job's completion needs: the keys it stores and the slot of each (hints for the
@@ -96,7 +111,7 @@ impl Scheduler {
     /// each chunk's misses (the hash, the block table, the new key's bucket, the victim's
     /// record and bucket) would otherwise be waited for one after the other, request after
     /// request.
-    pub(super) fn plan_all(&mut self, work: &[u32], stores: &mut Vec<PlannedJob>) {
+    pub(super) fn plan_all(&mut self, work: &[u32], stores: &mut Planned<'_>) {
         let step = self.step;
         if self.queued.len() < self.reqs.len() {
             self.queued.resize(self.reqs.len(), u64::MAX);
@@ -181,7 +196,7 @@ impl Scheduler {
     }
 
     /// Plans the stores of request `i`: full chunks below its watermark not handled yet.
-    pub(super) fn plan_stores(&mut self, i: u32, out: &mut Vec<PlannedJob>) {
+    pub(super) fn plan_stores(&mut self, i: u32, out: &mut Planned<'_>) {
         let r = self.req(i);
         if r.status == Status::Waiting {
             return;
@@ -207,7 +222,12 @@ impl Scheduler {
         let owner = r.owner;
         let mut sc = std::mem::take(&mut self.store_scratch);
         sc.cursors.clear();
-        let mut transfers = self.spares.transfers();
+        let packed = out.form == PlanForm::Runs;
+        let mut transfers = if packed {
+            Vec::new()
+        } else {
+            self.spares.transfers()
+        };
         let mut record = self.spares.chunks();
         let (mut eager, mut deferred) = (Vec::new(), Vec::new());
         let mut retry = false;
@@ -251,7 +271,17 @@ impl Scheduler {
                 continue;
             }
             let len = plan.keys.len() * bpc as usize;
-            let (mut gpu_blocks, mut cpu_blocks) = (self.spares.blocks(len), self.spares.cpu(len));
+            let (mut gpu_blocks, mut cpu_blocks) = if packed {
+                let mut lists = (
+                    std::mem::take(&mut sc.gpu_blocks),
+                    std::mem::take(&mut sc.cpu_blocks),
+                );
+                lists.0.clear();
+                lists.1.clear();
+                lists
+            } else {
+                (self.spares.blocks(len), self.spares.cpu(len))
+            };
             let rg = &self.req(i).groups[g];
             let mut j = 0;
             sc.hints.clear();
@@ -281,12 +311,18 @@ impl Scheduler {
             self.stats.store_chunks += chunks;
             self.stats.store_bytes += chunks * self.cfg.groups[g].bytes_per_chunk;
             record.push(g as u32, &plan.keys, &plan.slots);
-            transfers.push(GroupTransfer {
-                group: g as u32,
-                gpu_blocks,
-                cpu_blocks,
-                keys: self.spares.keys(&plan.keys),
-            });
+            if packed {
+                let job = out.first + out.jobs.len() as u32;
+                crate::runs::push_copies(out.runs, job, g as u32, &gpu_blocks, &cpu_blocks);
+                (sc.gpu_blocks, sc.cpu_blocks) = (gpu_blocks, cpu_blocks);
+            } else {
+                transfers.push(GroupTransfer {
+                    group: g as u32,
+                    gpu_blocks,
+                    cpu_blocks,
+                    keys: self.spares.keys(&plan.keys),
+                });
+            }
         }
         for &(g, c) in &sc.cursors {
             self.req_mut(i).groups[g].cursor = c;
@@ -312,11 +348,15 @@ impl Scheduler {
             )
             .expect("blocks validated, no pending load");
         self.stats.store_jobs += 1;
-        let r = self.reqs[i as usize]
-            .as_ref()
-            .expect("planned request exists");
-        let request = self.spares.name(&r.id);
-        out.push(PlannedJob {
+        let request = if packed {
+            String::new()
+        } else {
+            let r = self.reqs[i as usize]
+                .as_ref()
+                .expect("planned request exists");
+            self.spares.name(&r.id)
+        };
+        out.jobs.push(PlannedJob {
             id,
             kind: JobKind::Store,
             request,

@@ -11,7 +11,8 @@
 //!   the engine's own dict.
 //! * The plan: job ids, the load jobs' requests, the flush set and one little-endian `u32`
 //!   buffer of copy runs ([`crate::runs`]: `job index, group, gpu start, cpu start, length`
-//!   per run; loads are indexed first, then stores), instead of a Python object per job and
+//!   per run; loads are indexed first, then stores; the core writes it as it plans,
+//!   [`PlanForm::Runs`]), instead of a Python object per job and
 //!   a list per group; the plan's tier jobs packed the same way, one row per chunk (`tier::encode_tier_jobs`).
 //!
 //! Every request id is resolved once, under the core lock that also reads the sizes the
@@ -39,7 +40,7 @@ use super::ids::{self, KeptIds, Named};
 use super::input::{computed_counts, id_list, step_tokens, tuples};
 use super::Scheduler;
 use crate::ids::{BlockId, Key};
-use crate::scheduler::{Resolved, Scheduler as Core, StepInput, StepPlan};
+use crate::scheduler::{PlanForm, Resolved, Scheduler as Core, StepInput, StepPlan};
 
 /// The arguments of `Scheduler.schedule_batch`, as given (see its doc).
 pub(super) struct Args<'a, 'py> {
@@ -106,7 +107,7 @@ impl Scheduler {
             preempted: names(&step.preempted).collect(),
             written,
         };
-        core.schedule(&input).map_err(to_py)
+        core.schedule_with(&input, PlanForm::Runs).map_err(to_py)
     }
 
     /// Keeps `step`'s scheduled ids for the next step's [`ids::match_items`] (called with no

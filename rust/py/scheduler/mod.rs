@@ -374,7 +374,6 @@ impl Scheduler {
                 written,
             };
             let mut plan = self.batch_step(&args)?;
-            let runs = crate::runs::encode(plan.loads.iter().chain(&plan.stores));
             let tier_jobs = super::tier::encode_tier_jobs(&plan.tier_jobs);
             let out = (
                 plan.loads.iter().map(|j| j.id.0).collect(),
@@ -384,7 +383,7 @@ impl Scheduler {
                     .collect(),
                 plan.stores.iter().map(|j| j.id.0).collect(),
                 plan.flush.iter().map(|j| j.0).collect(),
-                PyBytes::new(py, &runs),
+                PyBytes::new(py, &plan.runs),
                 PyBytes::new(py, &tier_jobs),
                 plan.tier_flush.iter().map(|j| j.0).collect(),
             );
