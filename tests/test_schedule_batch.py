@@ -220,7 +220,8 @@ def test_schedule_batch_plans_what_schedule_plans(seed: int, groups: int) -> Non
                 t.admit(rid)
         t.step()
     # Both kinds in the runs: the loads' rows come first, the stores' are written as planned.
-    assert t.stored > 0 and t.loaded > 0
+    assert t.stored > 0
+    assert t.loaded > 0
     assert snapshot(t.a) == snapshot(t.b)
 
 
