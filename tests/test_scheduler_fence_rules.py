@@ -265,6 +265,27 @@ def test_a_block_table_with_a_repeated_block_is_rejected_unchanged():
     assert s.stats()["steps"] == 0
 
 
+def test_a_long_table_s_repeated_block_is_found_and_no_call_sees_another_s_blocks() -> None:
+    """Tables of hundreds of blocks: a repeat at the end, in the middle or at the start is
+    refused, and the blocks a refused or an earlier call named are not repeats in the next call
+    (the check's generation stamps move on per call)."""
+    s = make(num_gpu_blocks=4096)
+    s.add_request("a", 1200, list(range(100, 400)))
+    assert s.lookup("a", 0) == 0
+    table = list(range(1, 301))
+    for dup_at in (299, 150, 1):
+        with pytest.raises(RequestStateError, match=f"block {table[dup_at - 1]} twice"):
+            s.allocate("a", [[*table[:dup_at], table[dup_at - 1], *table[dup_at:]]], 0, 0)
+        assert s.status("a") == "waiting"
+    s.allocate("a", [table], 0, 0)
+    fresh = list(range(301, 801))
+    with pytest.raises(RequestStateError, match="block 800"):
+        s.schedule(StepInput(scheduled=[("a", 9)], new_blocks=[("a", 0, [*fresh, 800])]))
+    assert s.stats()["steps"] == 0
+    s.schedule(StepInput(scheduled=[("a", 9)], new_blocks=[("a", 0, fresh)]))
+    assert s.stats()["steps"] == 1
+
+
 def test_the_null_block_where_a_load_must_write_is_rejected_unchanged():
     s = make()
     store_prefix(s, "a", [[1, 2, 3, 4, 5, 6, 7, 8]], list(range(11, 19)), 32)
