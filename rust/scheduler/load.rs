@@ -158,8 +158,12 @@ impl Scheduler {
             };
             class.extend_from_slice(&t.gpu_blocks);
         }
-        // The plan's copy of the transfers in kept lists (the plan is handed back once encoded).
-        let planned: Vec<GroupTransfer> = transfers.iter().map(|t| self.spares.copy(t)).collect();
+        for t in &transfers {
+            self.stats.load_blocks += t.gpu_blocks.len() as u64;
+            self.stats.load_bytes += t.gpu_blocks.len() as u64
+                * self.cfg.groups[t.group as usize].bytes_per_chunk
+                / u64::from(bpc);
+        }
         let payload = JobPayload {
             req: i,
             slots,
@@ -185,21 +189,16 @@ impl Scheduler {
                 loaders[s.0 as usize] = job;
             }
         }
-        for t in &planned {
-            self.stats.load_blocks += t.gpu_blocks.len() as u64;
-            self.stats.load_bytes += t.gpu_blocks.len() as u64
-                * self.cfg.groups[t.group as usize].bytes_per_chunk
-                / u64::from(bpc);
-        }
         self.loading_requests += 1;
         self.stats.load_jobs += 1;
         self.stats.load_tokens += u64::from(load_tokens);
         self.req_mut(i).load = job;
+        // Its copies join the plan at the next step, in the plan's form (`Scheduler::schedule_with`).
         self.new_loads.push(PlannedJob {
             id: job,
             kind: JobKind::Load,
             request: id.to_owned(),
-            transfers: planned,
+            transfers: Vec::new(),
         });
         Ok(Some(job))
     }

@@ -27,8 +27,8 @@ pub struct PlannedJob {
     pub kind: JobKind,
     /// External id of the request (empty for a store job of a plan in [`PlanForm::Runs`]).
     pub request: String,
-    /// Copies per group (none for a store job of a plan in [`PlanForm::Runs`]: its copies are
-    /// in [`StepPlan::runs`]).
+    /// Copies per group (none in a plan in [`PlanForm::Runs`]: its copies are in
+    /// [`StepPlan::runs`]).
     pub transfers: Vec<GroupTransfer>,
 }
 
@@ -39,9 +39,9 @@ pub enum PlanForm {
     #[default]
     Transfers,
     /// Every job's copies in [`StepPlan::runs`], packed ([`crate::runs`]: the loads' first,
-    /// then the stores'); the store jobs carry only their ids (no request id, no transfers),
-    /// the loads as in `Transfers`. For an engine binding that ships runs and job ids: a store
-    /// job then fills no list of its own for the plan (about five a job, each cold).
+    /// then the stores'); the jobs carry no transfers, and the store jobs no request id (the
+    /// loads keep theirs). For an engine binding that ships runs and job ids: a job then fills
+    /// no list of its own for the plan (about five a job, each cold).
     Runs,
 }
 

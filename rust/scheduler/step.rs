@@ -46,18 +46,25 @@ impl Scheduler {
         // A plan's list handed back (`recycle`), with room for half again the previous plan's
         // (decode-heavy steps plan about as many each): no allocation, not one per doubling.
         let mut stores = self.spares.jobs(self.last_stores + self.last_stores / 2);
-        // The loads come first in a plan's runs: theirs now, each store's as it is planned.
+        // The loads created since the previous plan come first: their copies now, read from
+        // their jobs (runs, or the plan's own copies of the transfers); each store's as it is
+        // planned.
         let mut runs = self.spares.runs();
-        if form == PlanForm::Runs {
-            for (k, job) in self.new_loads.iter().enumerate() {
-                for t in &job.transfers {
-                    crate::runs::push_copies(
+        for (k, load) in self.new_loads.iter_mut().enumerate() {
+            let Some(job) = self.tracker.jobs().get(load.id) else {
+                debug_assert!(false, "a load not planned yet is pending");
+                continue;
+            };
+            for t in &job.payload.transfers {
+                match form {
+                    PlanForm::Runs => crate::runs::push_copies(
                         &mut runs,
                         k as u32,
                         t.group,
                         &t.gpu_blocks,
                         &t.cpu_blocks,
-                    );
+                    ),
+                    PlanForm::Transfers => load.transfers.push(self.spares.copy(t)),
                 }
             }
         }
