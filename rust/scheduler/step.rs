@@ -51,10 +51,12 @@ impl Scheduler {
         // planned.
         let mut runs = self.spares.runs();
         for (k, load) in self.new_loads.iter_mut().enumerate() {
-            let Some(job) = self.tracker.jobs().get(load.id) else {
-                debug_assert!(false, "a load not planned yet is pending");
-                continue;
-            };
+            // No report of a job before its plan is accepted, and a reset empties `new_loads`.
+            let job = self
+                .tracker
+                .jobs()
+                .get(load.id)
+                .expect("a load not planned yet is pending");
             for t in &job.payload.transfers {
                 match form {
                     PlanForm::Runs => crate::runs::push_copies(

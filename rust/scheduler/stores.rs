@@ -111,7 +111,7 @@ impl Scheduler {
     /// each chunk's misses (the hash, the block table, the new key's bucket, the victim's
     /// record and bucket) would otherwise be waited for one after the other, request after
     /// request.
-    pub(super) fn plan_all(&mut self, work: &[u32], stores: &mut Planned<'_>) {
+    pub(super) fn plan_all(&mut self, work: &[u32], out: &mut Planned<'_>) {
         let step = self.step;
         if self.queued.len() < self.reqs.len() {
             self.queued.resize(self.reqs.len(), u64::MAX);
@@ -147,7 +147,7 @@ impl Scheduler {
             for pool in &self.pools {
                 pool.warm_victims();
             }
-            self.plan_stores(todo[t], stores);
+            self.plan_stores(todo[t], out);
             self.maybe_drop(todo[t]);
         }
         self.todo = todo;
@@ -272,13 +272,12 @@ impl Scheduler {
             }
             let len = plan.keys.len() * bpc as usize;
             let (mut gpu_blocks, mut cpu_blocks) = if packed {
-                let mut lists = (
+                sc.gpu_blocks.clear();
+                sc.cpu_blocks.clear();
+                (
                     std::mem::take(&mut sc.gpu_blocks),
                     std::mem::take(&mut sc.cpu_blocks),
-                );
-                lists.0.clear();
-                lists.1.clear();
-                lists
+                )
             } else {
                 (self.spares.blocks(len), self.spares.cpu(len))
             };
