@@ -79,8 +79,9 @@ impl Scheduler {
 
     /// [`Scheduler::engine_block`] of each block.
     pub(super) fn engine_blocks(&self, blocks: &[BlockId]) -> Result<Vec<BlockId>> {
-        // Sized once (a collect through `Result` would grow it block by block).
-        let mut out = Vec::with_capacity(blocks.len());
+        // Sized once (a collect through `Result` would grow it block by block), with room for
+        // the blocks the request decodes into: the list becomes its block table.
+        let mut out = Vec::with_capacity(blocks.len() + super::requests::TABLE_ROOM);
         for &b in blocks {
             out.push(self.engine_block(b)?);
         }

@@ -287,9 +287,7 @@ impl Scheduler {
                 self.pools[g].touch_resolved(&keys, hints);
                 let slots = &mut r.groups[g].slots;
                 let (lo, hi) = (first as usize, first as usize + hints.len());
-                if slots.len() < hi {
-                    slots.resize(hi, SlotId::NONE);
-                }
+                super::requests::grow(slots, hi, SlotId::NONE);
                 slots[lo..hi].copy_from_slice(hints);
             }
         }
@@ -341,9 +339,7 @@ impl Scheduler {
             let first = hit / self.cfg.chunk_tokens(g);
             // The hints' list sized once for the chunks probed, not grown chunk by chunk.
             let probed = first as usize + sc.slots.len();
-            if rg.slots.len() < probed {
-                rg.slots.resize(probed, SlotId::NONE);
-            }
+            super::requests::grow(&mut rg.slots, probed, SlotId::NONE);
             for (c, &slot) in (first..).zip(&sc.slots) {
                 if slot != SlotId::NONE {
                     rg.hint(c, slot);

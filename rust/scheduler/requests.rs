@@ -51,13 +51,29 @@ pub(super) struct ReqGroup {
     pub(super) slots: Vec<SlotId>,
 }
 
+/// Entries a request's growing tables (a group's blocks and slot hints) get to spare when
+/// they are sized or reallocated: a decoding request appends a block per block of tokens and a
+/// hint per chunk stored, and the first append past a table sized exactly would copy the whole
+/// table, cold, in the middle of a step (a reallocation of kilobytes per request that starts
+/// decoding). 32 blocks are 512 tokens of 16-token blocks, as the binding's room for hashes.
+pub(super) const TABLE_ROOM: usize = 32;
+
+/// Lengthens `v` to `n` entries (new ones `fill`); a reallocation leaves [`TABLE_ROOM`]
+/// entries to spare, at least (it doubles the room as `Vec` does).
+pub(super) fn grow<T: Clone>(v: &mut Vec<T>, n: usize, fill: T) {
+    if v.len() < n {
+        if v.capacity() < n {
+            v.reserve(n + TABLE_ROOM - v.len());
+        }
+        v.resize(n, fill);
+    }
+}
+
 impl ReqGroup {
     /// Remembers that chunk `c` sits in `slot`.
     pub(super) fn hint(&mut self, c: u32, slot: SlotId) {
         let c = c as usize;
-        if self.slots.len() <= c {
-            self.slots.resize(c + 1, SlotId::NONE);
-        }
+        grow(&mut self.slots, c + 1, SlotId::NONE);
         self.slots[c] = slot;
     }
 }
@@ -296,5 +312,28 @@ impl Scheduler {
                 "only running requests are preempted",
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grow_lengthens_with_the_fill_keeps_what_is_there_and_leaves_room() {
+        let mut v = vec![SlotId(7); 3];
+        v.shrink_to_fit();
+        grow(&mut v, 2, SlotId::NONE);
+        assert_eq!(v, [SlotId(7); 3], "never shortens");
+        grow(&mut v, 5, SlotId::NONE);
+        assert_eq!(v, [SlotId(7), SlotId(7), SlotId(7), SlotId::NONE, SlotId::NONE]);
+        assert!(v.capacity() >= 5 + TABLE_ROOM, "a reallocation leaves room");
+        // Appends within the room reallocate nothing.
+        let at = v.as_ptr();
+        for n in 6..=5 + TABLE_ROOM {
+            grow(&mut v, n, SlotId(1));
+        }
+        assert_eq!((v.as_ptr(), v.len()), (at, 5 + TABLE_ROOM));
+        assert_eq!(v[5..], [SlotId(1); TABLE_ROOM]);
     }
 }
