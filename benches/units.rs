@@ -54,6 +54,9 @@
 //! the position entries a step drops, the records a completion publishes) a call can beat its
 //! floor, so compare the calls row by row. Samples are medians: single calls on this shared
 //! 2-core VM get preempted; compare units with their floors in one run.
+//!
+//! The bench allocates through mimalloc, as the extension does (`rust/py/mod.rs`): the engine's
+//! calls reach the core through it.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -65,6 +68,10 @@ use kvoffload::{BlockId, JobId, Key};
 
 mod support;
 use support::Rng;
+
+/// The extension's allocator (`rust/py/mod.rs`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const BLOCK: u32 = 16;
 const GPU_BLOCKS: u32 = 262_144;
