@@ -69,7 +69,8 @@ use kvoffload::{BlockId, JobId, Key};
 mod support;
 use support::Rng;
 
-/// The extension's allocator (`rust/py/mod.rs`).
+/// The extension's allocator (`rust/py/mod.rs`, which sets it itself with the `python` feature).
+#[cfg(not(feature = "python"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

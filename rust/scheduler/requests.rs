@@ -326,7 +326,10 @@ mod tests {
         grow(&mut v, 2, SlotId::NONE);
         assert_eq!(v, [SlotId(7); 3], "never shortens");
         grow(&mut v, 5, SlotId::NONE);
-        assert_eq!(v, [SlotId(7), SlotId(7), SlotId(7), SlotId::NONE, SlotId::NONE]);
+        assert_eq!(
+            v,
+            [SlotId(7), SlotId(7), SlotId(7), SlotId::NONE, SlotId::NONE]
+        );
         assert!(v.capacity() >= 5 + TABLE_ROOM, "a reallocation leaves room");
         // Appends within the room reallocate nothing.
         let at = v.as_ptr();
