@@ -64,7 +64,7 @@ pub use plan::{
     CompletedJob, GroupTransfer, PlanForm, PlannedJob, SchedulerEvent, SchedulerStats, StepInput,
     StepPlan,
 };
-pub use requests::Status;
+pub use requests::{Status, TABLE_ROOM};
 pub use tiers::{DiskWatch, TierAdmission, TierGroupStats, TierJob, TierJobKind};
 
 use requests::Request;

@@ -51,12 +51,12 @@ pub(super) struct ReqGroup {
     pub(super) slots: Vec<SlotId>,
 }
 
-/// Entries a request's growing tables (a group's blocks and slot hints) get to spare when
-/// they are sized or reallocated: a decoding request appends a block per block of tokens and a
-/// hint per chunk stored, and the first append past a table sized exactly would copy the whole
-/// table, cold, in the middle of a step (a reallocation of kilobytes per request that starts
-/// decoding). 32 blocks are 512 tokens of 16-token blocks, as the binding's room for hashes.
-pub(super) const TABLE_ROOM: usize = 32;
+/// Entries a request's growing tables (its hashes, a group's blocks and slot hints) get to
+/// spare when they are sized or reallocated: a decoding request appends a hash and a block per
+/// block of tokens and a hint per chunk stored, and the first append past a table sized exactly
+/// would copy the whole table, cold, in the middle of a step (a reallocation of kilobytes per
+/// request that starts decoding). 32 blocks are 512 tokens of 16-token blocks.
+pub const TABLE_ROOM: usize = 32;
 
 /// Lengthens `v` to `n` entries (new ones `fill`); a reallocation leaves [`TABLE_ROOM`]
 /// entries to spare, at least (it doubles the room as `Vec` does).

@@ -33,7 +33,7 @@ use super::engine::engine_hashes_from;
 use super::errors::to_py;
 use crate::error::Error;
 use crate::py::sync::guarded;
-use crate::scheduler::{Scheduler as Core, StepInput};
+use crate::scheduler::{Scheduler as Core, StepInput, TABLE_ROOM};
 
 /// [`Scheduler::tail_under_lock`]'s answer: the lock, the held hash count, the tail's start.
 type Tail<'a> = (MutexGuard<'a, Core>, Option<usize>, usize, Vec<crate::Key>);
@@ -56,10 +56,6 @@ type ResetLists = (Vec<u64>, Vec<(String, u64)>);
 /// `take_events`' rows: `(kind, group, keys, medium)`.
 type EventRows = Vec<(&'static str, u32, Vec<u128>, &'static str)>;
 
-/// Room for the hashes a new request's list grows by as it decodes (vLLM appends one per full
-/// block: 32 cover 512 tokens of 16-token blocks), so that its first appends do not copy it.
-const HASH_ROOM: usize = 32;
-
 impl Scheduler {
     /// The core lock, waited for with the GIL released; never held while calling Python.
     fn lock(&self) -> PyResult<MutexGuard<'_, Core>> {
@@ -81,8 +77,9 @@ impl Scheduler {
             // (A `block_hashes` that is no sequence fails in the conversion, as it should.)
             let len = block_hashes.len().unwrap_or(usize::MAX);
             let from = held.map_or(0, |n| n.saturating_sub(1).min(len));
-            // A new request's list becomes its own: room for the hashes it decodes.
-            let spare = if held.is_none() { HASH_ROOM } else { 0 };
+            // A new request's list becomes its own: room for the hashes it decodes (vLLM
+            // appends one per full block), so that its first appends do not copy it.
+            let spare = if held.is_none() { TABLE_ROOM } else { 0 };
             let tail = engine_hashes_from(block_hashes, from, spare, "block_hashes")?;
             let core = self.lock()?;
             if core.num_hashes(id).ok() == held {
