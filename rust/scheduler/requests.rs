@@ -317,7 +317,30 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
+    use super::super::positions::tests::{small, step};
     use super::*;
+
+    /// A block table handed over exactly sized becomes the request's with room: the blocks a
+    /// decode appends, up to [`TABLE_ROOM`], do not move it (no copy of the whole table).
+    #[test]
+    fn a_request_s_block_table_takes_its_decode_blocks_in_place() {
+        let mut s = small(1);
+        s.add_request("a", 9, vec![Key(1), Key(2)]).unwrap();
+        assert_eq!(s.lookup("a", 0).unwrap(), Some(0));
+        let mut table = vec![BlockId(1), BlockId(2), BlockId(3)];
+        table.shrink_to_fit();
+        s.allocate("a", &[table], 0, 0).unwrap();
+        let i = s.idx("a").unwrap();
+        let at = s.req(i).groups[0].blocks.as_ptr();
+        for b in 0..TABLE_ROOM as u32 {
+            let mut input = step(&[("a", 9)]);
+            input.new_blocks.push(("a".to_owned(), 0, vec![BlockId(10 + b)]));
+            s.schedule(&input).unwrap();
+        }
+        let blocks = &s.req(i).groups[0].blocks;
+        assert_eq!(blocks.len(), 3 + TABLE_ROOM);
+        assert_eq!(blocks.as_ptr(), at, "the table was reallocated");
+    }
 
     #[test]
     fn grow_lengthens_with_the_fill_keeps_what_is_there_and_leaves_room() {
