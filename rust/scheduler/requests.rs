@@ -334,7 +334,9 @@ mod tests {
         let at = s.req(i).groups[0].blocks.as_ptr();
         for b in 0..TABLE_ROOM as u32 {
             let mut input = step(&[("a", 9)]);
-            input.new_blocks.push(("a".to_owned(), 0, vec![BlockId(10 + b)]));
+            input
+                .new_blocks
+                .push(("a".to_owned(), 0, vec![BlockId(10 + b)]));
             s.schedule(&input).unwrap();
         }
         let blocks = &s.req(i).groups[0].blocks;
