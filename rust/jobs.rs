@@ -66,7 +66,13 @@ pub struct OwnerJobs {
     pub loads: u32,
     /// Ids of all pending jobs, in creation order.
     pub jobs: Vec<JobId>,
+    /// The owner the entry is mapped to (`None`: a free entry), so that an entry named by a
+    /// caller's hint can be checked ([`JobTable::insert_at`]).
+    owner: Option<OwnerId>,
 }
+
+/// No entry hint: the owner is looked up by hash ([`JobTable::insert_at`]).
+pub const NO_ENTRY: u32 = u32::MAX;
 
 /// Result of one completion report.
 #[derive(Debug)]
@@ -160,9 +166,15 @@ impl<P> JobTable<P> {
 
     /// Checks that `owner` may get a job of `kind` (invariant 7).
     pub fn check_owner(&self, owner: OwnerId, kind: JobKind) -> Result<()> {
-        let Some(o) = self.owner(owner) else {
+        self.check_owner_at(owner, NO_ENTRY, kind)
+    }
+
+    /// [`JobTable::check_owner`] with a hint of the owner's entry ([`JobTable::insert_at`]).
+    pub fn check_owner_at(&self, owner: OwnerId, hint: u32, kind: JobKind) -> Result<()> {
+        let Some(e) = self.find(owner, hint) else {
             return Ok(());
         };
+        let o = &self.entries[e as usize];
         match kind {
             JobKind::Load if o.loads > 0 => Err(Error::OwnerBusy {
                 owner,
@@ -190,9 +202,37 @@ impl<P> JobTable<P> {
         deferred_armed: bool,
         payload: P,
     ) -> JobId {
+        let (id, _) = self.insert_at(
+            kind,
+            owner,
+            NO_ENTRY,
+            eager,
+            deferred,
+            deferred_armed,
+            payload,
+        );
+        id
+    }
+
+    /// [`JobTable::insert`] with a hint of the owner's entry: what the owner's last
+    /// `insert_at` returned beside its job id ([`NO_ENTRY`]: none). A hint still the owner's
+    /// saves the lookup by hash (a cache miss on the map per job); a stale one (the entry was
+    /// freed, swept, handed to another owner or reset since) is only ignored. Returns the
+    /// job's id and the owner's entry, the hint for its next job.
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert_at(
+        &mut self,
+        kind: JobKind,
+        owner: OwnerId,
+        hint: u32,
+        eager: Vec<BlockId>,
+        deferred: Vec<BlockId>,
+        deferred_armed: bool,
+        payload: P,
+    ) -> (JobId, u32) {
         let id = JobId(self.next);
         self.next += 1;
-        let entry = self.entry_of(owner);
+        let entry = self.entry_of(owner, hint);
         let o = &mut self.entries[entry as usize];
         if o.jobs.is_empty() {
             self.busy += 1;
@@ -225,7 +265,7 @@ impl<P> JobTable<P> {
             payload,
         }));
         self.live += 1;
-        id
+        (id, entry)
     }
 
     /// The pending job `id`, if any.
@@ -302,10 +342,19 @@ impl<P> JobTable<P> {
         Ok(Completion::Done(job))
     }
 
-    /// The entry of `owner`, made (or taken from the free ones) if it has none. Sweeps the
-    /// idle entries first when they are too many.
-    fn entry_of(&mut self, owner: OwnerId) -> u32 {
-        if let Some(&e) = self.slots.get(&owner) {
+    /// The entry of `owner`, if it has one: `hint` if that is still the owner's, else the
+    /// map's.
+    fn find(&self, owner: OwnerId, hint: u32) -> Option<u32> {
+        match self.entries.get(hint as usize) {
+            Some(o) if o.owner == Some(owner) => Some(hint),
+            _ => self.slots.get(&owner).copied(),
+        }
+    }
+
+    /// The entry of `owner` (`hint`: see [`JobTable::find`]), made (or taken from the free
+    /// ones) if it has none. Sweeps the idle entries first when they are too many.
+    fn entry_of(&mut self, owner: OwnerId, hint: u32) -> u32 {
+        if let Some(e) = self.find(owner, hint) {
             return e;
         }
         if self.slots.len() - self.busy > IDLE_ENTRIES.max(self.busy) {
@@ -316,17 +365,20 @@ impl<P> JobTable<P> {
             u32::try_from(self.entries.len() - 1).expect("fewer than 2**32 owners")
         });
         self.slots.insert(owner, e);
+        self.entries[e as usize].owner = Some(owner);
         e
     }
 
     /// Frees every idle entry (owners with no pending job): amortized over the entries made
     /// since the last sweep, which are at least as many.
     fn sweep(&mut self) {
-        let entries = &self.entries;
+        let entries = &mut self.entries;
         let free = &mut self.free;
         self.slots.retain(|_, e| {
-            let idle = entries[*e as usize].jobs.is_empty();
+            let o = &mut entries[*e as usize];
+            let idle = o.jobs.is_empty();
             if idle {
+                o.owner = None;
                 free.push(*e);
             }
             !idle
@@ -339,6 +391,7 @@ impl<P> JobTable<P> {
         if let Some(&e) = self.slots.get(&owner) {
             if self.entries[e as usize].jobs.is_empty() {
                 self.slots.remove(&owner);
+                self.entries[e as usize].owner = None;
                 self.free.push(e);
             }
         }
@@ -457,6 +510,101 @@ mod tests {
         done(&mut t, again);
         assert_eq!(t.owners_len(), 0);
         assert!(t.owner(OwnerId(u64::MAX)).is_none() && t.owner(OwnerId(7)).is_none());
+    }
+
+    fn insert_at(t: &mut JobTable<()>, kind: JobKind, owner: u64, hint: u32) -> (JobId, u32) {
+        t.insert_at(
+            kind,
+            OwnerId(owner),
+            hint,
+            vec![],
+            vec![BlockId(1)],
+            false,
+            (),
+        )
+    }
+
+    #[test]
+    fn an_entry_hint_is_used_while_it_is_the_owner_s_and_ignored_once_stale() {
+        let mut t = JobTable::new(1).unwrap();
+        let (a1, e1) = insert_at(&mut t, JobKind::Store, 1, NO_ENTRY);
+        // The owner's own hint: the same entry, its jobs together.
+        let (a2, e) = insert_at(&mut t, JobKind::Store, 1, e1);
+        assert_eq!(e, e1);
+        assert_eq!(t.owner(OwnerId(1)).unwrap().jobs, vec![a1, a2]);
+        // A hint naming another owner's entry: owner 2 gets an entry of its own.
+        let (b, e2) = insert_at(&mut t, JobKind::Load, 2, e1);
+        assert_ne!(e2, e1);
+        assert_eq!(t.owner(OwnerId(1)).unwrap().jobs, vec![a1, a2]);
+        assert_eq!(t.owner(OwnerId(2)).unwrap().jobs, vec![b]);
+        // ... and the check reads owner 2's pending load, not owner 1's stores.
+        assert!(t.check_owner_at(OwnerId(2), e1, JobKind::Store).is_err());
+        assert!(t.check_owner_at(OwnerId(1), e2, JobKind::Store).is_ok());
+        assert!(t.check_owner_at(OwnerId(1), e2, JobKind::Load).is_err());
+        // Owner 1 done and forgotten: its entry goes to owner 3, and owner 1's old hint then
+        // names owner 3's entry. Owner 1 comes back with an entry of its own.
+        done(&mut t, a1);
+        done(&mut t, a2);
+        t.forget(OwnerId(1));
+        let (c, e3) = insert_at(&mut t, JobKind::Load, 3, NO_ENTRY);
+        assert_eq!(e3, e1, "the forgotten entry serves owner 3");
+        assert!(t.check_owner_at(OwnerId(1), e1, JobKind::Load).is_ok());
+        let (a3, e) = insert_at(&mut t, JobKind::Store, 1, e1);
+        assert_ne!(e, e1);
+        assert_eq!(t.owner(OwnerId(3)).unwrap().jobs, vec![c]);
+        assert_eq!(t.owner(OwnerId(1)).unwrap().jobs, vec![a3]);
+        // A freed entry no owner took yet is no owner's, not even the one it was freed from:
+        // an owner forgotten and back (a caller reusing an id) with its old hint takes an
+        // entry through the map, and the free one later serves another owner alone.
+        done(&mut t, a3);
+        t.forget(OwnerId(1));
+        assert!(t.owner(OwnerId(1)).is_none());
+        let (a4, e4) = insert_at(&mut t, JobKind::Store, 4, NO_ENTRY);
+        done(&mut t, a4);
+        t.forget(OwnerId(4));
+        let (a5, e5) = insert_at(&mut t, JobKind::Store, 4, e4);
+        let (a6, e6) = insert_at(&mut t, JobKind::Store, 6, NO_ENTRY);
+        assert_ne!(e5, e6);
+        assert_eq!(t.owner(OwnerId(4)).unwrap().jobs, vec![a5]);
+        assert_eq!(t.owner(OwnerId(6)).unwrap().jobs, vec![a6]);
+        // After a reset every hint is stale, out of range or not.
+        t.reset();
+        let (d, _) = insert_at(&mut t, JobKind::Store, 9, NO_ENTRY);
+        for hint in [0, e2, e3, 1 << 20] {
+            assert!(t.check_owner_at(OwnerId(2), hint, JobKind::Load).is_ok());
+        }
+        let (f, e) = insert_at(&mut t, JobKind::Store, 2, 0);
+        assert_ne!(e, 0, "entry 0 is owner 9's");
+        assert_eq!(t.owner(OwnerId(9)).unwrap().jobs, vec![d]);
+        assert_eq!(t.owner(OwnerId(2)).unwrap().jobs, vec![f]);
+    }
+
+    #[test]
+    fn a_swept_entry_is_no_owner_s_hint() {
+        let mut t = JobTable::new(1).unwrap();
+        let (a, e) = insert_at(&mut t, JobKind::Store, 0, NO_ENTRY);
+        done(&mut t, a);
+        // Owners never forgotten: their idle entries are swept, owner 0's among them.
+        for owner in 1..=2 * IDLE_ENTRIES as u64 + 2 {
+            let id = store(&mut t, owner);
+            done(&mut t, id);
+        }
+        assert!(
+            !t.slots.contains_key(&OwnerId(0)),
+            "owner 0's entry was swept"
+        );
+        let (b, _) = insert_at(&mut t, JobKind::Store, 0, e);
+        assert_eq!(t.owner(OwnerId(0)).unwrap().jobs, vec![b]);
+        let holder = t.entries[e as usize].owner;
+        if let Some(other) = holder.filter(|&o| o != OwnerId(0)) {
+            assert!(t.owner(other).is_none_or(|o| !o.jobs.contains(&b)));
+        }
+        // Every mapped entry names its owner, and only mapped entries name one.
+        for (o, &e) in &t.slots {
+            assert_eq!(t.entries[e as usize].owner, Some(*o));
+        }
+        let named = t.entries.iter().filter(|o| o.owner.is_some()).count();
+        assert_eq!(named, t.slots.len());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use rustc_hash::FxHashSet;
 use crate::error::{Error, Result};
 use crate::fence::Fence;
 use crate::ids::{BlockId, JobId, OwnerId};
-use crate::jobs::{Completion, Job, JobKind, JobStats, JobTable};
+use crate::jobs::{Completion, Job, JobKind, JobStats, JobTable, NO_ENTRY};
 
 /// Counters of the fence.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -75,12 +75,28 @@ impl<P> Tracker<P> {
         deferred: Vec<BlockId>,
         payload: P,
     ) -> Result<JobId> {
+        self.create_at(kind, owner, NO_ENTRY, eager, deferred, payload)
+            .map(|(id, _)| id)
+    }
+
+    /// [`Tracker::create`] with a hint of the owner's entry in the job table: what its last
+    /// `create_at` returned beside the job id ([`NO_ENTRY`]: none; see
+    /// [`JobTable::insert_at`]). Returns the job's id and the hint for the owner's next job.
+    pub fn create_at(
+        &mut self,
+        kind: JobKind,
+        owner: OwnerId,
+        hint: u32,
+        eager: Vec<BlockId>,
+        deferred: Vec<BlockId>,
+        payload: P,
+    ) -> Result<(JobId, u32)> {
         if eager.is_empty() && deferred.is_empty() {
             return Err(Error::EmptyJob(owner));
         }
         self.validate_blocks(&eager)?;
         self.validate_blocks(&deferred)?;
-        self.jobs.check_owner(owner, kind)?;
+        self.jobs.check_owner_at(owner, hint, kind)?;
         let armed = self.released.contains(&owner) && !self.skip_deferred;
         let next = self.jobs.next_id();
         self.fence.arm(next, &eager);
@@ -89,7 +105,7 @@ impl<P> Tracker<P> {
         }
         Ok(self
             .jobs
-            .insert(kind, owner, eager, deferred, armed, payload))
+            .insert_at(kind, owner, hint, eager, deferred, armed, payload))
     }
 
     /// The owner released its blocks (finished, aborted or preempted): arm the deferred pairs

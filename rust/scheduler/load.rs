@@ -173,10 +173,12 @@ impl Scheduler {
             load_end: end,
             tier: None,
         };
-        let job = self
+        let hint = self.req(i).job_entry;
+        let (job, entry) = self
             .tracker
-            .create(JobKind::Load, owner, eager, deferred, payload)
+            .create_at(JobKind::Load, owner, hint, eager, deferred, payload)
             .expect("blocks validated, no pending job");
+        self.req_mut(i).job_entry = entry;
         let payload = &self.tracker.jobs().get(job).expect("just created").payload;
         for (t, slots) in payload.transfers.iter().zip(&payload.slots) {
             let loaders = &mut self.loaders[t.group as usize];

@@ -113,18 +113,26 @@ pub(super) struct Request {
     // The rest: read when the request changes, not every step.
     pub(super) id: String,
     pub(super) groups: Vec<ReqGroup>,
+    /// Bumped whenever the block table is replaced, so older index entries die.
+    pub(super) epoch: u32,
+    /// Its entry in the job table as its last job left it: a hint that saves the table's
+    /// lookup by hash when its next job is created ([`crate::jobs::JobTable::insert_at`]).
+    /// On the line of `groups`, which planning a job reads anyway.
+    pub(super) job_entry: u32,
     pub(super) first_ask: Option<u64>,
     /// A lower tier's answer about its chunks was pending at its last ask (a remote tier's
     /// existence check): the next ask may still promote, as the first one could.
     pub(super) tier_pending: bool,
     pub(super) wait_on: Vec<JobId>,
     pub(super) lookup: Option<LookupResult>,
-    /// Bumped whenever the block table is replaced, so older index entries die.
-    pub(super) epoch: u32,
 }
 
 // The step's fields share the first cache line.
 const _: () = assert!(std::mem::offset_of!(Request, live) + 8 <= 64);
+// A job's owner entry shares the second line with the block tables.
+const _: () = assert!(
+    std::mem::offset_of!(Request, job_entry) / 64 == std::mem::offset_of!(Request, groups) / 64
+);
 
 impl Scheduler {
     /// The slab index of request `id`.
@@ -209,6 +217,7 @@ impl Scheduler {
             lookup: None,
             store_due: 0,
             epoch: 0,
+            job_entry: crate::jobs::NO_ENTRY,
         };
         let i = if let Some(i) = self.free.pop() {
             self.reqs[i as usize] = Some(req);

@@ -336,16 +336,19 @@ impl Scheduler {
             self.spares.put_chunks(record);
             return;
         }
-        let id = self
+        let hint = self.req(i).job_entry;
+        let (id, entry) = self
             .tracker
-            .create(
+            .create_at(
                 JobKind::Store,
                 owner,
+                hint,
                 eager,
                 deferred,
                 JobPayload::store(i, record),
             )
             .expect("blocks validated, no pending load");
+        self.req_mut(i).job_entry = entry;
         self.stats.store_jobs += 1;
         let request = if packed {
             String::new()
