@@ -529,14 +529,14 @@ mod tests {
         let mut t = JobTable::new(1).unwrap();
         let (a1, e1) = insert_at(&mut t, JobKind::Store, 1, NO_ENTRY);
         // The owner's own hint: the same entry, its jobs together.
-        let (a2, e) = insert_at(&mut t, JobKind::Store, 1, e1);
-        assert_eq!(e, e1);
+        let (a2, entry) = insert_at(&mut t, JobKind::Store, 1, e1);
+        assert_eq!(entry, e1);
         assert_eq!(t.owner(OwnerId(1)).unwrap().jobs, vec![a1, a2]);
         // A hint naming another owner's entry: owner 2 gets an entry of its own.
-        let (b, e2) = insert_at(&mut t, JobKind::Load, 2, e1);
+        let (load2, e2) = insert_at(&mut t, JobKind::Load, 2, e1);
         assert_ne!(e2, e1);
         assert_eq!(t.owner(OwnerId(1)).unwrap().jobs, vec![a1, a2]);
-        assert_eq!(t.owner(OwnerId(2)).unwrap().jobs, vec![b]);
+        assert_eq!(t.owner(OwnerId(2)).unwrap().jobs, vec![load2]);
         // ... and the check reads owner 2's pending load, not owner 1's stores.
         assert!(t.check_owner_at(OwnerId(2), e1, JobKind::Store).is_err());
         assert!(t.check_owner_at(OwnerId(1), e2, JobKind::Store).is_ok());
@@ -546,12 +546,12 @@ mod tests {
         done(&mut t, a1);
         done(&mut t, a2);
         t.forget(OwnerId(1));
-        let (c, e3) = insert_at(&mut t, JobKind::Load, 3, NO_ENTRY);
+        let (load3, e3) = insert_at(&mut t, JobKind::Load, 3, NO_ENTRY);
         assert_eq!(e3, e1, "the forgotten entry serves owner 3");
         assert!(t.check_owner_at(OwnerId(1), e1, JobKind::Load).is_ok());
-        let (a3, e) = insert_at(&mut t, JobKind::Store, 1, e1);
-        assert_ne!(e, e1);
-        assert_eq!(t.owner(OwnerId(3)).unwrap().jobs, vec![c]);
+        let (a3, entry) = insert_at(&mut t, JobKind::Store, 1, e1);
+        assert_ne!(entry, e1);
+        assert_eq!(t.owner(OwnerId(3)).unwrap().jobs, vec![load3]);
         assert_eq!(t.owner(OwnerId(1)).unwrap().jobs, vec![a3]);
         // A freed entry no owner took yet is no owner's, not even the one it was freed from:
         // an owner forgotten and back (a caller reusing an id) with its old hint takes an
@@ -569,14 +569,14 @@ mod tests {
         assert_eq!(t.owner(OwnerId(6)).unwrap().jobs, vec![a6]);
         // After a reset every hint is stale, out of range or not.
         t.reset();
-        let (d, _) = insert_at(&mut t, JobKind::Store, 9, NO_ENTRY);
+        let (job9, _) = insert_at(&mut t, JobKind::Store, 9, NO_ENTRY);
         for hint in [0, e2, e3, 1 << 20] {
             assert!(t.check_owner_at(OwnerId(2), hint, JobKind::Load).is_ok());
         }
-        let (f, e) = insert_at(&mut t, JobKind::Store, 2, 0);
-        assert_ne!(e, 0, "entry 0 is owner 9's");
-        assert_eq!(t.owner(OwnerId(9)).unwrap().jobs, vec![d]);
-        assert_eq!(t.owner(OwnerId(2)).unwrap().jobs, vec![f]);
+        let (job2, entry) = insert_at(&mut t, JobKind::Store, 2, 0);
+        assert_ne!(entry, 0, "entry 0 is owner 9's");
+        assert_eq!(t.owner(OwnerId(9)).unwrap().jobs, vec![job9]);
+        assert_eq!(t.owner(OwnerId(2)).unwrap().jobs, vec![job2]);
     }
 
     #[test]
