@@ -1383,3 +1383,109 @@ fn hints_never_reach_a_held_slot() {
         p.check_consistency().unwrap();
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Long lookups: past its first probe batch, a lookup takes a key's slot from the record after
+// the previous key's when that record holds it (a prefix stored by one call holds consecutive
+// slots). Whatever the pool went through, each key's answer is the index's.
+
+#[derive(Clone, Debug)]
+enum LongOp {
+    /// `prepare_store` of keys `start..start + len`, then complete them (`Some(ok)`) or leave
+    /// them storing (`None`).
+    Store(u128, u128, Option<bool>),
+    /// `hold` the storing keys of `start..start + len` (refused unless all are storing).
+    Hold(u128, u128),
+    /// `release_held` of everything held.
+    Release,
+    /// `lookup_slots` of `start..start + len`, or of that range read backwards; then
+    /// `fill_slots` of the same keys with the slots of those whose bit is set in the mask
+    /// given (the others unknown).
+    Lookup(u128, u128, bool, bool, u64),
+}
+
+fn long_op() -> impl Strategy<Value = LongOp> {
+    let start = || 0..96u128;
+    prop_oneof![
+        4 => (start(), 1..40u128, prop_oneof![Just(Some(true)), Just(Some(false)), Just(None)])
+            .prop_map(|(s, n, ok)| LongOp::Store(s, n, ok)),
+        1 => (start(), 1..6u128).prop_map(|(s, n)| LongOp::Hold(s, n)),
+        1 => Just(LongOp::Release),
+        4 => (start(), 17..80u128, any::<bool>(), any::<bool>(), any::<u64>())
+            .prop_map(|(s, n, back, stop, mask)| LongOp::Lookup(s, n, back, stop, mask)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    #[test]
+    fn long_lookups_say_what_the_index_says_key_by_key(
+        ops in prop::collection::vec(long_op(), 1..60),
+        arc in any::<bool>(),
+    ) {
+        let policy = if arc { PolicyKind::Arc } else { PolicyKind::Lru };
+        let mut p = pool(64, policy);
+        let mut held: Vec<SlotId> = Vec::new();
+        for op in &ops {
+            match *op {
+                LongOp::Store(s, n, ok) => {
+                    let keys: Vec<u128> = (s..s + n).collect();
+                    if let Some(plan) = p.prepare_store(&ks(&keys)) {
+                        if let Some(ok) = ok {
+                            p.complete_store(&plan.keys, ok).unwrap();
+                        }
+                    }
+                }
+                LongOp::Hold(s, n) => {
+                    let keys: Vec<u128> = (s..s + n).collect();
+                    if let Ok(slots) = p.hold(&ks(&keys)) {
+                        held.extend(slots);
+                    }
+                }
+                LongOp::Release => {
+                    p.release_held(&held).unwrap();
+                    held.clear();
+                }
+                LongOp::Lookup(s, n, back, stop, mask) => {
+                    let mut keys: Vec<u128> = (s..s + n).collect();
+                    if back {
+                        keys.reverse();
+                    }
+                    let (mut states, mut slots) = (vec![], vec![]);
+                    let prefix = p.lookup_slots(&ks(&keys), &mut states, &mut slots, stop);
+                    prop_assert_eq!(slots.len(), states.len());
+                    for (i, ((k, state), slot)) in keys.iter().zip(&states).zip(&slots).enumerate() {
+                        let want = p.slot(Key(*k));
+                        prop_assert_eq!(*slot, want.unwrap_or(SlotId::NONE), "key {} (#{})", k, i);
+                        prop_assert_eq!(*state, p.state(Key(*k)), "key {} (#{})", k, i);
+                    }
+                    let ready = states
+                        .iter()
+                        .take_while(|s| matches!(s, KeyState::Ready { .. }))
+                        .count();
+                    prop_assert_eq!(prefix, ready);
+                    // Known entries are kept as given (even a wrong one), unknown ones filled.
+                    let index: Vec<SlotId> = keys
+                        .iter()
+                        .map(|&k| p.slot(Key(k)).unwrap_or(SlotId::NONE))
+                        .collect();
+                    let given: Vec<SlotId> = index
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &s)| match (mask >> (i % 64)) & 3 {
+                            0 => SlotId::NONE,
+                            1 => SlotId(s.0 ^ 1),
+                            _ => s,
+                        })
+                        .collect();
+                    let mut filled = given.clone();
+                    p.fill_slots(&ks(&keys), &mut filled);
+                    for i in 0..keys.len() {
+                        let want = if given[i] == SlotId::NONE { index[i] } else { given[i] };
+                        prop_assert_eq!(filled[i], want, "fill_slots, key {} (#{})", keys[i], i);
+                    }
+                }
+            }
+        }
+    }
+}

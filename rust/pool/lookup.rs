@@ -31,27 +31,32 @@ impl Pool {
     }
 
     /// Sets `slots[i]` to [`Pool::slot`]`(keys[i])` wherever it holds [`SlotId::NONE`] (an
-    /// absent key leaves it so); other entries are kept as they are. The probes are made in
-    /// batches whose cache misses overlap.
+    /// absent key leaves it so); other entries are kept as they are. `keys` are consecutive
+    /// chunks of one sequence: each run of unknown entries is resolved in batches whose cache
+    /// misses overlap, guessing first that a key's slot follows the slot before it
+    /// ([`Pool::slots_after`]).
     pub fn fill_slots(&self, keys: &[Key], slots: &mut [SlotId]) {
-        let mut want = [Key(0); PROBE_BATCH];
-        let mut at = [0usize; PROBE_BATCH];
         let mut found = [None; PROBE_BATCH];
-        let (mut n, len) = (0, keys.len().min(slots.len()));
-        for i in 0..=len {
-            if i < len && slots[i] == SlotId::NONE {
-                (want[n], at[n]) = (keys[i], i);
-                n += 1;
+        let len = keys.len().min(slots.len());
+        let mut i = 0;
+        while i < len {
+            if slots[i] != SlotId::NONE {
+                i += 1;
+                continue;
             }
-            if n == PROBE_BATCH || (i == len && n > 0) {
-                let next = &keys[(i + 1).min(len)..(i + 1 + PROBE_BATCH).min(len)];
-                self.index
-                    .get_many(&want[..n], &self.records, &mut found[..n], next);
-                for (&j, f) in at[..n].iter().zip(&found[..n]) {
-                    slots[j] = f.unwrap_or(SlotId::NONE);
-                }
-                n = 0;
+            let run_end = (i..len).find(|&j| slots[j] != SlotId::NONE).unwrap_or(len);
+            let end = run_end.min(i + PROBE_BATCH);
+            let prev = i
+                .checked_sub(1)
+                .map(|p| slots[p])
+                .filter(|&s| s != SlotId::NONE);
+            let next = &keys[end..run_end.min(end + PROBE_BATCH)];
+            let out = &mut found[..end - i];
+            self.slots_after(&keys[i..end], prev, out, next);
+            for (s, f) in slots[i..end].iter_mut().zip(out.iter()) {
+                *s = f.unwrap_or(SlotId::NONE);
             }
+            i = end;
         }
     }
 
@@ -99,14 +104,15 @@ impl Pool {
         // past the key where the scan stops).
         let mut probed = [None; PROBE_BATCH];
         let mut batch = 0..0;
+        let mut last = None;
         for (i, &key) in keys.iter().enumerate() {
             if !batch.contains(&i) {
                 batch = i..(i + PROBE_BATCH).min(keys.len());
                 let next = &keys[batch.end..(batch.end + PROBE_BATCH).min(keys.len())];
-                self.index
-                    .get_many(&keys[batch.clone()], &self.records, &mut probed, next);
+                self.slots_after(&keys[batch.clone()], last, &mut probed, next);
             }
             let slot = probed[i - batch.start];
+            last = slot;
             let state = slot.map_or(KeyState::Absent, |s| self.entry_state(s));
             if in_prefix {
                 if matches!(state, KeyState::Ready { .. }) {
@@ -225,21 +231,67 @@ impl Pool {
         }
     }
 
-    /// The slot of `key` (as [`Pool::slot`]), trying `hint` first: a hinted slot that holds
-    /// `key` ready, or storing while no slot is held, is the one the index maps `key` to
-    /// (held slots are storing entries outside the index), so it is used without probing
+    /// The slot of `key` (as [`Pool::slot`]), trying `hint` first: a hinted slot that
+    /// [`Pool::holds`] `key` is the one the index maps `key` to, so it is used without probing
     /// the index; any other hint falls back to the probe.
     pub(super) fn hinted_slot(&self, key: Key, hint: Option<SlotId>) -> Option<SlotId> {
-        if let Some(r) = hint.and_then(|s| self.records.get(s.0 as usize)) {
-            let sure = match r.entry {
-                Entry::Ready(_) => true,
-                Entry::Storing => self.held == 0,
-                Entry::Free => false,
-            };
-            if sure && r.key == key {
-                return hint;
+        match hint {
+            Some(s) if self.holds(key, s) => hint,
+            _ => self.index.get(key, &self.records),
+        }
+    }
+
+    /// Whether the index maps `key` to `slot`, read from the slot's record alone: it holds
+    /// `key` ready, or storing while no slot is held (held slots are storing entries outside
+    /// the index). `false` may still be a slot of `key`'s (then the index says so).
+    fn holds(&self, key: Key, slot: SlotId) -> bool {
+        self.records.get(slot.0 as usize).is_some_and(|r| {
+            r.key == key
+                && match r.entry {
+                    Entry::Ready(_) => true,
+                    Entry::Storing => self.held == 0,
+                    Entry::Free => false,
+                }
+        })
+    }
+
+    /// The slots of `keys`, consecutive chunks of one sequence, into `out` (as
+    /// [`SlotIndex::get_many`], `next` the keys probed after these), guessing first that they
+    /// follow `prev`, the previous key's slot, slot after slot: a prefix stored by one job holds
+    /// a run of consecutive slots, so its records are one sequential read, and a key its
+    /// guessed record [`Pool::holds`] needs no index probe. From the first guess that fails,
+    /// the keys left are probed. (Asking for their home buckets beside the guesses' records,
+    /// so that a failed guess would not delay the probes, made a later turn's lookup a third
+    /// slower: the records wait behind the buckets' misses.)
+    fn slots_after(
+        &self,
+        keys: &[Key],
+        prev: Option<SlotId>,
+        out: &mut [Option<SlotId>],
+        next: &[Key],
+    ) {
+        let mut known = 0;
+        if let Some(p) = prev {
+            let first = p.0 as usize + 1;
+            let guesses = self
+                .records
+                .get(first..)
+                .map_or(&[][..], |r| &r[..keys.len().min(r.len())]);
+            for r in guesses {
+                crate::prefetch::prefetch(r);
+            }
+            while known < guesses.len() {
+                let slot = SlotId((first + known) as u32);
+                if !self.holds(keys[known], slot) {
+                    break;
+                }
+                out[known] = Some(slot);
+                known += 1;
             }
         }
-        self.index.get(key, &self.records)
+        if known < keys.len() {
+            self.index
+                .get_many(&keys[known..], &self.records, &mut out[known..], next);
+        }
     }
 }
