@@ -618,14 +618,16 @@ struct Lines(usize, usize);
 
 /// Each of a later turn's seven calls: its floor's sample name and the cold lines it must touch
 /// in the current layout, counted from the code (each taken as random: see the module doc):
-/// the lookup probes 331 index buckets, 300 of which lead to a hit's record; `allocate` pins the 300 loaded chunks'
+/// the lookup probes its first batch's 16 index buckets and the hits' records behind them, then
+/// reads the other 284 hits' records by guess (each in the slot after the one before: the
+/// turn before stored them in one job) and probes the 31 misses' buckets; `allocate` pins the 300 loaded chunks'
 /// records; the next step drops the 331 new blocks' position entries (indexing the 31 unstored
 /// ones in the same lines); the load's completion unpins the 300 records; the prefill's store
 /// probes its 31 new keys' buckets and removes its 31 victims' (the victims' records are the
 /// recency list's head, adjacent slots here); the stores' completion publishes 31 records; the
 /// drop refreshes 331 records (their recency neighbours are each other's).
 const LATER_LINES: [(&str, Lines); 7] = [
-    ("later floor lookup", Lines(31, 300)),
+    ("later floor lookup", Lines(31 + 284, 16)),
     ("later floor allocate", Lines(300, 0)),
     ("later floor sched load", Lines(331, 0)),
     ("later floor complete load", Lines(300, 0)),
