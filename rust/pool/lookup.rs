@@ -31,10 +31,10 @@ impl Pool {
     }
 
     /// Sets `slots[i]` to [`Pool::slot`]`(keys[i])` wherever it holds [`SlotId::NONE`] (an
-    /// absent key leaves it so); other entries are kept as they are. `keys` are consecutive
-    /// chunks of one sequence: each run of unknown entries is resolved in batches whose cache
-    /// misses overlap, guessing first that a key's slot follows the slot before it
-    /// ([`Pool::slots_after`]).
+    /// absent key leaves it so); other entries are kept as they are. Each run of unknown
+    /// entries is resolved in batches whose cache misses overlap, guessing first that a key's
+    /// slot follows the slot before it ([`Pool::slots_after`]): that pays off where `keys` are
+    /// consecutive chunks of one sequence; any keys get the index's answers.
     pub fn fill_slots(&self, keys: &[Key], slots: &mut [SlotId]) {
         let mut found = [None; PROBE_BATCH];
         let len = keys.len().min(slots.len());
@@ -255,7 +255,8 @@ impl Pool {
         })
     }
 
-    /// The slots of `keys`, consecutive chunks of one sequence, into `out` (as
+    /// The slots of `keys` (for the guesses to pay off, consecutive chunks of one sequence) into
+    /// `out` (as
     /// [`SlotIndex::get_many`], `next` the keys probed after these), guessing first that they
     /// follow `prev`, the previous key's slot, slot after slot: a prefix stored by one job holds
     /// a run of consecutive slots, so its records are one sequential read, and a key its
