@@ -255,15 +255,14 @@ impl Pool {
         })
     }
 
-    /// The slots of `keys` (for the guesses to pay off, consecutive chunks of one sequence) into
-    /// `out` (as
-    /// [`SlotIndex::get_many`], `next` the keys probed after these), guessing first that they
-    /// follow `prev`, the previous key's slot, slot after slot: a prefix stored by one job holds
-    /// a run of consecutive slots, so its records are one sequential read, and a key its
-    /// guessed record [`Pool::holds`] needs no index probe. From the first guess that fails,
-    /// the keys left are probed. (Asking for their home buckets beside the guesses' records,
-    /// so that a failed guess would not delay the probes, made a later turn's lookup a third
-    /// slower: the records wait behind the buckets' misses.)
+    /// The slots of `keys` into `out`, as [`SlotIndex::get_many`] (`next`: the keys probed
+    /// after these), guessing first that they follow `prev`, the previous key's slot, slot
+    /// after slot: a prefix stored by one job holds a run of consecutive slots, so its records
+    /// are one sequential read, and a key its guessed record [`Pool::holds`] needs no index
+    /// probe. From the first guess that fails, the keys left are probed. The guesses' records
+    /// are asked for alone: with the keys' home buckets beside them, they wait behind those.
+    ///
+    /// [`SlotIndex::get_many`]: super::index::SlotIndex::get_many
     fn slots_after(
         &self,
         keys: &[Key],
